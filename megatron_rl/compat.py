@@ -1,0 +1,148 @@
+"""Quarantined compatibility shims that let megatron-core run without CUDA (CPU + gloo).
+
+Every patch here covers hard-coded CUDA use in megatron-core 0.16.1 (the pinned version) and is
+applied only when CUDA is absent (`apply_cpu_compat()` is a no-op on GPU machines). Each entry
+names the upstream file:line it covers, so that a version bump can re-check them one by one.
+
+Mechanism: for modules that create tensors with `device="cuda"` literals or call
+`torch.cuda.current_device()` / `torch.cuda.synchronize()`, the module-global name `torch` is
+replaced by a thin proxy (`_CpuTorch`) that rewrites CUDA devices to CPU and makes the CUDA
+synchronisation calls no-ops. Everything else is forwarded to the real torch module, so the
+semantics of the patched code are unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import torch
+
+PINNED_MEGATRON_CORE = "0.16.1"
+
+_applied = False
+
+
+def _to_cpu_device(device):
+    """Map 'cuda', 'cuda:N', torch.device('cuda') or an int device index to CPU."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if str(device).startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+def _device_rewriting(fn):
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    wrapper.__name__ = getattr(fn, "__name__", "wrapper")
+    return wrapper
+
+
+class _CpuCuda(types.ModuleType):
+    """Stand-in for `torch.cuda` inside patched modules: the current device is the CPU."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device=None):
+        return None
+
+
+class _CpuTorch(types.ModuleType):
+    """Stand-in for the `torch` module inside patched megatron-core modules."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand",
+                  "zeros_like", "empty_like", "ones_like")
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        for name in self._FACTORIES:
+            setattr(self, name, _device_rewriting(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_CPU_TORCH = _CpuTorch()
+
+# module -> the upstream lines (megatron-core 0.16.1) that the torch proxy covers there.
+_PROXIED_MODULES = {
+    # rotary_pos_embedding.py:162 moves inv_freq to torch.cuda.current_device().
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "L162 current_device()",
+    # param_and_grad_buffer.py:783/800/806 allocate grad/param buffers on current_device().
+    "megatron.core.distributed.param_and_grad_buffer": "L783,800,806 current_device()",
+    # state_dict_saver.py:252 broadcasts a failure flag created on current_device().
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "L252 current_device()",
+    # p2p_communication.py:242/398 torch.cuda.synchronize(); :313/321 recv buffers on current_device().
+    "megatron.core.pipeline_parallel.p2p_communication": "L242,313,321,398",
+    # schedules.py:596/983/2138 total_num_tokens = torch.zeros(..., device="cuda").
+    "megatron.core.pipeline_parallel.schedules": "L596,983,2138 device='cuda'",
+    # optimizer.py:907 FP32Optimizer._scale on device='cuda'.
+    "megatron.core.optimizer.optimizer": "L907 device='cuda'",
+    # utils.py:1207 local multi_tensor_l2norm returns a tensor on device='cuda'.
+    "megatron.core.utils": "L1207 device='cuda'",
+    # clip_grads.py:90/103/115/174/207 norm and overflow buffers on device='cuda'.
+    "megatron.core.optimizer.clip_grads": "L90,103,115,174,207 device='cuda'",
+    # filesystem_async.py:230 torch.cuda.synchronize() before async writes.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "L230 synchronize()",
+    # text_generation_controller.py:1067 .cuda() is handled in the rollout engine; the module also
+    # creates tensors on current_device().
+    "megatron.core.inference.text_generation_controllers.text_generation_controller":
+        "current_device()",
+}
+
+
+def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """CPU version of clip_grads.clip_grad_by_total_norm_fp32.
+
+    Covers clip_grads.py:167, which asserts `param.grad.type() == 'torch.cuda.FloatTensor'`.
+    Same math: g <- g * max_norm / (total_norm + 1e-6) when that factor is < 1.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
+    for p in parameters:
+        g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+        if g is not None:
+            g.detach().mul_(clip_coeff)
+
+
+def apply_cpu_compat(force: bool = False) -> bool:
+    """Patch megatron-core for CPU execution when CUDA is absent. Idempotent.
+
+    Returns True when the patches are active.
+    """
+    global _applied
+    if _applied:
+        return True
+    if torch.cuda.is_available() and not force:
+        return False
+    for name in _PROXIED_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:  # optional parts (e.g. inference) may not import everywhere
+            continue
+        mod.torch = _CPU_TORCH
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
+    _applied = True
+    return True

@@ -1,0 +1,378 @@
+"""The one HF <-> Megatron weight mapping (Qwen2 / Llama), used by the conversion tools and by
+weight sync to rollout servers.
+
+Three layers, each a plain function on state dicts:
+1. `hf_to_megatron` / `megatron_to_hf`: full (unsharded) tensors, megatron-core local-spec names
+   with global layer numbers. Layout changes:
+   - QKV: per query group g, [q heads of g; k_g; v_g] stacked along the output dim, i.e. q viewed as
+     [ng, nh/ng, d, h] and k, v as [ng, 1, d, h] concatenated on dim 1 -> [ng*(nh/ng+2)*d, h]
+     (Qwen2's q/k/v biases the same way, without the h dim).
+   - SwiGLU fc1 = cat([gate_proj, up_proj]) along the output dim.
+2. `shard_for_rank` / `gather_shards`: TP slicing along each parameter's partition dim and PP
+   selection of layers (global <-> local layer numbers). Under TP, fc1 of rank r holds
+   [gate_r; up_r], not a contiguous slice of the full fc1.
+3. `check_state_dict`: every expected tensor present with the expected shape, or a ValueError that
+   names the tensor and the expected and found shapes.
+Plus HF safetensors I/O (sharded or single file), written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import torch
+
+from megatron_rl.models.config import ModelArgs
+
+# Partition kinds of megatron-core parameters under tensor parallelism.
+REPLICATED, COLUMN, ROW, GATED_COLUMN = "replicated", "column", "row", "gated_column"
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# megatron local-spec suffix within a layer -> (HF suffix within a layer or None, partition kind)
+_LAYER_PARAMS = {
+    "input_layernorm.weight": ("input_layernorm.weight", REPLICATED),
+    "self_attention.linear_qkv.weight": (None, COLUMN),
+    "self_attention.linear_qkv.bias": (None, COLUMN),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", ROW),
+    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", REPLICATED),
+    "mlp.linear_fc1.weight": (None, GATED_COLUMN),
+    "mlp.linear_fc2.weight": ("mlp.down_proj.weight", ROW),
+}
+# TransformerEngine specs fuse the pre-norms into the following linear layer.
+_TE_RENAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Full (TP=1) megatron parameter names -> shapes, all layers."""
+    h, d = args.hidden_size, args.head_dim
+    qkv_rows = (args.num_attention_heads + 2 * args.num_key_value_heads) * d
+    shapes = {"embedding.word_embeddings.weight": (args.vocab_size, h),
+              "decoder.final_layernorm.weight": (h,)}
+    if not args.tie_word_embeddings:
+        shapes["output_layer.weight"] = (args.vocab_size, h)
+    for i in range(args.num_hidden_layers):
+        p = f"decoder.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
+        if args.qkv_bias:
+            shapes[p + "self_attention.linear_qkv.bias"] = (qkv_rows,)
+        shapes[p + "self_attention.linear_proj.weight"] = (h, args.num_attention_heads * d)
+        shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+        shapes[p + "mlp.linear_fc1.weight"] = (2 * args.intermediate_size, h)
+        shapes[p + "mlp.linear_fc2.weight"] = (h, args.intermediate_size)
+    return shapes
+
+
+def hf_expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """HF parameter names -> shapes."""
+    h, d = args.hidden_size, args.head_dim
+    nq, nkv, f = args.num_attention_heads * d, args.num_key_value_heads * d, args.intermediate_size
+    shapes = {"model.embed_tokens.weight": (args.vocab_size, h), "model.norm.weight": (h,)}
+    if not args.tie_word_embeddings:
+        shapes["lm_head.weight"] = (args.vocab_size, h)
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nq, h), p + "self_attn.k_proj.weight": (nkv, h),
+            p + "self_attn.v_proj.weight": (nkv, h), p + "self_attn.o_proj.weight": (h, nq),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        })
+        if args.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (nq,), p + "self_attn.k_proj.bias": (nkv,),
+                           p + "self_attn.v_proj.bias": (nkv,)})
+    return shapes
+
+
+def check_state_dict(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
+                     source: str, allow_extra: bool = True) -> None:
+    """Raise ValueError naming each missing tensor or shape mismatch (and the source)."""
+    problems = []
+    for name, shape in expected.items():
+        if name not in sd:
+            problems.append(f"missing tensor {name!r} (expected shape {list(shape)})")
+        elif tuple(sd[name].shape) != tuple(shape):
+            problems.append(f"tensor {name!r}: expected shape {list(shape)}, "
+                            f"found {list(sd[name].shape)}")
+    if not allow_extra:
+        problems += [f"unexpected tensor {n!r}" for n in sd if n not in expected]
+    if problems:
+        raise ValueError(f"{source}: " + "; ".join(problems))
+
+
+def _qkv_merge(q, k, v, args: ModelArgs) -> torch.Tensor:
+    ng, d = args.num_key_value_heads, args.head_dim
+    per_group = args.num_attention_heads // ng
+    rest = q.shape[1:]
+    q = q.reshape(ng, per_group, d, *rest)
+    k = k.reshape(ng, 1, d, *rest)
+    v = v.reshape(ng, 1, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(ng * (per_group + 2) * d, *rest)
+
+
+def _qkv_split(qkv, args: ModelArgs):
+    ng, d = args.num_key_value_heads, args.head_dim
+    per_group = args.num_attention_heads // ng
+    rest = qkv.shape[1:]
+    qkv = qkv.reshape(ng, per_group + 2, d, *rest)
+    q = qkv[:, :per_group].reshape(ng * per_group * d, *rest)
+    k = qkv[:, per_group].reshape(ng * d, *rest)
+    v = qkv[:, per_group + 1].reshape(ng * d, *rest)
+    return q, k, v
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs,
+                   source: str = "HF checkpoint") -> dict[str, torch.Tensor]:
+    """Full HF state dict -> full megatron state dict (global layer numbers)."""
+    expected = hf_expected_shapes(args)
+    check_state_dict(hf, expected, source)
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if not args.tie_word_embeddings:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(args.num_hidden_layers):
+        hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for mg_suffix, (hf_suffix, _) in _LAYER_PARAMS.items():
+            if hf_suffix is not None:
+                out[mp + mg_suffix] = hf[hp + hf_suffix]
+        a = hp + "self_attn."
+        out[mp + "self_attention.linear_qkv.weight"] = _qkv_merge(
+            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], args)
+        if args.qkv_bias:
+            out[mp + "self_attention.linear_qkv.bias"] = _qkv_merge(
+                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], args)
+        out[mp + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"]], dim=0)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def megatron_to_hf(mg: dict[str, torch.Tensor], args: ModelArgs,
+                   source: str = "Megatron checkpoint") -> dict[str, torch.Tensor]:
+    """Full megatron state dict (global layer numbers) -> full HF state dict."""
+    mg = {k: v for k, v in mg.items() if not k.endswith("_extra_state")}
+    check_state_dict(mg, expected_shapes(args), source)
+    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
+           "model.norm.weight": mg["decoder.final_layernorm.weight"]}
+    if not args.tie_word_embeddings:
+        out["lm_head.weight"] = mg["output_layer.weight"]
+    f = args.intermediate_size
+    for i in range(args.num_hidden_layers):
+        hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for mg_suffix, (hf_suffix, _) in _LAYER_PARAMS.items():
+            if hf_suffix is not None:
+                out[hp + hf_suffix] = mg[mp + mg_suffix]
+        a = hp + "self_attn."
+        q, k, v = _qkv_split(mg[mp + "self_attention.linear_qkv.weight"], args)
+        out.update({a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v})
+        if args.qkv_bias:
+            q, k, v = _qkv_split(mg[mp + "self_attention.linear_qkv.bias"], args)
+            out.update({a + "q_proj.bias": q, a + "k_proj.bias": k, a + "v_proj.bias": v})
+        fc1 = mg[mp + "mlp.linear_fc1.weight"]
+        out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def partition_kind(name: str) -> str:
+    """How a megatron parameter (local-spec name) is split under tensor parallelism."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return COLUMN  # vocab-parallel along dim 0
+    m = _LAYER_RE.match(name)
+    if m:
+        suffix = m.group(2)
+        for te_name, local in ((v, k) for k, v in _TE_RENAMES.items()):
+            if suffix == te_name:
+                suffix = local
+        if suffix in _LAYER_PARAMS:
+            return _LAYER_PARAMS[suffix][1]
+    return REPLICATED
+
+
+def _split(t: torch.Tensor, kind: str, tp: int, r: int) -> torch.Tensor:
+    if kind == COLUMN:
+        return t.chunk(tp, dim=0)[r]
+    if kind == ROW:
+        return t.chunk(tp, dim=1)[r]
+    if kind == GATED_COLUMN:
+        gate, up = t.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[r], up.chunk(tp, dim=0)[r]], dim=0)
+    return t
+
+
+def _merge(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
+    if kind == COLUMN:
+        return torch.cat(parts, dim=0)
+    if kind == ROW:
+        return torch.cat(parts, dim=1)
+    if kind == GATED_COLUMN:
+        gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
+        return torch.cat([*gates, *ups], dim=0)
+    return parts[0]
+
+
+def pp_layer_range(args: ModelArgs, pp_size: int, pp_rank: int) -> range:
+    """Global layer numbers held by pipeline stage pp_rank (even split)."""
+    per = args.num_hidden_layers // pp_size
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def shard_for_rank(full: dict[str, torch.Tensor], args: ModelArgs, *, tp_size: int = 1,
+                   tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """Full megatron state dict -> this (tp_rank, pp_rank)'s local state dict (local layer ids).
+
+    With tied embeddings and PP > 1 the last stage also gets `output_layer.weight` (megatron keeps
+    a copy of the embedding there).
+    """
+    layers = pp_layer_range(args, pp_size, pp_rank)
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    out = {}
+    for name, t in full.items():
+        m = _LAYER_RE.match(name)
+        if m:
+            g = int(m.group(1))
+            if g not in layers:
+                continue
+            local_name = f"decoder.layers.{g - layers.start}.{m.group(2)}"
+        elif name == "embedding.word_embeddings.weight":
+            if first:
+                out[name] = _split(t, COLUMN, tp_size, tp_rank).clone()
+            if last and not first and args.tie_word_embeddings:
+                out["output_layer.weight"] = _split(t, COLUMN, tp_size, tp_rank).clone()
+            continue
+        elif name in ("decoder.final_layernorm.weight", "output_layer.weight"):
+            if not last:
+                continue
+            local_name = name
+        else:
+            local_name = name
+        out[local_name] = _split(t, partition_kind(name), tp_size, tp_rank).clone()
+    return out
+
+
+def gather_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], args: ModelArgs,
+                  tp_size: int, pp_size: int) -> dict[str, torch.Tensor]:
+    """Inverse of shard_for_rank: {(tp_rank, pp_rank): local state dict} -> full state dict."""
+    full = {}
+    for pp_rank in range(pp_size):
+        offset = pp_layer_range(args, pp_size, pp_rank).start
+        names = [n for n in shards[(0, pp_rank)] if not n.endswith("_extra_state")]
+        for name in names:
+            m = _LAYER_RE.match(name)
+            global_name = (f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m
+                           else name)
+            if args.tie_word_embeddings and name == "output_layer.weight":
+                continue  # the last stage's copy of the tied embedding
+            parts = [shards[(r, pp_rank)][name] for r in range(tp_size)]
+            full[global_name] = _merge(parts, partition_kind(name))
+    return full
+
+
+def to_te_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename local-spec layer norms to the TransformerEngine spec's fused names."""
+    out = {}
+    for name, t in sd.items():
+        m = _LAYER_RE.match(name)
+        if m and m.group(2) in _TE_RENAMES:
+            name = f"decoder.layers.{m.group(1)}.{_TE_RENAMES[m.group(2)]}"
+        out[name] = t
+    return out
+
+
+def from_te_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    inverse = {v: k for k, v in _TE_RENAMES.items()}
+    out = {}
+    for name, t in sd.items():
+        m = _LAYER_RE.match(name)
+        if m and m.group(2) in inverse:
+            name = f"decoder.layers.{m.group(1)}.{inverse[m.group(2)]}"
+        out[name] = t
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# HF safetensors I/O
+# ---------------------------------------------------------------------------------------------
+
+def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Load `model.safetensors` or the shards listed in `model.safetensors.index.json`."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        sd = {}
+        for fn in files:
+            full = os.path.join(path, fn)
+            if not os.path.exists(full):
+                raise FileNotFoundError(f"{index}: lists shard {fn!r}, which does not exist")
+            sd.update(load_file(full))
+        return sd
+    if os.path.exists(single):
+        return load_file(single)
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def save_hf_checkpoint(sd: dict[str, torch.Tensor], args: ModelArgs, path: str,
+                       extra_files: tuple[str, ...] = (), max_shard_bytes: int = 4 << 30,
+                       dtype: torch.dtype | None = None) -> None:
+    """Write config.json + safetensors (sharded above max_shard_bytes) atomically.
+
+    Files go to a temporary sibling directory first, which replaces `path` by rename, so an
+    interrupted export never leaves a half-written checkpoint. `extra_files` (e.g. tokenizer
+    files) are copied alongside.
+    """
+    from safetensors.torch import save_file
+
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
+    try:
+        tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous()
+                   for k, v in sd.items()}
+        shards, cur, size = [], {}, 0
+        for k in sorted(tensors):
+            nbytes = tensors[k].numel() * tensors[k].element_size()
+            if cur and size + nbytes > max_shard_bytes:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[k], size = tensors[k], size + nbytes
+        shards.append(cur)
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(tmp, fn), metadata={"format": "pt"})
+                weight_map.update({k: fn for k in shard})
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+        cfg = args.to_hf_config()
+        if dtype is not None:
+            cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        for fn in extra_files:
+            shutil.copy(fn, tmp)
+        if os.path.exists(path):
+            old = path + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
