@@ -1,0 +1,262 @@
+"""KL estimators K1/K2/K3 and the placement switch (reward, loss, both, none).
+
+Pure PyTorch on plain tensors; nothing here imports Megatron. Shapes: `logprobs`, `ref_logprobs`,
+`old_logprobs` and `loss_mask` are [B, T] (B sequences, T response positions; padded positions
+have loss_mask 0). Per token, with log r_t = ref_logprobs_t - logprobs_t (r = pi_ref / pi_theta):
+
+    K1 = -log r                 unbiased for KL(pi_theta || pi_ref) under y_t ~ pi_theta, can be < 0
+    K2 = 0.5 (log r)^2          biased, >= 0
+    K3 = r - 1 - log r          unbiased (E_{pi_theta}[r] = 1), >= 0, "low variance" (Schulman)
+
+Sequence-level reverse KL, the regularizer of the RL objective:
+    KL(pi_theta || pi_ref) = E_{y ~ pi_theta}[ sum_t K1_t ],  with score S(y) = sum_t s_t,
+    s_t = grad log pi_theta(y_t | y_<t). Its gradient is (score function; the path-wise part
+    E[S] vanishes)  g* = E[(sum_t K1_t) S] = E[sum_t s_t sum_{s>=t} K1_s]  (the second form by
+    causality: E[K1_s s_t] = 0 for s < t).
+
+Where the estimator goes decides which gradient one gets (A Comedy of Estimators, arXiv 2512.21852,
+Sec. 3; the expected gradients are derived for a toy model in megatron_rl/toy.py):
+- "reward": beta * sum_t K_t is subtracted from the sequence's return (stop-gradient) and reaches
+  the policy only through the score function inside the advantage. K1 -> exactly g*
+  (unbiased); K3 -> g* + E[sum_t r_t s_t], biased; GRPO-style K3 in reward collapses.
+- "loss": beta * K_t is added to the per-token loss and differentiated path-wise only.
+  K1 -> E[S] = 0, no regularization at all; K3 -> -E[sum_t r_t s_t], the gradient of the
+  token-level *forward* KL(pi_ref || pi_theta) at the visited prefixes, biased (GRPO's default);
+  K2 -> E[sum_t K1_t s_t], only the immediate term of g*, biased.
+- "reward+loss": both. The sum is the full derivative grad E_{pi_theta}[sum_t K_t], which equals
+  g* exactly when E_{pi_theta}[sum_t K_t] = KL, i.e. for K1 and K3 (not K2): unbiased on-policy.
+- "none": no KL term.
+
+Off-policy (samples from pi_old != pi_theta) none of the placements above is unbiased for the
+sequence-level KL. `off_policy_correction` chooses the fix; see `importance_weights`,
+`kl_loss_term` and `kl_reward_is_surrogate` for the bias and variance of each option.
+"""
+from dataclasses import dataclass
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0
+LOW_VAR_KL_CLAMP = 10.0
+
+
+def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """K1 = -log r = logprobs - ref_logprobs, elementwise (any matching shapes, e.g. [B, T]).
+
+    dK1/dlogprobs = 1: as a loss its gradient is the score s_t, zero in expectation on-policy.
+    """
+    return logprobs - ref_logprobs
+
+
+def k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """K2 = 0.5 (log r)^2 with log r = ref_logprobs - logprobs, elementwise.
+
+    dK2/dlogprobs = -(ref_logprobs - logprobs) = K1.
+    """
+    log_ratio = ref_logprobs - logprobs
+    return 0.5 * log_ratio.square()
+
+
+def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """K3 = r - 1 - log r with r = exp(ref_logprobs - logprobs), elementwise. No clamping.
+
+    dK3/dlogprobs = 1 - r = 1 - exp(ref_logprobs - logprobs).
+    """
+    log_ratio = ref_logprobs - logprobs
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def low_var_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """K3 with the clamps verl and slime use ("low_var_kl"), elementwise.
+
+    log r is clamped to [-20, 20] before exponentiation and the K3 value to [-10, 10]. Where either
+    clamp is active the gradient with respect to logprobs is exactly zero (torch.clamp passes no
+    gradient outside its range), so tokens whose policy has drifted far from the reference stop
+    being pulled back: the clamp trades overflow safety for a silently missing gradient. Inside
+    the clamps this is identical to `k3`.
+    """
+    log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    kl = torch.expm1(log_ratio) - log_ratio
+    return kl.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+
+
+ESTIMATORS = {"k1": k1, "k2": k2, "k3": k3, "low_var_kl": low_var_kl}
+PLACEMENTS = ("reward", "loss", "reward+loss", "none")
+OFF_POLICY_CORRECTIONS = ("none", "seq-is", "token-is")
+
+
+def get_estimator(name: str):
+    """The estimator function registered under `name`; ValueError listing valid names otherwise."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; valid: {sorted(ESTIMATORS)}")
+    return ESTIMATORS[name]
+
+
+@dataclass
+class KLConfig:
+    """How the KL regularizer beta * KL(pi_theta || pi_ref) enters training.
+
+    estimator: a key of ESTIMATORS. placement: one of PLACEMENTS. coef: beta.
+    reward_to_go: in the reward placement, token t is credited only with sum_{s>=t} K_s instead of
+        the whole sequence sum (paper App. F.3). Same expectation (causality), lower variance.
+    off_policy_correction: one of OFF_POLICY_CORRECTIONS, for samples drawn from pi_old:
+        "none": the placements as on-policy; the reward-side KL rides the PPO per-token ratio like
+            any reward. Biased off-policy.
+        "token-is": KL loss term weighted by omega_t = pi_theta/pi_old per token (Zhang et al.
+            2025; DeepSeek-V3.2). Corrects the token distribution, not the prefix distribution:
+            biased for the sequence-level KL, bounded variance.
+        "seq-is": prefix-level importance weights pi_theta(y_<=t)/pi_old(y_<=t) on both sides;
+            the reward-side KL is taken out of the advantage and handled by
+            `kl_reward_is_surrogate`. Unbiased for K1 (reward, reward+loss) and K3 (reward+loss)
+            when not truncated; variance grows exponentially with the divergence of pi_old.
+    is_truncation: if set, importance weights are truncated at this value (min(w, c)):
+        bounded variance, biased towards the uncorrected estimator.
+    is_weight_grad: "token-is" only: let the gradient flow through omega_t (grad(omega K) =
+        omega (K s + grad K)), which makes the loss term the gradient of the token-level
+        E_{pi_theta}[K_t] at each visited prefix; detached (default) keeps only omega grad K.
+    """
+
+    estimator: str = "k1"
+    placement: str = "reward"
+    coef: float = 0.05
+    reward_to_go: bool = False
+    off_policy_correction: str = "none"
+    is_truncation: float | None = None
+    is_weight_grad: bool = False
+
+    def __post_init__(self):
+        get_estimator(self.estimator)
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"unknown KL placement {self.placement!r}; valid: {list(PLACEMENTS)}")
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            raise ValueError(f"unknown off_policy_correction {self.off_policy_correction!r}; "
+                             f"valid: {list(OFF_POLICY_CORRECTIONS)}")
+        if self.coef < 0:
+            raise ValueError(f"KL coef must be >= 0, got {self.coef}")
+        if self.is_truncation is not None and self.is_truncation <= 0:
+            raise ValueError(f"is_truncation must be > 0 or None, got {self.is_truncation}")
+
+    @property
+    def in_reward(self) -> bool:
+        return self.placement in ("reward", "reward+loss")
+
+    @property
+    def in_loss(self) -> bool:
+        return self.placement in ("loss", "reward+loss")
+
+    @property
+    def reward_in_advantage(self) -> bool:
+        """Whether the reward-side KL is folded into the returns before the baseline (eq. 7-8).
+
+        Under "seq-is" it is not: its importance weight must multiply only the KL part, so the loss
+        adds it as a separate surrogate (`kl_reward_is_surrogate`).
+        """
+        return self.in_reward and self.off_policy_correction != "seq-is"
+
+
+def _token_kl(logprobs, ref_logprobs, loss_mask, cfg: KLConfig) -> torch.Tensor:
+    """[B, T] K_t of cfg.estimator, zero where loss_mask is 0."""
+    return get_estimator(cfg.estimator)(logprobs, ref_logprobs) * loss_mask
+
+
+def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B, T] with out[:, t] = sum_{s >= t} x[:, s]."""
+    return x.flip(-1).cumsum(-1).flip(-1)
+
+
+def kl_reward_penalty(logprobs, ref_logprobs, loss_mask, cfg: KLConfig) -> torch.Tensor:
+    """[B] sequence penalty beta * sum_t K_t, stop-gradient (to be subtracted from the return).
+
+    logprobs, ref_logprobs, loss_mask: [B, T].
+    """
+    with torch.no_grad():
+        return cfg.coef * _token_kl(logprobs, ref_logprobs, loss_mask, cfg).sum(-1)
+
+
+def kl_reward_to_go_penalty(logprobs, ref_logprobs, loss_mask, cfg: KLConfig) -> torch.Tensor:
+    """[B, T] per-token penalty beta * sum_{s>=t} K_s (paper App. F.3), stop-gradient, 0 on padding."""
+    with torch.no_grad():
+        return cfg.coef * _reverse_cumsum(_token_kl(logprobs, ref_logprobs, loss_mask, cfg)) * loss_mask
+
+
+def importance_weights(logprobs, old_logprobs, loss_mask, level: str,
+                       truncation: float | None = None) -> torch.Tensor:
+    """[B, T] importance weights pi_theta / pi_old, detached, for samples drawn from pi_old.
+
+    level "token": omega_t = exp(logprobs_t - old_logprobs_t), the per-token ratio.
+    level "prefix": w_{<=t} = exp(sum_{s<=t} (logprobs_s - old_logprobs_s)), the ratio of the
+        prefix probabilities; its last valid entry is the sequence weight pi_theta(y)/pi_old(y).
+        E_old[w_{<=t} f(y_<=t)] = E_theta[f(y_<=t)] exactly, for any f of the prefix: unbiased,
+        but the variance is that of a product of t ratios (exponential in the divergence).
+    truncation c: min(w, c): bounded variance, bias E_theta[f; w > c] (1 - c/w) towards 0.
+    Padded positions get weight 0.
+    """
+    log_w = (logprobs - old_logprobs).detach() * loss_mask
+    if level == "prefix":
+        log_w = log_w.cumsum(-1)
+    elif level != "token":
+        raise ValueError(f"unknown importance weight level {level!r}; valid: ['token', 'prefix']")
+    weights = log_w.exp()
+    if truncation is not None:
+        weights = weights.clamp(max=truncation)
+    return weights * loss_mask
+
+
+def kl_loss_term(logprobs, ref_logprobs, loss_mask, cfg: KLConfig,
+                 old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] per-token loss contribution beta * weight_t * K_t, differentiable in logprobs.
+
+    The caller adds it only when cfg.in_loss. weight_t by cfg.off_policy_correction:
+    - "none": 1. On-policy its expected gradient is E[sum_t grad K_t] (see the module docstring);
+      off-policy the prefixes and tokens come from pi_old: biased.
+    - "token-is": omega_t (detached unless cfg.is_weight_grad), Zhang et al. 2025 / DeepSeek-V3.2.
+      Detached: E_old[omega_t grad K_t | y_<t] = E_theta[grad K_t | y_<t], the on-policy per-token
+      loss gradient, but at prefixes drawn from pi_old (bias from the prefix shift; low variance).
+      With gradient: adds omega_t K_t s_t, giving grad E_theta[K_t | y_<t], the token-level
+      reverse KL gradient (K1, K3) at pi_old's prefixes, still not the sequence-level one.
+    - "seq-is": the prefix weight w_{<=t} (detached): the on-policy expectation exactly,
+      E_old[w_{<=t} grad K_t] = E_theta[grad K_t]; unbiased for the loss side, high variance.
+    Truncation (cfg.is_truncation) applies to either weight.
+    """
+    kl = _token_kl(logprobs, ref_logprobs, loss_mask, cfg)
+    correction = cfg.off_policy_correction
+    if correction == "none":
+        return cfg.coef * kl
+    if old_logprobs is None:
+        raise ValueError(f"off_policy_correction={correction!r} needs old_logprobs")
+    if correction == "token-is":
+        if cfg.is_weight_grad:
+            omega = ((logprobs - old_logprobs) * loss_mask).exp()
+            if cfg.is_truncation is not None:
+                omega = omega.clamp(max=cfg.is_truncation)
+            return cfg.coef * omega * kl
+        weights = importance_weights(logprobs, old_logprobs, loss_mask, "token", cfg.is_truncation)
+    else:
+        weights = importance_weights(logprobs, old_logprobs, loss_mask, "prefix", cfg.is_truncation)
+    return cfg.coef * weights * kl
+
+
+def kl_reward_is_surrogate(logprobs, ref_logprobs, old_logprobs, loss_mask,
+                           cfg: KLConfig) -> torch.Tensor:
+    """[B, T] per-token surrogate for the reward-side KL under "seq-is"; differentiable in logprobs.
+
+    Target: g* = grad KL(pi_theta || pi_ref) = E_theta[(sum_s K1_s) S]
+                = E_old[(pi_theta(y)/pi_old(y)) (sum_s K1_s) S]   (samples y ~ pi_old).
+    Two things are needed for this to be unbiased: the weight w = pi_theta(y)/pi_old(y) and the KL
+    evaluated at the *current* policy (K from logprobs, not from old_logprobs: with K at pi_old the
+    expectation misses E_theta[log(pi_theta/pi_old) S], which is not 0). Surrogate per token:
+        beta * sg(w) * sg(sum_s K_s) * logprobs_t,   gradient beta * w * (sum_s K_s) * s_t.
+    With reward_to_go the token-t return sum_{s>=t} K_s uses per-decision weights
+    sum_{s>=t} w_{<=s} K_s: unbiased too (K_s s_t depends on y_<=s only) and lower variance.
+    No baseline is subtracted from the KL part here. Unbiased for K1 (and for K3 when the loss side
+    is also on); truncation (cfg.is_truncation) bounds the variance at the price of bias.
+    """
+    with torch.no_grad():
+        kl = _token_kl(logprobs, ref_logprobs, loss_mask, cfg)
+        prefix_w = importance_weights(logprobs, old_logprobs, loss_mask, "prefix", cfg.is_truncation)
+        if cfg.reward_to_go:
+            returns = _reverse_cumsum(prefix_w * kl)
+        else:
+            last = (loss_mask.cumsum(-1) == loss_mask.sum(-1, keepdim=True)) & (loss_mask > 0)
+            seq_w = (prefix_w * last).sum(-1, keepdim=True)
+            returns = seq_w * kl.sum(-1, keepdim=True)
+    return cfg.coef * returns * logprobs * loss_mask

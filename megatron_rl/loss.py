@@ -1,0 +1,188 @@
+"""The policy loss: PPO-clip surrogate + KL term, and its aggregation over tokens.
+
+Pure PyTorch on per-token tensors ([B, T], see the glossary in megatron_rl/kl.py); parallel
+information (global token and sequence counts) comes in as arguments. Three steps:
+
+1. `build_advantages`: task rewards minus the reward-side KL (stop-gradient, paper eq. 7-8),
+   then the group baseline (RLOO by default) -> advantages [B] (or [B, T] with reward-to-go).
+2. `policy_loss_per_token`: PPO-clip surrogate with ratio exp(logprobs - old_logprobs) and
+   asymmetric clip range [1 - clip_low, 1 + clip_high], plus the path-wise KL loss term
+   (placement "loss"/"reward+loss") and, under off-policy "seq-is", the importance-weighted
+   reward-side KL surrogate -> per-token loss [B, T].
+3. `aggregate_loss`: the one place that normalizes. Every mode divides by a *global* normalizer
+   passed in by the caller, so the losses of DP shards and PP microbatches add up to the loss of
+   the full batch (and so do their gradients).
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_rl.advantages import compute_advantages, get_advantage_estimator
+from megatron_rl.kl import (KLConfig, k1, k3, kl_loss_term, kl_reward_is_surrogate,
+                            kl_reward_penalty, kl_reward_to_go_penalty)
+
+
+def _token_sum_over(per_token, loss_mask, num_global_tokens=None, num_global_seqs=None):
+    """sum_{i,t} l_it m_it / num_global_tokens: every token of the global batch weighs the same."""
+    if num_global_tokens is None:
+        raise ValueError("this aggregation needs num_global_tokens (tokens in the global batch)")
+    return (per_token * loss_mask).sum() / num_global_tokens
+
+
+def _seq_mean_token_mean(per_token, loss_mask, num_global_tokens=None, num_global_seqs=None):
+    """sum_i (sum_t l_it m_it / sum_t m_it) / num_global_seqs: each sequence weighs the same."""
+    if num_global_seqs is None:
+        raise ValueError("seq-mean-token-mean needs num_global_seqs (sequences in the global batch)")
+    per_seq = (per_token * loss_mask).sum(-1) / loss_mask.sum(-1).clamp(min=1)
+    return per_seq.sum() / num_global_seqs
+
+
+def _seq_mean_token_sum(per_token, loss_mask, num_global_tokens=None, num_global_seqs=None):
+    """sum_{i,t} l_it m_it / num_global_seqs: the sequence-level objective (no length normalization)."""
+    if num_global_seqs is None:
+        raise ValueError("seq-mean-token-sum needs num_global_seqs (sequences in the global batch)")
+    return (per_token * loss_mask).sum() / num_global_seqs
+
+
+# "token-sum-over-batch-tokens" (the paper's) and "token-mean" share the formula and differ in the
+# normalizer the caller passes as num_global_tokens: the token count of the whole rollout batch
+# (fixed across the PPO minibatches of one RL step) versus that of the current optimizer step's
+# batch (all DP ranks and microbatches of that step). With one optimizer step per rollout batch
+# they coincide.
+AGGREGATIONS = {
+    "token-sum-over-batch-tokens": _token_sum_over,
+    "token-mean": _token_sum_over,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+}
+
+
+def aggregate_loss(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str, *,
+                   num_global_tokens: float | None = None,
+                   num_global_seqs: float | None = None) -> torch.Tensor:
+    """Scalar loss from a per-token loss [B, T] of one shard (a microbatch on one DP rank).
+
+    Summing this over all shards of a global batch gives exactly the full-batch value, because
+    the normalizer is global: num_global_tokens = sum of loss_mask over the global batch,
+    num_global_seqs = number of sequences in the global batch. (Megatron's schedule divides by
+    the number of microbatches and DP averages gradients; the caller undoes those factors.)
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; valid: {sorted(AGGREGATIONS)}")
+    return AGGREGATIONS[mode](per_token, loss_mask.to(per_token.dtype),
+                              num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
+
+
+@dataclass
+class LossConfig:
+    """Policy-loss settings. clip_low / clip_high: PPO clip range [1 - clip_low, 1 + clip_high]
+    (clip_high 0.28 is DAPO's clip-higher). aggregation: a key of AGGREGATIONS.
+    advantage_estimator: a key of megatron_rl.advantages.ADVANTAGE_ESTIMATORS."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    aggregation: str = "token-sum-over-batch-tokens"
+    kl: KLConfig = field(default_factory=KLConfig)
+    advantage_estimator: str = "rloo"
+
+    def __post_init__(self):
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown loss aggregation {self.aggregation!r}; valid: {sorted(AGGREGATIONS)}")
+        get_advantage_estimator(self.advantage_estimator)
+        if not (0 <= self.clip_low < 1) or self.clip_high < 0:
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+
+
+def compute_rewards_with_kl(rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                            loss_mask: torch.Tensor, kl_cfg: KLConfig) -> torch.Tensor:
+    """Returns with the reward-side KL folded in, before any baseline (paper eq. 7-8).
+
+    rewards [B] (task reward per sequence); logprobs, ref_logprobs, loss_mask [B, T]. logprobs is
+    the policy the KL regularizes (current on-policy; see kl_reward_is_surrogate off-policy).
+    Output [B]: R - beta sum_t K_t; with kl_cfg.reward_to_go, [B, T]: (R - beta sum_{s>=t} K_s) m_t.
+    Unchanged rewards when the KL is not in the advantage (placement without "reward", or
+    off_policy_correction "seq-is", where the loss handles it). Always detached.
+    """
+    rewards = rewards.detach().to(logprobs.dtype)
+    if kl_cfg.reward_to_go:
+        returns = rewards.unsqueeze(-1) * loss_mask
+        if kl_cfg.reward_in_advantage:
+            returns = returns - kl_reward_to_go_penalty(logprobs, ref_logprobs, loss_mask, kl_cfg)
+        return returns
+    if kl_cfg.reward_in_advantage:
+        return rewards - kl_reward_penalty(logprobs, ref_logprobs, loss_mask, kl_cfg)
+    return rewards
+
+
+def build_advantages(rewards, logprobs, ref_logprobs, loss_mask, cfg: LossConfig,
+                     group_size: int) -> torch.Tensor:
+    """Advantages [B] (or [B, T] with reward-to-go) from task rewards [B] and per-token log-probs.
+
+    The KL penalty enters the returns before the baseline (eq. 7-8), so with RLOO it is centred
+    by the other samples' KL like any reward. Detached.
+    """
+    returns = compute_rewards_with_kl(rewards, logprobs, ref_logprobs, loss_mask, cfg.kl)
+    mask = loss_mask if returns.dim() == 2 else None
+    return compute_advantages(cfg.advantage_estimator, returns, group_size, mask)
+
+
+def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig,
+                          ref_logprobs=None):
+    """Per-token loss [B, T] (not yet masked or normalized) and a dict of detached metrics.
+
+    logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy),
+    advantages [B] or [B, T] (detached), loss_mask [B, T], ref_logprobs [B, T] (needed when a KL
+    term is active). The reward-side KL is already inside `advantages` (see build_advantages) and so
+    has no path-wise gradient here; only the loss-side KL and the "seq-is" reward surrogate are
+    differentiated through logprobs.
+    """
+    mask = loss_mask.to(logprobs.dtype)
+    adv = advantages.detach()
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)
+    log_ratio = (logprobs - old_logprobs) * mask
+    ratio = log_ratio.exp()
+    clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * clipped
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    per_token = pg
+
+    kl_cfg = cfg.kl
+    if kl_cfg.placement != "none" and ref_logprobs is None:
+        raise ValueError(f"KL placement {kl_cfg.placement!r} needs ref_logprobs")
+    if kl_cfg.in_loss:
+        per_token = per_token + kl_loss_term(logprobs, ref_logprobs, mask, kl_cfg, old_logprobs)
+    if kl_cfg.in_reward and not kl_cfg.reward_in_advantage:
+        per_token = per_token + kl_reward_is_surrogate(logprobs, ref_logprobs, old_logprobs, mask, kl_cfg)
+
+    with torch.no_grad():
+        num_tokens = mask.sum().clamp(min=1)
+        metrics = {
+            "pg_per_token": pg.detach(),
+            "clip_fraction": ((pg_clipped > pg_unclipped).to(mask.dtype) * mask).sum() / num_tokens,
+            "ratio_mean": (ratio * mask).sum() / num_tokens,
+            "ratio_max": ratio.masked_fill(mask == 0, float("-inf")).max(),
+            "ratio_min": ratio.masked_fill(mask == 0, float("inf")).min(),
+        }
+        if ref_logprobs is not None:
+            metrics["kl_k1"] = (k1(logprobs, ref_logprobs) * mask).sum() / num_tokens
+            metrics["kl_k3"] = (k3(logprobs, ref_logprobs) * mask).sum() / num_tokens
+    return per_token, metrics
+
+
+def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig, *,
+                ref_logprobs=None, num_global_tokens=None, num_global_seqs=None):
+    """Scalar loss of one shard and detached metrics; shards with global normalizers sum to the
+    full-batch loss. Arguments as in policy_loss_per_token; normalizers as in aggregate_loss.
+
+    metrics: pg_loss (the surrogate alone, aggregated like the loss), kl_k1 / kl_k3 (token means of
+    the shard), clip_fraction, ratio_mean / ratio_max / ratio_min.
+    """
+    per_token, metrics = policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg,
+                                               ref_logprobs=ref_logprobs)
+    normalizers = dict(num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
+    loss = aggregate_loss(per_token, loss_mask, cfg.aggregation, **normalizers)
+    metrics["pg_loss"] = aggregate_loss(metrics.pop("pg_per_token"), loss_mask, cfg.aggregation,
+                                        **normalizers)
+    return loss, metrics
