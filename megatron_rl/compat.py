@@ -13,6 +13,8 @@ semantics of the patched code are unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import types
 
@@ -100,6 +102,15 @@ _PROXIED_MODULES = {
     "megatron.core.optimizer.clip_grads": "L90,103,115,174,207 device='cuda'",
     # filesystem_async.py:230 torch.cuda.synchronize() before async writes.
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "L230 synchronize()",
+    # mappings.py:91/141/148/181/442 gather/scatter buffers on current_device() (TP collectives).
+    "megatron.core.tensor_parallel.mappings": "L91,141,148,181,442 current_device()",
+    # layers.py:552/597/607 sequence-parallel all-gather and wgrad buffers on current_device().
+    "megatron.core.tensor_parallel.layers": "L552,597,607 current_device()",
+    # tensor_parallel/utils.py:70/91 split/gather buffers; data.py:86 broadcast_data buffer.
+    "megatron.core.tensor_parallel.utils": "L70,91 current_device()",
+    "megatron.core.tensor_parallel.data": "L86 current_device()",
+    # exchange_utils.py:104/110/326 checkpoint-load exchange buffers on device="cuda".
+    "megatron.core.dist_checkpointing.exchange_utils": "L104,110,326 device='cuda'",
     # text_generation_controller.py:1067 .cuda() is handled in the rollout engine; the module also
     # creates tensors on current_device().
     "megatron.core.inference.text_generation_controllers.text_generation_controller":
@@ -124,6 +135,36 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_deco
             g.detach().mul_(clip_coeff)
 
 
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    """Within the block, `Tensor.cuda()` returns the tensor itself (it stays on the CPU)."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _without_tensor_cuda(fn):
+    """Wrap a megatron-core method so its `.cuda()` calls are no-ops while it runs."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _tensor_cuda_is_identity():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+# (module, class, method) whose body calls Tensor.cuda(), wrapped with _without_tensor_cuda.
+_TENSOR_CUDA_METHODS = [
+    # language_module.py:244 `weight.data = weight.data.cuda()` when tying embeddings across PP.
+    ("megatron.core.models.common.language_module.language_module", "LanguageModule",
+     "setup_embeddings_and_output_layer"),
+]
+
+
 def apply_cpu_compat(force: bool = False) -> bool:
     """Patch megatron-core for CPU execution when CUDA is absent. Idempotent.
 
@@ -140,6 +181,9 @@ def apply_cpu_compat(force: bool = False) -> bool:
         except ImportError:  # optional parts (e.g. inference) may not import everywhere
             continue
         mod.torch = _CPU_TORCH
+    for mod_name, cls_name, method in _TENSOR_CUDA_METHODS:
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+        setattr(cls, method, _without_tensor_cuda(getattr(cls, method)))
     from megatron.core.optimizer import clip_grads, optimizer
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu

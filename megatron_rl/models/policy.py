@@ -1,0 +1,228 @@
+"""A policy (or frozen reference) model in its parallel layout: build, load, run, update, export.
+
+`Policy` owns this rank's pipeline stage of the GPT model, wrapped in megatron-core DDP with
+megatron's optimizer when trainable, and runs every forward/backward through megatron-core's
+pipeline schedule (`get_forward_backward_func`), so TP/PP/DP all take the same path.
+
+Loss convention: the `loss_fn` given to `forward_backward` returns each microbatch's loss already
+normalised by *global* batch quantities (e.g. sum over tokens / total tokens of the whole global
+batch, see megatron_rl.loss). The sum of those losses over microbatches and DP ranks is the
+global loss. megatron-core's schedule divides each microbatch loss by the number of microbatches
+and DDP averages gradients over DP ranks; `_schedule_scale` undoes both, so gradients equal the
+gradient of the global loss, independent of the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.config import ModelArgs
+from megatron_rl.models.gpt import build_gpt_model
+from megatron_rl.models import hf_mapping
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+def _schedule_scale(num_microbatches: int, dp_size: int) -> float:
+    """Factor that cancels the schedule's 1/num_microbatches and DDP's 1/dp_size."""
+    return float(num_microbatches * dp_size)
+
+
+class Policy:
+    """This rank's stage of a GPT model, trainable (with optimizer) or frozen (reference)."""
+
+    def __init__(self, args: ModelArgs, *, trainable: bool = True,
+                 optim: OptimConfig | None = None, params_dtype: torch.dtype = torch.float32):
+        from megatron.core import parallel_state as ps
+
+        self.args = args
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.params_dtype = params_dtype
+        self.trainable = trainable
+        model = build_gpt_model(args, tensor_parallel=self.tp_size,
+                                pipeline_parallel=self.pp_size, params_dtype=params_dtype)
+        self.config = model.config
+        self.optimizer = None
+        if trainable:
+            from megatron.core.distributed import (DistributedDataParallel,
+                                                   DistributedDataParallelConfig,
+                                                   finalize_model_grads)
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                       overlap_grad_reduce=False,
+                                                       use_distributed_optimizer=False)
+            model = DistributedDataParallel(self.config, ddp_config, model)
+            optim = optim or OptimConfig()
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr,
+                                weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
+                                adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                                clip_grad=optim.clip_grad, params_dtype=params_dtype,
+                                bf16=params_dtype == torch.bfloat16,
+                                fp16=params_dtype == torch.float16),
+                [model])
+            self.config.finalize_model_grads_func = finalize_model_grads
+            self.config.no_sync_func = model.no_sync
+            self.config.grad_scale_func = self.optimizer.scale_loss
+        else:
+            for p in model.parameters():
+                p.requires_grad_(False)
+        self.model = [model]
+
+    # -- the unwrapped GPTModel ------------------------------------------------------------------
+    @property
+    def module(self):
+        m = self.model[0]
+        return m.module if hasattr(m, "module") else m
+
+    # -- running ---------------------------------------------------------------------------------
+    def forward_backward(self, microbatches: list[dict], loss_fn: Callable | None,
+                         forward_only: bool = False, collect: Callable | None = None) -> list:
+        """Run all microbatches through the pipeline schedule.
+
+        microbatches: dicts with "tokens" [b, s] (int64) and optional "position_ids" [b, s]; all
+        of equal shape. loss_fn(batch, logits) -> (loss, metrics dict) with logits the
+        vocab-parallel [b, s, V/TP] output; it runs on the last stage only. When `collect` is
+        given (forward_only), collect(batch, logits) -> tensor is stored instead of a loss.
+        Returns the list of metrics dicts (or collected values) on the last stage, [] elsewhere.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not microbatches:
+            return []
+        b, s = microbatches[0]["tokens"].shape
+        scale = _schedule_scale(len(microbatches), self.dp_size)
+        dev = next(self.module.parameters()).device
+
+        def loss_wrapper(batch, logits):
+            if collect is not None:
+                return torch.zeros((), device=logits.device), collect(batch, logits)
+            loss, metrics = loss_fn(batch, logits)
+            return loss * scale, metrics
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            tokens = batch["tokens"].to(dev)
+            pos = batch.get("position_ids")
+            pos = (torch.arange(s, device=dev).expand(b, s) if pos is None else pos.to(dev))
+            out = model(tokens, pos, None)
+            return out, functools.partial(loss_wrapper, batch)
+
+        for m in self.model:
+            m.train(not forward_only)
+        if not forward_only and hasattr(self.model[0], "zero_grad_buffer"):
+            self.model[0].zero_grad_buffer()
+        if self.optimizer is not None and not forward_only:
+            self.optimizer.zero_grad()
+        fb = get_forward_backward_func()
+        context = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with context:
+            out = fb(forward_step_func=forward_step, data_iterator=iter(microbatches),
+                     model=self.model, num_microbatches=len(microbatches), seq_length=s,
+                     micro_batch_size=b, forward_only=forward_only)
+        return out if self.is_last_stage else []
+
+    def step(self) -> tuple[bool, float | None]:
+        """Optimizer step after forward_backward. Returns (update applied, grad norm)."""
+        ok, grad_norm, _ = self.optimizer.step()
+        return bool(ok), (float(grad_norm) if grad_norm is not None else None)
+
+    # -- weights in and out ----------------------------------------------------------------------
+    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Load a full megatron state dict (global names, see hf_mapping) into this rank."""
+        hf_mapping.check_state_dict(full, hf_mapping.expected_shapes(self.args),
+                                    "full state dict")
+        local = hf_mapping.shard_for_rank(full, self.args, tp_size=self.tp_size,
+                                          tp_rank=self.tp_rank, pp_size=self.pp_size,
+                                          pp_rank=self.pp_rank)
+        own = self.module.state_dict()
+        if any(k.endswith("layer_norm_weight") for k in own):
+            local = hf_mapping.to_te_names(local)
+        with torch.no_grad():
+            for name, t in own.items():
+                if t is None or name.endswith("_extra_state"):
+                    continue
+                if name not in local:
+                    raise ValueError(f"state dict has no tensor for parameter {name!r}")
+                if tuple(local[name].shape) != tuple(t.shape):
+                    raise ValueError(f"tensor {name!r}: expected shape {list(t.shape)}, "
+                                     f"found {list(local[name].shape)}")
+                t.copy_(local[name])
+        if self.optimizer is not None:
+            # fp16/bf16 training keeps fp32 main params: refresh them from the model.
+            reload = getattr(self.optimizer, "reload_model_params", None)
+            if reload is not None:
+                reload()
+
+    def load_hf(self, path: str) -> None:
+        """Load a HF safetensors checkpoint directory."""
+        hf = hf_mapping.load_hf_state_dict(path)
+        self.load_full_state_dict(hf_mapping.hf_to_megatron(hf, self.args, source=path))
+
+    def full_state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
+        """Gather the full megatron state dict (global names, CPU tensors).
+
+        Collective over the whole world. Returned on global rank `dst` (None elsewhere), or on
+        every rank when dst is None.
+        """
+        local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()
+                 if v is not None and not k.endswith("_extra_state")}
+        return self._gather_full(local, dst)
+
+    def full_grads(self, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
+        """Gather the full gradient state dict after forward_backward (DP-reduced main grads)."""
+        local = {}
+        for name, p in self.module.named_parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            local[name] = (torch.zeros_like(p) if g is None else g).detach().float().cpu()
+        return self._gather_full(local, dst)
+
+    def _gather_full(self, local: dict[str, torch.Tensor], dst: int | None):
+        from megatron.core import parallel_state as ps
+
+        local = hf_mapping.from_te_names(local)
+        names = sorted(local)
+        tp_group = ps.get_tensor_model_parallel_group()
+        gathered = {}
+        for name in names:
+            if self.tp_size == 1:
+                gathered[name] = [local[name]]
+            else:
+                parts = [torch.empty_like(local[name]) for _ in range(self.tp_size)]
+                dist.all_gather(parts, local[name].contiguous(), group=tp_group)
+                gathered[name] = parts
+        shards = {(r, self.pp_rank): {n: gathered[n][r] for n in names}
+                  for r in range(self.tp_size)}
+        if self.pp_size > 1:
+            objs = [None] * self.pp_size
+            dist.all_gather_object(objs, shards, group=ps.get_pipeline_model_parallel_group())
+            shards = {k: v for o in objs for k, v in o.items()}
+        full = hf_mapping.gather_shards(shards, self.args, self.tp_size, self.pp_size)
+        if dst is None or dist.get_rank() == dst:
+            return full
+        return None
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]:
+        return self.module.parameters()

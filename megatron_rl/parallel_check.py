@@ -1,0 +1,102 @@
+"""Parallel-equivalence check: the same weights and batch under several TP x PP layouts.
+
+Run under torchrun (any world size divisible by each layout's TP*PP; the rest is data
+parallelism). For each layout it loads one HF checkpoint into a trainable `Policy`, runs one
+forward/backward of a token log-likelihood loss through megatron-core's pipeline schedule with
+the global batch split over DP ranks and microbatches, and writes, per layout:
+  <out>/<TPxPP>/logits_rank<r>.pt  {sample index: full-vocab logits [s, V]} (last stage, TP rank 0)
+  <out>/<TPxPP>/grads.pt           the full gradient state dict, megatron names (global rank 0)
+  <out>/<TPxPP>/loss_rank<r>.pt    this rank's summed microbatch losses
+`tools/parallel_demo.py` and tests/distributed compare these against transformers.
+
+    torchrun --nproc-per-node 4 -m megatron_rl.parallel_check --hf DIR --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+
+def make_batch(vocab_size: int, global_batch: int, seq_len: int, seed: int = 0):
+    """A fixed token batch and loss mask (same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (global_batch, seq_len), generator=g)
+    mask = (torch.rand(global_batch, seq_len - 1, generator=g) < 0.8).float()
+    mask[:, 0] = 1.0
+    return tokens, mask
+
+
+def run_layout(hf_path: str, tp: int, pp: int, out_dir: str, global_batch: int, seq_len: int,
+               micro_batch: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_rl.models import ModelArgs
+    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.ops import vocab_parallel_logprobs
+    from megatron_rl.parallel import ParallelConfig, init_distributed
+
+    dp = init_distributed(ParallelConfig(tp, pp))
+    args = ModelArgs.from_pretrained(hf_path)
+    policy = Policy(args, trainable=True, optim=OptimConfig(lr=0.0))
+    policy.load_hf(hf_path)
+    tokens, mask = make_batch(args.vocab_size, global_batch, seq_len)
+    global_tokens = mask.sum()
+    per_dp = global_batch // dp
+    dp_rank = ps.get_data_parallel_rank()
+    idx = list(range(dp_rank * per_dp, (dp_rank + 1) * per_dp))
+    microbatches = [{"tokens": tokens[idx[i:i + micro_batch]], "mask": mask[idx[i:i + micro_batch]],
+                     "index": idx[i:i + micro_batch]} for i in range(0, per_dp, micro_batch)]
+    vocab_local = args.vocab_size // tp
+
+    def loss_fn(batch, logits):
+        logp = vocab_parallel_logprobs(
+            logits[:, :-1].float(), batch["tokens"][:, 1:].to(logits.device),
+            tp_group=ps.get_tensor_model_parallel_group(),
+            vocab_start=ps.get_tensor_model_parallel_rank() * vocab_local)
+        loss = -(logp * batch["mask"].to(logp.device)).sum() / global_tokens
+        full = gather_from_tensor_model_parallel_region(logits.detach())
+        return loss, {"loss": loss.detach().clone(), "logits": full.cpu(), "index": batch["index"]}
+
+    results = policy.forward_backward(microbatches, loss_fn)
+    grads = policy.full_grads(dst=0)
+    layout_dir = os.path.join(out_dir, f"{tp}x{pp}")
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(layout_dir, exist_ok=True)
+    dist.barrier()
+    if results and ps.get_tensor_model_parallel_rank() == 0:
+        logits = {i: r["logits"][j] for r in results for j, i in enumerate(r["index"])}
+        torch.save(logits, os.path.join(layout_dir, f"logits_rank{rank}.pt"))
+        torch.save(sum(float(r["loss"]) for r in results),
+                   os.path.join(layout_dir, f"loss_rank{rank}.pt"))
+    if grads is not None:
+        torch.save(grads, os.path.join(layout_dir, "grads.pt"))
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--layouts", default="1x1,2x1,1x2,2x2", help="comma list of TPxPP")
+    p.add_argument("--global-batch-size", type=int, default=4)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--seq-length", type=int, default=16)
+    a = p.parse_args(argv)
+    import torch.distributed as dist
+
+    for layout in a.layouts.split(","):
+        tp, pp = (int(x) for x in layout.lower().split("x"))
+        run_layout(a.hf, tp, pp, a.out, a.global_batch_size, a.seq_length, a.micro_batch_size)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
