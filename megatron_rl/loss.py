@@ -89,8 +89,9 @@ class LossConfig:
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"unknown loss aggregation {self.aggregation!r}; valid: {sorted(AGGREGATIONS)}")
         get_advantage_estimator(self.advantage_estimator)
-        if not (0 <= self.clip_low < 1) or self.clip_high < 0:
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        # clip_low = 1 and clip_high = inf disable clipping (ratios are positive).
+        if not (0 <= self.clip_low <= 1) or self.clip_high < 0:
+            raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
 
 
 def compute_rewards_with_kl(rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
