@@ -1,0 +1,26 @@
+"""Fused, vocab-parallel token log-prob / log-ratio / K3 op and its backends.
+
+`vocab_parallel_logprobs` is the one vocab-parallel log-prob used by training, reference
+scoring and evaluation; `token_logprobs_and_kl` also returns the log-ratio and K3 to reference
+log-probs and, on request, the entropy. Backends: "torch" (reference.py, any device), "cpu"
+and "cuda" (csrc/, in the optional `megatron_rl._C` extension); see logprob_kl.py.
+"""
+from megatron_rl.ops.logprob_kl import (
+    BACKEND_ENV_VAR,
+    BACKENDS,
+    TokenLogprobOutput,
+    extension_backends,
+    resolve_backend,
+    token_logprobs_and_kl,
+    vocab_parallel_logprobs,
+)
+
+__all__ = [
+    "BACKEND_ENV_VAR",
+    "BACKENDS",
+    "TokenLogprobOutput",
+    "extension_backends",
+    "resolve_backend",
+    "token_logprobs_and_kl",
+    "vocab_parallel_logprobs",
+]

@@ -1,0 +1,299 @@
+"""Fused vocab-parallel token log-prob + log-ratio + K3 (+ entropy) op.
+
+Every RL step scores every response token under the policy, the old policy and the reference
+model. megatron-core's `vocab_parallel_cross_entropy` does it by converting the logits shard to
+fp32 and saving a [tokens, vocab/TP] fp32 softmax for backward. This op instead:
+
+- forward: reads each logits row once (online max / sum-exp per row, chunked), producing
+  [N]-sized per-rank partials; across the tensor-parallel group it all-reduces the row max
+  (MAX), then one stacked [2 or 3, N] tensor (SUM) with the rescaled sum-exp, the target logit
+  (only the owning rank contributes a non-zero) and, for entropy, the rescaled sum p*z;
+- backward: recomputes softmax from the saved logits and O(N) fp32 statistics and writes
+  grad_logits in one read + one write, with no communication (the gradient w.r.t. a vocab
+  shard only needs the global max and normalizer, which every rank holds after forward).
+
+Saved for backward: the logits tensor itself (already alive in the caller) and O(N) fp32
+vectors (row max, log-normalizer, log-ratio, entropy), nothing of size [N, V].
+
+Gradient conventions:
+- ref_logprobs gets no gradient (it is a constant of the KL penalty, coming from a frozen model).
+- Incoming gradients must be identical on all ranks of `tp_group` (true when the loss is
+  computed redundantly on each TP rank, as Megatron does); each rank then gets the gradient of
+  its own shard.
+
+Three kernels compute the same per-rank partials and gradient: "torch" (reference.py, any
+device), "cpu" (csrc/logprob_kl_cpu.cpp) and "cuda" (csrc/logprob_kl_cuda.cu). They are
+wrapped as `torch.library.custom_op`s with fake implementations, so torch.compile can trace
+the local computation; the collectives sit in the autograd.Function between them.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.ops import reference
+
+BACKENDS = ("auto", "torch", "cpu", "cuda")
+BACKEND_ENV_VAR = "MEGATRON_RL_LOGPROB_BACKEND"
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+try:  # The compiled extension is optional: without it everything runs on the torch backend.
+    from megatron_rl import _C as _ext
+except ImportError:  # pragma: no cover - depends on the build
+    _ext = None
+
+_warned_fallback: set = set()
+
+
+@dataclass
+class TokenLogprobOutput:
+    """Per-token results, each shaped like `targets` (fp32; fp64 for fp64 logits).
+
+    logprobs:  log pi(target) under the (temperature-scaled) logits.
+    log_ratio: ref_logprobs - logprobs, or None without ref_logprobs.
+    k3:        exp(log_ratio) - 1 - log_ratio (the K3 estimator of KL(pi || ref)), or None.
+    entropy:   entropy of the full (all TP shards) distribution, or None unless requested.
+    """
+
+    logprobs: torch.Tensor
+    log_ratio: Optional[torch.Tensor] = None
+    k3: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+
+
+def extension_backends() -> tuple:
+    """Backends whose compiled kernels are present in this build of megatron_rl._C."""
+    if _ext is None:
+        return ()
+    names = ["cpu"] if hasattr(_ext, "logprob_partials_cpu") else []
+    if hasattr(_ext, "logprob_partials_cuda"):
+        names.append("cuda")
+    return tuple(names)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Concrete backend ("torch" | "cpu" | "cuda") for tensors on `device`.
+
+    `MEGATRON_RL_LOGPROB_BACKEND` replaces "auto" (an explicit argument wins). "auto" picks the
+    compiled kernel for the device when the extension has it, else "torch". A forced "cpu" or
+    "cuda" whose kernel is missing from the build falls back to "torch" with a one-time warning.
+    """
+    if backend == "auto":
+        backend = os.environ.get(BACKEND_ENV_VAR, "auto") or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown logprob backend {backend!r}; valid: {', '.join(BACKENDS)} "
+                         f"(argument `backend` or env {BACKEND_ENV_VAR})")
+    available = extension_backends()
+    if backend == "auto":
+        return device.type if device.type in available else "torch"
+    if backend == "torch":
+        return backend
+    if backend != device.type:
+        raise ValueError(f"backend {backend!r} cannot run on {device.type} tensors")
+    if backend not in available:
+        if backend not in _warned_fallback:
+            _warned_fallback.add(backend)
+            warnings.warn(f"megatron_rl._C has no {backend!r} logprob kernel (extension not built"
+                          f" or built without it); using the 'torch' backend", stacklevel=3)
+        return "torch"
+    return backend
+
+
+# --------------------------------------------------------------------------------------------
+# Per-rank kernels as custom ops (no collectives inside).
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("megatron_rl::logprob_partials", mutates_args=())
+def logprob_partials(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                     inv_temperature: float, with_entropy: bool, backend: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_max, sum_exp, target_z, ent_w) for a contiguous [N, V_local] shard; see reference.py."""
+    if backend == "cpu":
+        return tuple(_ext.logprob_partials_cpu(logits, targets, vocab_start, inv_temperature,
+                                               with_entropy))
+    if backend == "cuda":
+        return tuple(_ext.logprob_partials_cuda(logits, targets, vocab_start, inv_temperature,
+                                                with_entropy))
+    return reference.logprob_partials_torch(logits, targets, vocab_start, inv_temperature,
+                                            with_entropy)
+
+
+@logprob_partials.register_fake
+def _(logits, targets, vocab_start, inv_temperature, with_entropy, backend):
+    acc = reference.compute_dtype(logits.dtype)
+    n = logits.shape[0]
+    vec = lambda size: logits.new_empty(size, dtype=acc)  # noqa: E731
+    return vec(n), vec(n), vec(n), vec(n if with_entropy else 0)
+
+
+@torch.library.custom_op("megatron_rl::logprob_grad", mutates_args=())
+def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                 inv_temperature: float, row_max: torch.Tensor, shifted_lse: torch.Tensor,
+                 grad_coef: torch.Tensor, entropy_grad: Optional[torch.Tensor],
+                 entropy: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    """grad_logits [N, V_local] (logits dtype); see reference.py for the formula."""
+    args = (logits, targets, vocab_start, inv_temperature, row_max, shifted_lse, grad_coef,
+            entropy_grad, entropy)
+    if backend == "cpu":
+        return _ext.logprob_grad_cpu(*args)
+    if backend == "cuda":
+        return _ext.logprob_grad_cuda(*args)
+    return reference.logprob_grad_torch(*args)
+
+
+@logprob_grad.register_fake
+def _(logits, targets, vocab_start, inv_temperature, row_max, shifted_lse, grad_coef,
+      entropy_grad, entropy, backend):
+    return torch.empty_like(logits)
+
+
+# --------------------------------------------------------------------------------------------
+# Combination across the TP group (O(N) work) and the autograd.Function.
+# --------------------------------------------------------------------------------------------
+def _combine_partials(row_max, sum_exp, target_z, ent_w, owned, tp_group):
+    """Global (row_max, shifted_lse, logprobs, entropy|None) from this rank's partials."""
+    with_entropy = ent_w.numel() > 0
+    if tp_group is None:
+        global_max = row_max
+        target_shifted = torch.where(owned, target_z - row_max, torch.zeros_like(target_z))
+        total_exp, total_w = sum_exp, (ent_w if with_entropy else None)
+    else:
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        delta = row_max - global_max                       # <= 0
+        scale = torch.exp(delta)
+        parts = [sum_exp * scale,
+                 torch.where(owned, target_z - global_max, torch.zeros_like(target_z))]
+        if with_entropy:
+            # sum_j e^(z-M) (z-M) = e^(m-M) * (ent_w + (m-M) * sum_exp) for this shard's max m.
+            parts.append((ent_w + delta * sum_exp) * scale)
+        stacked = torch.stack(parts)
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=tp_group)
+        total_exp, target_shifted = stacked[0], stacked[1]
+        total_w = stacked[2] if with_entropy else None
+    shifted_lse = torch.log(total_exp)
+    logprobs = target_shifted - shifted_lse
+    entropy = shifted_lse - total_w / total_exp if with_entropy else None
+    return global_max, shifted_lse, logprobs, entropy
+
+
+class _TokenLogprobKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NV, targets_N, ref_N, inv_temperature, vocab_start, tp_group,
+                with_entropy, backend):
+        row_max, sum_exp, target_z, ent_w = logprob_partials(
+            logits_NV, targets_N, vocab_start, inv_temperature, with_entropy, backend)
+        vocab_local = logits_NV.shape[1]
+        owned = (targets_N >= vocab_start) & (targets_N < vocab_start + vocab_local)
+        global_max, shifted_lse, logprobs, entropy = _combine_partials(
+            row_max, sum_exp, target_z, ent_w, owned, tp_group)
+        log_ratio = k3 = None
+        if ref_N is not None:
+            log_ratio = ref_N - logprobs
+            k3 = torch.expm1(log_ratio) - log_ratio      # exp(r) - 1 - r, accurate near r = 0
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits_NV, targets_N, global_max, shifted_lse, log_ratio, entropy)
+        ctx.inv_temperature, ctx.vocab_start, ctx.backend = inv_temperature, vocab_start, backend
+        return logprobs, log_ratio, k3, entropy
+
+    @staticmethod
+    def backward(ctx, g_logprobs, g_log_ratio, g_k3, g_entropy):
+        logits_NV, targets_N, global_max, shifted_lse, log_ratio, entropy = ctx.saved_tensors
+        if g_logprobs is None and g_log_ratio is None and g_k3 is None and g_entropy is None:
+            return (None,) * 8
+        # Everything flows through logp: d log_ratio/d logp = -1, dK3/d logp = 1 - exp(r).
+        grad_coef = torch.zeros_like(shifted_lse)
+        if g_logprobs is not None:
+            grad_coef = grad_coef + g_logprobs
+        if g_log_ratio is not None:
+            grad_coef = grad_coef - g_log_ratio
+        if g_k3 is not None:
+            grad_coef = grad_coef - g_k3 * torch.expm1(log_ratio)
+        grad_coef = grad_coef.to(shifted_lse.dtype).contiguous()
+        entropy_grad = None
+        if g_entropy is not None:
+            entropy_grad = g_entropy.to(shifted_lse.dtype).contiguous()
+        grad_logits = logprob_grad(logits_NV, targets_N, ctx.vocab_start, ctx.inv_temperature,
+                                   global_max, shifted_lse, grad_coef, entropy_grad,
+                                   entropy if entropy_grad is not None else None, ctx.backend)
+        return grad_logits, None, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Public API.
+# --------------------------------------------------------------------------------------------
+def token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor, *,
+                          ref_logprobs: Optional[torch.Tensor] = None, temperature: float = 1.0,
+                          vocab_start: int = 0, tp_group=None, return_entropy: bool = False,
+                          backend: str = "auto") -> TokenLogprobOutput:
+    """Token log-probs of `targets`, and optionally log-ratio / K3 to a reference and entropy.
+
+    Args:
+        logits: [..., V_local] bf16/fp16/fp32 (fp64 for testing): this rank's vocab shard
+            [vocab_start, vocab_start + V_local). Must be finite. Made contiguous if needed.
+        targets: [...] global token ids (any integer dtype); each must lie in exactly one
+            rank's shard. Masked positions should hold any valid id and be masked in the loss.
+        ref_logprobs: [...] reference-model log-probs (no gradient flows into them).
+        temperature: logits are divided by it before the softmax.
+        vocab_start: first global vocab id of this shard (Megatron: tp_rank * V_local).
+        tp_group: tensor-parallel process group over which the vocab is sharded
+            (Megatron: parallel_state.get_tensor_model_parallel_group()); None = full vocab.
+        return_entropy: also return the per-token entropy (differentiable).
+        backend: "auto" | "torch" | "cpu" | "cuda"; see `resolve_backend`.
+
+    Returns:
+        TokenLogprobOutput with [...]-shaped fp32 tensors (fp64 for fp64 logits).
+    """
+    if logits.dim() < 1:
+        raise ValueError("logits must have shape [..., V_local]")
+    if logits.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"logits dtype {logits.dtype} not supported; use one of "
+                         f"{[str(d) for d in _SUPPORTED_DTYPES]}")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal logits shape without "
+                         f"the vocab dim {tuple(logits.shape[:-1])}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.shape[-1] == 0:
+        raise ValueError("logits have an empty vocab dim")
+    lead_shape = tuple(targets.shape)
+    vocab_local = logits.shape[-1]
+    logits_NV = logits.reshape(-1, vocab_local).contiguous()
+    targets_N = targets.reshape(-1).to(torch.long).contiguous()
+    acc = reference.compute_dtype(logits.dtype)
+    ref_N = None
+    if ref_logprobs is not None:
+        if tuple(ref_logprobs.shape) != lead_shape:
+            raise ValueError(f"ref_logprobs shape {tuple(ref_logprobs.shape)} must equal targets "
+                             f"shape {lead_shape}")
+        ref_N = ref_logprobs.detach().reshape(-1).to(acc).contiguous()
+    if tp_group is None and logits.device.type == "cpu" and targets_N.numel() > 0:
+        # Cheap on CPU (no device sync): out-of-range ids would silently give log p = -lse.
+        if bool(((targets_N < vocab_start) | (targets_N >= vocab_start + vocab_local)).any()):
+            raise ValueError(f"targets must lie in [{vocab_start}, {vocab_start + vocab_local}) "
+                             f"when tp_group is None")
+    concrete = resolve_backend(backend, logits.device)
+
+    logprobs, log_ratio, k3, entropy = _TokenLogprobKL.apply(
+        logits_NV, targets_N, ref_N, 1.0 / float(temperature), int(vocab_start), tp_group,
+        bool(return_entropy), concrete)
+    reshape = lambda t: None if t is None else t.reshape(lead_shape)  # noqa: E731
+    return TokenLogprobOutput(reshape(logprobs), reshape(log_ratio), reshape(k3), reshape(entropy))
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
+                            vocab_start: int = 0, temperature: float = 1.0) -> torch.Tensor:
+    """[...] fp32 log-probs of `targets` under vocab-sharded `logits` [..., V_local].
+
+    The one vocab-parallel log-prob used by training, reference scoring and evaluation.
+    With Megatron: tp_group=parallel_state.get_tensor_model_parallel_group(),
+    vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1].
+    """
+    return token_logprobs_and_kl(logits, targets, temperature=temperature,
+                                 vocab_start=vocab_start, tp_group=tp_group).logprobs

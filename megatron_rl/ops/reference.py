@@ -1,0 +1,139 @@
+"""Pure-PyTorch kernels for the fused token log-prob / log-ratio / K3 op, and an fp64 oracle.
+
+Two things live here:
+
+1. The "torch" backend: `logprob_partials_torch` and `logprob_grad_torch`, the same two
+   per-rank kernels that csrc/ implements in C++ and CUDA, written with chunked PyTorch ops.
+   They run on any device. Rows are processed in chunks of at most `CHUNK_ELEMENTS` logits,
+   so the only fp32 [rows, V_local] buffers ever alive are one chunk's.
+2. `naive_token_logprobs_and_kl`: the textbook full-vocab computation (log_softmax in the
+   requested dtype, gather, K3). Tests run it in float64 as the oracle and in the input dtype
+   to measure PyTorch's own error; the benchmark uses it as the naive baseline.
+
+Kernel contract (shared by every backend; `logits_NV` is this rank's vocab shard, contiguous):
+    z = logits * inv_temperature                          (computed in fp32, fp64 for fp64 input)
+    partials:  row_max[i]  = max_j z_ij
+               sum_exp[i]  = sum_j exp(z_ij - row_max[i])
+               target_z[i] = z_i,t(i)-vocab_start  if the target lies in this shard, else 0
+               ent_w[i]    = sum_j exp(z_ij - row_max[i]) * (z_ij - row_max[i])   (entropy only)
+    grad:      log p_ij = (z_ij - row_max[i]) - shifted_lse[i]       (global max / normalizer)
+               d z_ij   = grad_coef[i] * (onehot_ij - p_ij)
+                          - entropy_grad[i] * p_ij * (log p_ij + entropy[i])
+               d logits = d z * inv_temperature
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# Upper bound on logits per chunk in the torch backend: 4M elements = 16 MiB per fp32 buffer.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 for float64 logits (gradcheck), float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows_per_chunk(vocab_local: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab_local))
+
+
+def _local_targets(targets_N: torch.Tensor, vocab_start: int, vocab_local: int):
+    """(owned_N bool, local index_N clamped into [0, vocab_local)) for global target ids."""
+    local = targets_N - vocab_start
+    owned = (local >= 0) & (local < vocab_local)
+    return owned, local.clamp(0, vocab_local - 1)
+
+
+def logprob_partials_torch(logits_NV: torch.Tensor, targets_N: torch.Tensor, vocab_start: int,
+                           inv_temperature: float, with_entropy: bool):
+    """Per-rank forward partials (row_max, sum_exp, target_z, ent_w), each [N] in compute dtype.
+
+    ent_w is an empty tensor when `with_entropy` is False.
+    """
+    num_rows, vocab_local = logits_NV.shape
+    acc = compute_dtype(logits_NV.dtype)
+    row_max = torch.empty(num_rows, dtype=acc, device=logits_NV.device)
+    sum_exp = torch.empty_like(row_max)
+    ent_w = torch.empty_like(row_max) if with_entropy else row_max.new_empty(0)
+
+    owned, local = _local_targets(targets_N, vocab_start, vocab_local)
+    target_z = logits_NV.gather(1, local.unsqueeze(1)).squeeze(1).to(acc)
+    if inv_temperature != 1.0:
+        target_z = target_z * inv_temperature
+    target_z = torch.where(owned, target_z, torch.zeros_like(target_z))
+
+    step = _rows_per_chunk(vocab_local)
+    for r0 in range(0, num_rows, step):
+        r1 = min(num_rows, r0 + step)
+        z = logits_NV[r0:r1].to(acc, copy=True)  # in-place ops below
+        if inv_temperature != 1.0:
+            z.mul_(inv_temperature)
+        m = z.amax(dim=1)
+        z.sub_(m.unsqueeze(1))                  # z - max, exact for nearby values
+        e = torch.exp(z)
+        row_max[r0:r1] = m
+        sum_exp[r0:r1] = e.sum(dim=1)
+        if with_entropy:
+            ent_w[r0:r1] = e.mul_(z).sum(dim=1)
+        del z, e
+    return row_max, sum_exp, target_z, ent_w
+
+
+def logprob_grad_torch(logits_NV: torch.Tensor, targets_N: torch.Tensor, vocab_start: int,
+                       inv_temperature: float, row_max: torch.Tensor, shifted_lse: torch.Tensor,
+                       grad_coef: torch.Tensor, entropy_grad: Optional[torch.Tensor],
+                       entropy: Optional[torch.Tensor]) -> torch.Tensor:
+    """grad_logits [N, V_local] in the logits dtype (see the module docstring for the formula)."""
+    num_rows, vocab_local = logits_NV.shape
+    acc = compute_dtype(logits_NV.dtype)
+    grad = torch.empty_like(logits_NV)
+    owned, local = _local_targets(targets_N, vocab_start, vocab_local)
+    # The one-hot term only where this rank owns the target.
+    onehot_coef = torch.where(owned, grad_coef, torch.zeros_like(grad_coef))
+
+    step = _rows_per_chunk(vocab_local)
+    for r0 in range(0, num_rows, step):
+        r1 = min(num_rows, r0 + step)
+        logp = logits_NV[r0:r1].to(acc, copy=True)
+        if inv_temperature != 1.0:
+            logp.mul_(inv_temperature)
+        logp.sub_(row_max[r0:r1].unsqueeze(1)).sub_(shifted_lse[r0:r1].unsqueeze(1))
+        if entropy_grad is not None:
+            # coef_ij = a_i + b_i * (log p_ij + H_i);  g_ij = -p_ij * coef_ij
+            coef = (logp + entropy[r0:r1].unsqueeze(1)).mul_(entropy_grad[r0:r1].unsqueeze(1))
+            coef.add_(grad_coef[r0:r1].unsqueeze(1))
+            g = torch.exp(logp).mul_(coef).neg_()
+            del coef
+        else:
+            g = torch.exp(logp).mul_(-grad_coef[r0:r1].unsqueeze(1))
+        del logp
+        g.scatter_add_(1, local[r0:r1].unsqueeze(1), onehot_coef[r0:r1].unsqueeze(1))
+        if inv_temperature != 1.0:
+            g.mul_(inv_temperature)
+        grad[r0:r1] = g
+        del g
+    return grad
+
+
+def naive_token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor,
+                                ref_logprobs: Optional[torch.Tensor] = None,
+                                temperature: float = 1.0, dtype: Optional[torch.dtype] = None):
+    """Full-vocab textbook version: (logprobs, log_ratio, k3, entropy), each shaped like targets.
+
+    Computes in `dtype` (default: the logits dtype). With dtype=torch.float64 this is the
+    oracle of the tests; with the input dtype it measures PyTorch's own rounding error.
+    Materializes [N, V] log-probs: meant for tests and as the benchmark's naive baseline.
+    """
+    dtype = dtype or logits.dtype
+    z = logits.to(dtype) / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    logprobs = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    log_ratio = k3 = None
+    if ref_logprobs is not None:
+        log_ratio = ref_logprobs.to(dtype) - logprobs
+        k3 = torch.exp(log_ratio) - 1 - log_ratio
+    return logprobs, log_ratio, k3, entropy
