@@ -1,0 +1,133 @@
+"""Save and resume: megatron `dist_checkpointing` (reshardable across TP/PP layouts), atomic.
+
+Layout of a checkpoint root:
+    <root>/iter_0000010/          one complete checkpoint (model, optimizer, per-rank extra state)
+    <root>/latest                 text file naming the newest complete checkpoint
+A checkpoint is written into `<root>/.tmp-iter_XXXXXXX`, renamed into place only when every rank
+has finished, and only then does `latest` move (written to a temp file and renamed). A run killed
+at any moment therefore leaves `latest` pointing at a complete checkpoint.
+
+Extra state (step, RNG states, data position, trainer counters) is a plain picklable dict saved per
+global rank; on resume with a different world size rank r reads rank r's file if present, else
+rank 0's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+
+
+def iter_dir_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch RNG states of this rank."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _sharded_state_dict(policy, with_optimizer: bool) -> dict:
+    model_sd = policy.module.sharded_state_dict()
+    sd = {"model": model_sd}
+    if with_optimizer and policy.optimizer is not None:
+        sd["optimizer"] = policy.optimizer.sharded_state_dict(model_sd)
+    return sd
+
+
+def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
+                    with_optimizer: bool = True, hf_config: dict | None = None) -> str:
+    """Collective: write checkpoint `step` under `root` atomically. Returns its directory.
+
+    `hf_config` (the model's HF config.json dict) is stored beside the weights so that a checkpoint
+    can be rebuilt and exported without the original HF directory.
+    """
+    import json
+
+    from megatron.core import dist_checkpointing
+
+    final = os.path.join(root, iter_dir_name(step))
+    tmp = os.path.join(root, ".tmp-" + iter_dir_name(step))
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    dist_checkpointing.save(_sharded_state_dict(policy, with_optimizer), tmp)
+    torch.save({"step": step, **(extra or {})}, os.path.join(tmp, f"extra_rank{_rank()}.pt"))
+    if hf_config is not None and _rank() == 0:
+        with open(os.path.join(tmp, "hf_config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        latest_tmp = os.path.join(root, LATEST + ".tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(iter_dir_name(step) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(root, LATEST))
+    _barrier()
+    return final
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint directory under `root`, or None."""
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        name = f.read().strip()
+    ckpt = os.path.join(root, name)
+    if not os.path.isdir(ckpt):
+        raise FileNotFoundError(f"{path} names {name!r}, which does not exist under {root}")
+    return ckpt
+
+
+def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True) -> dict:
+    """Collective: load model (and optimizer) into `policy` in its current layout, resharding as
+    needed. Returns this rank's extra-state dict (with "step")."""
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
+    sd = _sharded_state_dict(policy, with_optimizer)
+    loaded = dist_checkpointing.load(sd, ckpt_dir)
+    result = policy.module.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing:
+        raise ValueError(f"{ckpt_dir}: checkpoint lacks tensors {missing}")
+    if with_optimizer and policy.optimizer is not None and "optimizer" in loaded:
+        policy.optimizer.load_state_dict(loaded["optimizer"])
+    own = os.path.join(ckpt_dir, f"extra_rank{_rank()}.pt")
+    path = own if os.path.exists(own) else os.path.join(ckpt_dir, "extra_rank0.pt")
+    return torch.load(path, weights_only=False) if os.path.exists(path) else {"step": 0}

@@ -1,0 +1,11 @@
+#!/usr/bin/env python
+"""Convert checkpoints between Hugging Face and Megatron formats (any TP/PP on either side).
+
+    python tools/convert_checkpoint.py hf-to-megatron --load HF_DIR --save MEGATRON_ROOT
+    torchrun --nproc-per-node 4 tools/convert_checkpoint.py megatron-to-hf --load MEGATRON_ROOT \
+        --save HF_DIR --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+"""
+from megatron_rl.convert import main
+
+if __name__ == "__main__":
+    main()
