@@ -1,19 +1,33 @@
 """Shared pytest configuration: test tiers as markers, and hardware skips.
 
 Markers: `distributed` (spawns processes / torch.distributed over gloo), `gpu` (needs CUDA;
-skipped with a reason where it is absent), `slow` (deselect with -m "not slow").
+skipped with a reason where it is absent), `slow` (deselect with -m "not slow"), `network`
+(needs PyPI; skipped unless `--run-network` or MEGATRON_RL_NETWORK_TESTS=1).
 """
+import os
+
 import pytest
 import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-network", action="store_true", default=False,
+                     help="run tests marked `network` (they download from PyPI)")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "distributed: multi-process test over torch.distributed (gloo)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when none is present")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line("markers", "network: needs PyPI; skipped unless --run-network")
 
 
 def pytest_collection_modifyitems(config, items):
+    if not (config.getoption("--run-network") or os.environ.get("MEGATRON_RL_NETWORK_TESTS") == "1"):
+        skip_network = pytest.mark.skip(reason="needs the network: pass --run-network")
+        for item in items:
+            if "network" in item.keywords:
+                item.add_marker(skip_network)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False")
