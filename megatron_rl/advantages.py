@@ -49,8 +49,8 @@ def rloo(returns, group_size: int, loss_mask=None) -> torch.Tensor:
 
     Per token: the mean over the other members valid at that position (0 if there are none).
     """
-    _need_baseline_group("rloo", group_size)
     values, mask = _group(returns, loss_mask, group_size)
+    _need_baseline_group("rloo", group_size)
     others = (mask.sum(1, keepdim=True) - mask).clamp(min=1)
     baseline = (values.sum(1, keepdim=True) - values) / others
     return ((values - baseline) * mask).reshape(returns.shape)
@@ -62,8 +62,8 @@ def _group_mean(values, mask):
 
 def grpo(returns, group_size: int, loss_mask=None, eps: float = GRPO_EPS) -> torch.Tensor:
     """GRPO: A_i = (R_i - mean_group R) / (std_group R + eps), std with Bessel's correction (n-1)."""
-    _need_baseline_group("grpo", group_size)
     values, mask = _group(returns, loss_mask, group_size)
+    _need_baseline_group("grpo", group_size)
     mean = _group_mean(values, mask)
     centered = (values - mean) * mask
     var = centered.square().sum(1, keepdim=True) / (mask.sum(1, keepdim=True) - 1).clamp(min=1)
@@ -72,8 +72,8 @@ def grpo(returns, group_size: int, loss_mask=None, eps: float = GRPO_EPS) -> tor
 
 def dr_grpo(returns, group_size: int, loss_mask=None) -> torch.Tensor:
     """Dr. GRPO: A_i = R_i - mean_group R (no std normalization)."""
-    _need_baseline_group("dr_grpo", group_size)
     values, mask = _group(returns, loss_mask, group_size)
+    _need_baseline_group("dr_grpo", group_size)
     return ((values - _group_mean(values, mask)) * mask).reshape(returns.shape)
 
 

@@ -1,0 +1,153 @@
+"""PPO-clip loss, KL placement in the loss, advantages with the KL reward, aggregation invariance."""
+import math
+
+import pytest
+import torch
+
+from megatron_rl.kl import KLConfig, k1
+from megatron_rl.loss import (AGGREGATIONS, LossConfig, aggregate_loss, build_advantages,
+                              compute_rewards_with_kl, policy_loss)
+
+F64 = torch.float64
+
+
+def t(values):
+    return torch.tensor(values, dtype=F64)
+
+
+def _batch(seed=0, batch=8, seq_len=6):
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = -torch.rand(batch, seq_len, generator=gen, dtype=F64) * 2
+    old = logprobs + 0.4 * torch.randn(batch, seq_len, generator=gen, dtype=F64)
+    ref = logprobs + 0.5 * torch.randn(batch, seq_len, generator=gen, dtype=F64)
+    lengths = torch.randint(1, seq_len + 1, (batch,), generator=gen)
+    mask = (torch.arange(seq_len) < lengths[:, None]).to(F64)
+    rewards = torch.randint(0, 2, (batch,), generator=gen).to(F64)
+    return logprobs, old, ref, mask, rewards
+
+
+def _global_normalizers(mask):
+    return dict(num_global_tokens=mask.sum().item(), num_global_seqs=mask.shape[0])
+
+
+@pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
+@pytest.mark.parametrize("kl", [KLConfig("k3", "reward+loss", coef=0.1),
+                                KLConfig("k1", "reward", coef=0.1, reward_to_go=True,
+                                         off_policy_correction="seq-is")])
+def test_microbatch_losses_sum_to_full_batch(aggregation, kl):
+    logprobs, old, ref, mask, rewards = _batch()
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, aggregation=aggregation, kl=kl)
+    advantages = build_advantages(rewards, logprobs, ref, mask, cfg, group_size=4)
+    norm = _global_normalizers(mask)
+
+    full_lp = logprobs.clone().requires_grad_()
+    full, metrics = policy_loss(full_lp, old, advantages, mask, cfg, ref_logprobs=ref, **norm)
+    full.backward()
+    assert 0 < metrics["clip_fraction"].item() < 1  # the off-policy ratios exercise clipping
+
+    shard_lp = logprobs.clone().requires_grad_()
+    total = 0.0
+    for rows in ([0, 1, 2], [3], [4, 5, 6, 7]):  # uneven microbatches / DP shards
+        loss, _ = policy_loss(shard_lp[rows], old[rows], advantages[rows], mask[rows], cfg,
+                              ref_logprobs=ref[rows], **norm)
+        loss.backward()
+        total = total + loss.detach()
+    assert abs(total.item() - full.item()) < 1e-13
+    assert torch.allclose(shard_lp.grad, full_lp.grad, atol=1e-14, rtol=0)
+    assert full_lp.grad.abs().sum() > 0
+
+
+def test_aggregation_values_by_hand():
+    per_token = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = t([[1, 1, 0], [1, 1, 1]])
+    assert aggregate_loss(per_token, mask, "token-sum-over-batch-tokens", num_global_tokens=10).item() \
+        == pytest.approx(18 / 10)
+    assert aggregate_loss(per_token, mask, "seq-mean-token-mean", num_global_seqs=4).item() \
+        == pytest.approx((1.5 + 5.0) / 4)
+    assert aggregate_loss(per_token, mask, "seq-mean-token-sum", num_global_seqs=4).item() \
+        == pytest.approx(18 / 4)
+    with pytest.raises(ValueError, match="num_global_tokens"):
+        aggregate_loss(per_token, mask, "token-mean")
+    with pytest.raises(ValueError, match=r"seq-mean-token-mean.*seq-mean-token-sum.*token-mean"
+                                         r".*token-sum-over-batch-tokens"):
+        aggregate_loss(per_token, mask, "sum")
+    with pytest.raises(ValueError, match="token-sum-over-batch-tokens"):
+        LossConfig(aggregation="mean")
+
+
+def test_ppo_clip_by_hand():
+    # ratios 1.5, 0.5, 0.5, 1.1 with advantages +1, +1, -1, -1; clip range [0.8, 1.28].
+    old = t([[0.0, 0.0, 0.0, 0.0]])
+    logprobs = torch.log(t([[1.5, 0.5, 0.5, 1.1]])).requires_grad_()
+    advantages = t([[1.0, 1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4, dtype=F64)
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, kl=KLConfig(placement="none"))
+    loss, metrics = policy_loss(logprobs, old, advantages, mask, cfg, num_global_tokens=4)
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 0.8 + 1.1) / 4, abs=1e-14)
+    loss.backward()
+    # d/dlogp of -A * ratio is -A * ratio where unclipped, 0 where the clipped branch is taken.
+    assert torch.allclose(logprobs.grad, t([[0.0, -0.5, 0.0, 1.1]]) / 4, atol=1e-14)
+    assert metrics["clip_fraction"].item() == pytest.approx(0.5)
+    assert metrics["ratio_max"].item() == pytest.approx(1.5)
+    assert metrics["ratio_min"].item() == pytest.approx(0.5)
+    assert metrics["pg_loss"].item() == pytest.approx(loss.item())
+
+
+def test_reward_placement_has_no_pathwise_gradient():
+    logprobs, _, ref, mask, rewards = _batch(seed=1)
+    lp = logprobs.clone().requires_grad_()
+    cfg = LossConfig(kl=KLConfig("k3", "reward", coef=0.5))
+    advantages = build_advantages(rewards, lp, ref, mask, cfg, group_size=4)
+    assert not advantages.requires_grad  # the KL reaches the loss only through detached advantages
+    norm = _global_normalizers(mask)
+    loss, _ = policy_loss(lp, lp.detach(), advantages, mask, cfg, ref_logprobs=ref, **norm)
+    (grad,) = torch.autograd.grad(loss, lp)
+    # At ratio == 1 the gradient is -A m / N whatever ref_logprobs is.
+    assert torch.allclose(grad, -advantages[:, None] * mask / norm["num_global_tokens"], atol=1e-15)
+    other_ref = ref + 3.0
+    loss2, _ = policy_loss(lp, lp.detach(), advantages, mask, cfg, ref_logprobs=other_ref, **norm)
+    (grad2,) = torch.autograd.grad(loss2, lp)
+    assert torch.equal(grad, grad2)
+    # The loss placement, in contrast, differentiates the estimator.
+    cfg_loss = LossConfig(kl=KLConfig("k3", "loss", coef=0.5))
+    loss3, _ = policy_loss(lp, lp.detach(), advantages, mask, cfg_loss, ref_logprobs=ref, **norm)
+    (grad3,) = torch.autograd.grad(loss3, lp)
+    expected = grad + 0.5 * (1 - torch.exp(ref - logprobs)) * mask / norm["num_global_tokens"]
+    assert torch.allclose(grad3, expected, atol=1e-14)
+
+
+def test_rewards_with_kl_and_rloo_by_hand():
+    logprobs = t([[-1.0, -2.0], [-0.5, -0.5], [-1.0, -1.0], [-3.0, -0.1]])
+    ref = t([[-1.5, -1.0], [-0.5, -1.0], [-2.0, -1.0], [-1.0, -0.1]])
+    mask = t([[1, 1], [1, 0], [1, 1], [1, 1]])
+    rewards = t([1.0, 0.0, 1.0, 0.0])
+    kl_cfg = KLConfig("k1", "reward", coef=0.1)
+    kl_sum = (k1(logprobs, ref) * mask).sum(-1)  # [-0.5, 0, 1, -2]
+    returns = compute_rewards_with_kl(rewards, logprobs, ref, mask, kl_cfg)
+    assert torch.allclose(returns, t([1.05, 0.0, 0.9, 0.2]), atol=1e-14)
+    assert torch.allclose(returns, rewards - 0.1 * kl_sum, atol=1e-15)
+    adv = build_advantages(rewards, logprobs, ref, mask, LossConfig(kl=kl_cfg), group_size=2)
+    assert torch.allclose(adv, t([1.05, -1.05, 0.7, -0.7]), atol=1e-14)
+    # seq-is leaves the KL out of the advantage (the loss adds its weighted surrogate).
+    seq_is = KLConfig("k1", "reward", coef=0.1, off_policy_correction="seq-is")
+    assert torch.equal(compute_rewards_with_kl(rewards, logprobs, ref, mask, seq_is), rewards)
+    # Reward-to-go: (R - beta sum_{s>=t} K_s) per valid token.
+    rtg = compute_rewards_with_kl(rewards, logprobs, ref, mask,
+                                  KLConfig("k1", "reward", coef=0.1, reward_to_go=True))
+    assert torch.allclose(rtg[0], t([1.05, 1.1]), atol=1e-14)
+    assert torch.allclose(rtg[1], t([0.0, 0.0]), atol=1e-14)
+
+
+def test_kl_needs_ref_logprobs():
+    logprobs, old, _, mask, _ = _batch()
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(logprobs, old, torch.zeros(8, dtype=F64), mask, LossConfig(),
+                    num_global_tokens=mask.sum())
+
+
+def test_loss_config_validation():
+    with pytest.raises(ValueError, match="rloo"):
+        LossConfig(advantage_estimator="gae")
+    with pytest.raises(ValueError, match="clip"):
+        LossConfig(clip_low=-0.1)
+    assert LossConfig(clip_low=1.0, clip_high=math.inf).clip_high == math.inf
