@@ -187,7 +187,8 @@ def importance_weights(logprobs, old_logprobs, loss_mask, level: str,
         prefix probabilities; its last valid entry is the sequence weight pi_theta(y)/pi_old(y).
         E_old[w_{<=t} f(y_<=t)] = E_theta[f(y_<=t)] exactly, for any f of the prefix: unbiased,
         but the variance is that of a product of t ratios (exponential in the divergence).
-    truncation c: min(w, c): bounded variance, bias E_theta[f; w > c] (1 - c/w) towards 0.
+    truncation c: min(w, c): bounded variance (<= c^2 E_old[f^2]) at the price of the bias
+        -E_theta[(1 - c/w)_+ f]: sequences with w > c are counted with weight c instead of w.
     Padded positions get weight 0.
     """
     log_w = (logprobs - old_logprobs).detach() * loss_mask

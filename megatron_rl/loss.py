@@ -132,8 +132,8 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
     """Per-token loss [B, T] (not yet masked or normalized) and a dict of detached metrics.
 
     logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy),
-    advantages [B] or [B, T] (detached), loss_mask [B, T], ref_logprobs [B, T] (needed when a KL
-    term is active). The reward-side KL is already inside `advantages` (see build_advantages) and so
+    advantages [B] or [B, T] (detached), loss_mask [B, T], ref_logprobs [B, T] (needed for the
+    loss-side KL and the "seq-is" reward surrogate; optional otherwise, then no kl_* metrics). The reward-side KL is already inside `advantages` (see build_advantages) and so
     has no path-wise gradient here; only the loss-side KL and the "seq-is" reward surrogate are
     differentiated through logprobs.
     """
@@ -150,8 +150,10 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
     per_token = pg
 
     kl_cfg = cfg.kl
-    if kl_cfg.placement != "none" and ref_logprobs is None:
-        raise ValueError(f"KL placement {kl_cfg.placement!r} needs ref_logprobs")
+    needs_ref = kl_cfg.in_loss or (kl_cfg.in_reward and not kl_cfg.reward_in_advantage)
+    if needs_ref and ref_logprobs is None:
+        raise ValueError(f"KL placement {kl_cfg.placement!r} with off_policy_correction "
+                         f"{kl_cfg.off_policy_correction!r} needs ref_logprobs")
     if kl_cfg.in_loss:
         per_token = per_token + kl_loss_term(logprobs, ref_logprobs, mask, kl_cfg, old_logprobs)
     if kl_cfg.in_reward and not kl_cfg.reward_in_advantage:

@@ -26,19 +26,27 @@ reward 0 and beta = 1, so the loss gradient is the KL-regularizer gradient alone
 Exact expected gradients are sum_y w(y) grad loss(y), with w = A_theta(y) on-policy or A_old(y)
 off-policy, obtained by weighting the per-token loss of all 2^T sequences before aggregation.
 
-Closed forms (on-policy; s_t = grad log p(y_t | c_{t-1}), r_t = B/A per token, phi(c) = (1, c)):
-    E[grad, K1 in loss]   = E[sum_t s_t] = 0                                              (eq. 12)
-    E[grad, K1 in reward] = E[(sum_t K1_t) S] = g*                                         (eq. 13)
-    E[grad, K3 in loss]   = -E[sum_t r_t s_t] = sum_t sum_c m_t(c) (p_c - q_c) phi(c)      (eq. 15)
+Closed forms (on-policy; s_t = grad log p(y_t | c_{t-1}), r_t = B/A per token, phi(c) = (1, c)).
+The paper's eqs. 12/13/15/16 state the expected gradients of K1/K3 in loss/reward in general; they
+are derived again here and specialised to this model (`closed_form_gradients`):
+    E[grad, K1 in loss]   = E[sum_t s_t] = 0
+    E[grad, K1 in reward] = E[(sum_t K1_t) S] = g*
+    E[grad, K3 in loss]   = -E[sum_t r_t s_t] = sum_t sum_c m_t(c) (p_c - q_c) phi(c)
         since E_{y~p}[r s] = sum_y q(y) grad log p(y) = (q - p) phi(c): the gradient of the
         token-level forward KL(B || A_theta) at A_theta's prefixes, not of the reverse KL.
-    E[grad, K3 in reward] = grad E[sum_t K3_t] - E[grad, K3 in loss] = g* - (eq. 15)       (eq. 16)
+    E[grad, K3 in reward] = grad E[sum_t K3_t] - E[grad, K3 in loss] = g* - E[grad, K3 in loss]
         since E_A[K3_t | y_<t] = KL_t, so E_A[sum_t K3_t] = KL(A_theta || B).
     E[grad, K2 in loss]   = E[sum_t K1_t s_t] = sum_t sum_c m_t(c) p_c (1 - p_c)
                             (logit p_c - logit q_c) phi(c)  (immediate term of g* only)
     E[grad, K in reward+loss] = grad E[sum_t K_t]: g* for K1 and K3; for K2 the gradient of
         E[sum_t K2_t], which is not the KL.
-(The equation numbers refer to the paper's Sec. 3 expressions these correspond to.)
+Off-policy (samples from A_old; expectations checked by enumeration only): with correction "none"
+or "token-is" every configuration is biased. For the reward placement the two coincide: the PPO
+per-token ratio already is the token-level correction of anything inside the advantage. "seq-is"
+reproduces each on-policy expectation exactly (so K1 reward, K1 and K3 reward+loss are unbiased)
+at a higher variance; truncating its weights brings the bias back.
+MC columns: bias^2 = |mean of the trials' gradients - g*|^2 (includes variance / num_trials of
+noise), variance = trace of the covariance of one trial's N-sample gradient.
 """
 import argparse
 import json
@@ -161,7 +169,7 @@ def closed_form_gradients(theta, ref, seq_len) -> dict:
 
 
 def _forward_ce(p, q):
-    """Cross-entropy H(Bern(q), Bern(p)); its gradient in the logit of p is p - q (eq. 15's term)."""
+    """Cross-entropy H(Bern(q), Bern(p)); its gradient in the logit of p is p - q (K3 in the loss)."""
     return -(q * p.log() + (1 - q) * (1 - p).log())
 
 

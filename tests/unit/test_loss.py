@@ -141,8 +141,12 @@ def test_rewards_with_kl_and_rloo_by_hand():
 def test_kl_needs_ref_logprobs():
     logprobs, old, _, mask, _ = _batch()
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(logprobs, old, torch.zeros(8, dtype=F64), mask, LossConfig(),
-                    num_global_tokens=mask.sum())
+        policy_loss(logprobs, old, torch.zeros(8, dtype=F64), mask,
+                    LossConfig(kl=KLConfig("k3", "loss")), num_global_tokens=mask.sum())
+    # The reward placement needs no ref_logprobs in the loss: the KL is in the advantages.
+    loss, metrics = policy_loss(logprobs, old, torch.zeros(8, dtype=F64), mask, LossConfig(),
+                                num_global_tokens=mask.sum())
+    assert loss.item() == 0.0 and "kl_k1" not in metrics
 
 
 def test_loss_config_validation():
