@@ -10,6 +10,7 @@ the global batch split over DP ranks and microbatches, and writes, per layout:
 `tools/parallel_demo.py` and tests/distributed compare these against transformers.
 
     torchrun --nproc-per-node 4 -m megatron_rl.parallel_check --hf DIR --out DIR
+    torchrun --nproc-per-node 4 -m megatron_rl.parallel_check --load MEGATRON_CKPT --out DIR
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def make_batch(vocab_size: int, global_batch: int, seq_len: int, seed: int = 0):
     return tokens, mask
 
 
-def run_layout(hf_path: str, tp: int, pp: int, out_dir: str, global_batch: int, seq_len: int,
-               micro_batch: int) -> None:
+def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch: int,
+               seq_len: int, micro_batch: int, load: str | None = None) -> None:
+    """One layout. Weights come from a HF directory (`hf_path`) or a Megatron checkpoint
+    (`load`, saved in any layout: this exercises dist_checkpointing resharding)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -41,9 +44,18 @@ def run_layout(hf_path: str, tp: int, pp: int, out_dir: str, global_batch: int, 
     from megatron_rl.parallel import ParallelConfig, init_distributed
 
     dp = init_distributed(ParallelConfig(tp, pp))
-    args = ModelArgs.from_pretrained(hf_path)
-    policy = Policy(args, trainable=True, optim=OptimConfig(lr=0.0))
-    policy.load_hf(hf_path)
+    if load is not None:
+        from megatron_rl.checkpoint import load_checkpoint
+        from megatron_rl.convert import load_megatron_args, resolve_checkpoint
+
+        ckpt = resolve_checkpoint(load)
+        args = load_megatron_args(ckpt)
+        policy = Policy(args, trainable=True, optim=OptimConfig(lr=0.0))
+        load_checkpoint(ckpt, policy, with_optimizer=False)
+    else:
+        args = ModelArgs.from_pretrained(hf_path)
+        policy = Policy(args, trainable=True, optim=OptimConfig(lr=0.0))
+        policy.load_hf(hf_path)
     tokens, mask = make_batch(args.vocab_size, global_batch, seq_len)
     global_tokens = mask.sum()
     per_dp = global_batch // dp
@@ -82,7 +94,9 @@ def run_layout(hf_path: str, tp: int, pp: int, out_dir: str, global_batch: int, 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", help="HF checkpoint directory (config.json + safetensors)")
+    src.add_argument("--load", help="Megatron checkpoint (root or iteration directory)")
     p.add_argument("--out", required=True)
     p.add_argument("--layouts", default="1x1,2x1,1x2,2x2", help="comma list of TPxPP")
     p.add_argument("--global-batch-size", type=int, default=4)
@@ -93,7 +107,8 @@ def main(argv=None) -> None:
 
     for layout in a.layouts.split(","):
         tp, pp = (int(x) for x in layout.lower().split("x"))
-        run_layout(a.hf, tp, pp, a.out, a.global_batch_size, a.seq_length, a.micro_batch_size)
+        run_layout(a.hf, tp, pp, a.out, a.global_batch_size, a.seq_length, a.micro_batch_size,
+                   load=a.load)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -34,3 +34,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# ---- tiny HF checkpoints shared by model, conversion and distributed tests --------------------
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """A random tiny Qwen2 (qkv bias, untied embeddings) in HF safetensors format."""
+    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory):
+    """A random tiny Llama with tied input/output embeddings in HF safetensors format."""
+    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")), "llama",
+                                   tie_word_embeddings=True, seed=2)

@@ -1,0 +1,31 @@
+"""Launching multi-process tests with torchrun on CPU (gloo, one thread per rank)."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def torchrun():
+    """torchrun(nproc, [args...], timeout=...) runs `python -m torch.distributed.run` and fails
+    the test with the ranks' output when it exits non-zero."""
+
+    def run(nproc: int, args: list[str], timeout: int = 300) -> str:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *args]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        out = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-6000:]}")
+        return out
+
+    return run
