@@ -30,6 +30,33 @@ def make_batch(vocab_size: int, global_batch: int, seq_len: int, seed: int = 0):
     return tokens, mask
 
 
+def transformers_reference(hf_path: str, global_batch: int, seq_len: int):
+    """transformers' logits [B, s, V] on make_batch's tokens, and the gradient (megatron names)
+    of the same masked token log-likelihood loss that run_layout uses."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.models import ModelArgs, hf_mapping
+
+    args = ModelArgs.from_pretrained(hf_path)
+    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    tokens, mask = make_batch(args.vocab_size, global_batch, seq_len)
+    logits = model(tokens).logits
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    (-(logp * mask).sum() / mask.sum()).backward()
+    grads = hf_mapping.hf_to_megatron({k: p.grad for k, p in model.named_parameters()}, args)
+    return logits.detach(), grads
+
+
+def load_layout_outputs(out_dir: str, layout: str):
+    """(logits {sample: [s, V]}, full grads) written by run_layout for `layout` ("TPxPP")."""
+    import glob
+
+    logits = {}
+    for f in glob.glob(os.path.join(out_dir, layout, "logits_rank*.pt")):
+        logits.update(torch.load(f))
+    return logits, torch.load(os.path.join(out_dir, layout, "grads.pt"))
+
+
 def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch: int,
                seq_len: int, micro_batch: int, load: str | None = None) -> None:
     """One layout. Weights come from a HF directory (`hf_path`) or a Megatron checkpoint

@@ -1,7 +1,6 @@
 """TP=2, PP=2 and TP2xPP2 (4 ranks, DP fills the rest) give the logits and gradients of TP=1,
 which in turn equal transformers' on the same weights; a checkpoint written at TP1 loads at
 every layout (dist_checkpointing resharding) and gives the same logits."""
-import glob
 import os
 import sys
 
@@ -9,38 +8,21 @@ import pytest
 import torch
 
 from megatron_rl.models import ModelArgs, hf_mapping
-from megatron_rl.parallel_check import make_batch
+from megatron_rl.parallel_check import load_layout_outputs, transformers_reference
 
 pytestmark = pytest.mark.distributed
 LAYOUTS = ["1x1", "2x1", "1x2", "2x2"]
 GLOBAL_BATCH, SEQ = 4, 16
 
 
-def _reference(hf_path):
-    """transformers' logits and the gradient of the same masked token log-likelihood."""
-    from transformers import AutoModelForCausalLM
-
-    args = ModelArgs.from_pretrained(hf_path)
-    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
-    tokens, mask = make_batch(args.vocab_size, GLOBAL_BATCH, SEQ)
-    logits = model(tokens).logits
-    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
-    (-(logp * mask).sum() / mask.sum()).backward()
-    grads = hf_mapping.hf_to_megatron({k: p.grad for k, p in model.named_parameters()}, args)
-    return logits.detach(), grads
-
-
 def _check(out_dir, hf_path):
-    ref_logits, ref_grads = _reference(hf_path)
+    ref_logits, ref_grads = transformers_reference(hf_path, GLOBAL_BATCH, SEQ)
     for layout in LAYOUTS:
-        logits = {}
-        for f in glob.glob(os.path.join(out_dir, layout, "logits_rank*.pt")):
-            logits.update(torch.load(f))
+        logits, grads = load_layout_outputs(out_dir, layout)
         assert sorted(logits) == list(range(GLOBAL_BATCH)), layout
         for i in range(GLOBAL_BATCH):
             torch.testing.assert_close(logits[i], ref_logits[i], rtol=0, atol=1e-5,
                                        msg=lambda m: f"{layout} logits: {m}")
-        grads = torch.load(os.path.join(out_dir, layout, "grads.pt"))
         assert set(grads) == set(ref_grads), layout
         for k in ref_grads:
             torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=2e-6,
