@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     user.add_argument("--prompt-field", default="prompt", help="field of the problem text (dotted for nesting)")
     user.add_argument("--answer-field", default="answer", help="field of the gold answer")
     user.add_argument("--metadata-field", action="append", default=[],
-                      help="field copied into metadata (repeatable; countdown needs numbers, mmlu choices)")
+                      help="field copied into metadata, SRC or DST=SRC (repeatable; countdown needs numbers, mmlu choices)")
     user.add_argument("--answer-from-boxed", action="store_true", help="gold = last \\boxed{} of the answer field")
     parser.add_argument("--dedup-against", type=Path, action="append", default=[],
                         help="prepared eval JSONL whose problems are also removed from train data sets")

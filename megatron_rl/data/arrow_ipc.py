@@ -179,7 +179,17 @@ class _BatchReader:
 
 
 def read_arrow_ipc(data: bytes) -> list[dict[str, Any]]:
-    """All rows of an Arrow IPC stream or file (bytes) as dicts, in order."""
+    """All rows of an Arrow IPC stream or file (bytes) as dicts, in order.
+
+    Raises ValueError for an unsupported type and for bytes that are not valid Arrow IPC.
+    """
+    try:
+        return _read(data)
+    except (struct.error, IndexError, KeyError, UnicodeDecodeError, StopIteration, AttributeError) as e:
+        raise ValueError(f"not a valid Arrow IPC stream or file ({type(e).__name__}: {e})") from None
+
+
+def _read(data: bytes) -> list[dict[str, Any]]:
     fields: list[_Field] | None = None
     rows: list[dict[str, Any]] = []
     for msg, body in _messages(data):

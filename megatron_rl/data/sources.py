@@ -96,8 +96,8 @@ def read_user_file(
 ) -> list[TaskExample]:
     """Rows of a user file mapped to TaskExamples.
 
-    ``metadata_fields`` are copied into metadata under their last dotted component (Countdown
-    needs ``numbers`` (and ``target``), MMLU ``choices``). ``answer_from_boxed`` takes the gold from
+    ``metadata_fields`` are copied into metadata under their last dotted component, or under
+    ``dst`` when written ``dst=src`` (Countdown needs ``numbers`` (and ``target``), MMLU ``choices``). ``answer_from_boxed`` takes the gold from
     the last ``\\boxed{}`` of the answer field (a full solution). An integer MMLU answer is turned
     into its letter. Any malformed row raises DataFormatError with the file, line and field.
     """
@@ -126,8 +126,11 @@ def read_user_file(
                 raise DataFormatError(path, where, "no \\boxed{} answer in the solution", field=answer_field)
             answer = boxed.strip()
         metadata = {"source": path.name, "row": where}
-        for name in metadata_fields:
-            metadata[name.split(".")[-1]] = _get_field(row, name, path, where)
+        for spec in metadata_fields:
+            dst, eq, src = spec.partition("=")
+            src = src if eq else spec
+            dst = dst if eq else spec.split(".")[-1]
+            metadata[dst] = _get_field(row, src, path, where)
         examples.append(TaskExample.from_dict(
             {"prompt": prompt, "answer": answer.strip(), "task": task, "metadata": metadata}, path, where))
     return examples
