@@ -57,6 +57,8 @@ class Policy:
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.vocab_start = self.tp_rank * (args.vocab_size // self.tp_size)
         self.params_dtype = params_dtype
         self.trainable = trainable
         model = build_gpt_model(args, tensor_parallel=self.tp_size,
@@ -101,8 +103,8 @@ class Policy:
                          forward_only: bool = False, collect: Callable | None = None) -> list:
         """Run all microbatches through the pipeline schedule.
 
-        microbatches: dicts with "tokens" [b, s] (int64) and optional "position_ids" [b, s]; all
-        of equal shape. loss_fn(batch, logits) -> (loss, metrics dict) with logits the
+        microbatches: dicts with "tokens" [b, s] (int64), optional "position_ids" [b, s] and
+        "attention_mask" [b, 1, s, s] (bool, True = masked out); all of equal shape. loss_fn(batch, logits) -> (loss, metrics dict) with logits the
         vocab-parallel [b, s, V/TP] output; it runs on the last stage only. When `collect` is
         given (forward_only), collect(batch, logits) -> tensor is stored instead of a loss.
         Returns the list of metrics dicts (or collected values) on the last stage, [] elsewhere.
@@ -126,7 +128,8 @@ class Policy:
             tokens = batch["tokens"].to(dev)
             pos = batch.get("position_ids")
             pos = (torch.arange(s, device=dev).expand(b, s) if pos is None else pos.to(dev))
-            out = model(tokens, pos, None)
+            mask = batch.get("attention_mask")
+            out = model(tokens, pos, None if mask is None else mask.to(dev))
             return out, functools.partial(loss_wrapper, batch)
 
         for m in self.model:
@@ -142,6 +145,58 @@ class Policy:
                      model=self.model, num_microbatches=len(microbatches), seq_length=s,
                      micro_batch_size=b, forward_only=forward_only)
         return out if self.is_last_stage else []
+
+    def broadcast_from_last_stage(self, t: torch.Tensor | None, shape, dtype) -> torch.Tensor:
+        """Give every pipeline stage the last stage's tensor `t` (same shape/dtype everywhere)."""
+        from megatron.core import parallel_state as ps
+
+        if self.pp_size == 1:
+            return t
+        dev = next(self.module.parameters()).device
+        buf = t.to(dev).contiguous() if self.is_last_stage else torch.empty(shape, dtype=dtype,
+                                                                              device=dev)
+        dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+        return buf
+
+    def token_logprobs(self, tokens: torch.Tensor, micro_batch_size: int,
+                       temperature: float = 1.0) -> torch.Tensor:
+        """log pi(tokens[:, t+1] | tokens[:, :t+1]) for a right-padded batch: [B, L-1] fp32 on
+        every rank of this pipeline. Forward only, through the one vocab-parallel log-prob op."""
+        from megatron_rl.ops import vocab_parallel_logprobs
+
+        B, L = tokens.shape
+        chunks = [{"tokens": tokens[i:i + micro_batch_size]}
+                  for i in range(0, B, micro_batch_size)]
+        # equal microbatch shapes are required by the pipeline schedule: pad the last one
+        if B % micro_batch_size:
+            pad = micro_batch_size - B % micro_batch_size
+            chunks[-1] = {"tokens": torch.cat([chunks[-1]["tokens"],
+                                               chunks[-1]["tokens"][:1].expand(pad, L)])}
+
+        def collect(batch, logits):
+            return vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:].to(logits.device),
+                                           tp_group=self.tp_group, vocab_start=self.vocab_start,
+                                           temperature=temperature).float()
+
+        outs = self.forward_backward(chunks, None, forward_only=True, collect=collect)
+        out = torch.cat(outs)[:B] if self.is_last_stage else None
+        return self.broadcast_from_last_stage(out, (B, L - 1), torch.float32).cpu()
+
+    def last_token_logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                          position_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [B, V] (fp32) at the last position, on every rank (used by
+        the local rollout engine; TP shards are gathered, PP broadcasts from the last stage)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        def collect(batch, logits):
+            return gather_from_tensor_model_parallel_region(logits[:, -1].float().contiguous())
+
+        batch = {"tokens": tokens, "attention_mask": attention_mask, "position_ids": position_ids}
+        outs = self.forward_backward([batch], None, forward_only=True, collect=collect)
+        out = outs[0] if self.is_last_stage else None
+        return self.broadcast_from_last_stage(out, (tokens.shape[0], self.args.vocab_size),
+                                              torch.float32)
 
     def step(self) -> tuple[bool, float | None]:
         """Optimizer step after forward_backward. Returns (update applied, grad norm)."""

@@ -1,0 +1,75 @@
+"""The typed contract between rollout and training: one RL batch of sampled responses.
+
+Glossary (used everywhere): `rollout_logprobs` (from the engine), `old_logprobs` (behaviour
+policy, recomputed by the trainer), `ref_logprobs` (reference policy), `logprobs` (current
+policy, with grad), `loss_mask` (1 on response tokens), `advantages`.
+
+Shapes: B sequences = num_prompts * group_size, grouped contiguously (the samples of one prompt
+are adjacent, as RLOO/GRPO expect). Sequences are prompt + response, right-padded to L tokens;
+per-token tensors are [B, L-1] and position t scores token t+1 given tokens[:, :t+1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from megatron_rl.rollout.base import Completion
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    tokens: torch.Tensor            # [B, L] int64, right-padded
+    loss_mask: torch.Tensor         # [B, L-1] float, 1 where the target token is a response token
+    rollout_logprobs: torch.Tensor  # [B, L-1] float, engine log-probs at response positions, else 0
+    rewards: torch.Tensor           # [B] task rewards
+    group_size: int
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+    finish_reasons: list[str]
+
+    @property
+    def num_sequences(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, idx: Sequence[int]) -> "RolloutBatch":
+        """Rows `idx` (e.g. a PPO minibatch), keeping the padding length."""
+        idx_t = torch.as_tensor(list(idx), dtype=torch.long)
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        return RolloutBatch(self.tokens[idx_t], self.loss_mask[idx_t],
+                            self.rollout_logprobs[idx_t], self.rewards[idx_t], self.group_size,
+                            pick(self.prompt_lengths), pick(self.response_lengths),
+                            pick(self.finish_reasons))
+
+
+def pack_rollouts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Completion]],
+                  rewards: Sequence[float], pad_token_id: int, pad_to_multiple: int = 8) -> RolloutBatch:
+    """Assemble a RolloutBatch from prompts, their groups of completions and flat rewards [B]."""
+    group_size = len(completions[0])
+    if any(len(g) != group_size for g in completions):
+        raise ValueError("every prompt needs the same number of completions")
+    rows, masks, lps, plens, rlens, reasons = [], [], [], [], [], []
+    for p, group in zip(prompts, completions):
+        for c in group:
+            rows.append(list(p) + list(c.token_ids))
+            plens.append(len(p))
+            rlens.append(len(c.token_ids))
+            reasons.append(c.finish_reason)
+            lps.append(c.rollout_logprobs)
+    L = max(len(r) for r in rows)
+    L = -(-L // pad_to_multiple) * pad_to_multiple
+    B = len(rows)
+    if len(rewards) != B:
+        raise ValueError(f"{len(rewards)} rewards for {B} sequences")
+    tokens = torch.full((B, L), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros(B, L - 1)
+    rollout_lp = torch.zeros(B, L - 1)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = torch.tensor(r)
+        start, n = plens[i] - 1, rlens[i]  # position t predicts token t+1
+        loss_mask[i, start:start + n] = 1.0
+        rollout_lp[i, start:start + n] = torch.tensor(lps[i], dtype=torch.float32)
+    return RolloutBatch(tokens, loss_mask, rollout_lp, torch.tensor(rewards, dtype=torch.float32),
+                        group_size, plens, rlens, reasons)

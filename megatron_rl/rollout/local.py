@@ -1,0 +1,127 @@
+"""The embedded default engine: samples from the training model itself, in its TP/PP layout.
+
+No weight copy and no server: `update_weights` only records the version, because generation
+reads the live parameters. Every data-parallel rank generates for its own prompts; inside a
+model-parallel group all ranks run the same forward (TP shards gathered, PP through the pipeline
+schedule) and the last stage samples, then broadcasts the tokens.
+
+Prompts are left-padded, with position ids counted from each prompt's first real token and an
+attention mask that hides the padding, so each sequence is computed as if alone. Decoding
+recomputes the full prefix at every step (no KV cache): simple and exact, fine for the short
+responses of tests and CPU runs; use the vLLM or SGLang engine for long generations.
+
+rollout_logprobs are log-probs under the temperature-scaled distribution softmax(z / T), before
+top-k / top-p truncation (with T = 1 and no truncation: the policy's own log-probs).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_rl.rollout.base import Completion, SamplingParams
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits [B, V] outside the top-k and the top-p nucleus with -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    return logits
+
+
+class LocalEngine:
+    """Generation with the training `Policy` (megatron_rl.models.policy) itself."""
+
+    def __init__(self, policy, pad_token_id: int = 0):
+        self.policy = policy
+        self.pad_token_id = pad_token_id
+        self.weight_version = 0
+        self._calls = 0
+
+    def update_weights(self, version: int) -> None:
+        self.weight_version = version
+
+    def health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> list[list[Completion]]:
+        """`n` samples for each prompt (token ids). Collective over the model-parallel group."""
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        seqs = [list(p) for p in prompts for _ in range(n)]
+        B, P = len(seqs), max(len(p) for p in seqs)
+        max_len = P + params.max_new_tokens
+        if max_len > self.policy.args.max_position_embeddings:
+            raise ValueError(f"prompt ({P}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                             f"model's max_position_embeddings "
+                             f"({self.policy.args.max_position_embeddings})")
+        tokens = torch.full((B, max_len), self.pad_token_id, dtype=torch.long)
+        valid = torch.zeros(B, max_len, dtype=torch.bool)
+        for i, p in enumerate(seqs):
+            tokens[i, P - len(p):P] = torch.tensor(p)
+            valid[i, P - len(p):P] = True
+        seed = params.seed if params.seed is not None else torch.seed() % (2 ** 31)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + self._calls)
+        self._calls += 1
+        stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
+        finished = torch.zeros(B, dtype=torch.bool)
+        new_logprobs = torch.zeros(B, params.max_new_tokens)
+        lengths = torch.zeros(B, dtype=torch.long)
+        hit_stop = torch.zeros(B, dtype=torch.bool)
+        eye = torch.eye(max_len, dtype=torch.bool)
+        for t in range(params.max_new_tokens):
+            s = P + t
+            v = valid[:, :s]
+            allowed = (torch.ones(s, s, dtype=torch.bool).tril() & v[:, None, :]) | eye[:s, :s]
+            pos = (v.long().cumsum(-1) - 1).clamp(min=0)
+            logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None], pos).cpu()
+            if self.policy.is_last_stage:
+                scaled = logits / max(params.temperature, 1e-6)
+                logp = scaled.log_softmax(-1)
+                if params.temperature <= 1e-6:
+                    nxt = scaled.argmax(-1)
+                else:
+                    probs = _filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+                    nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+                lp = logp.gather(-1, nxt[:, None])[:, 0]
+            else:
+                nxt, lp = torch.zeros(B, dtype=torch.long), torch.zeros(B)
+            nxt = self.policy.broadcast_from_last_stage(nxt, (B,), torch.long).cpu()
+            lp = self.policy.broadcast_from_last_stage(lp, (B,), torch.float32).cpu()
+            active = ~finished
+            tokens[active, s] = nxt[active]
+            valid[active, s] = True
+            new_logprobs[active, t] = lp[active]
+            lengths[active] += 1
+            stopped = active & torch.isin(nxt, stop_ids)
+            hit_stop |= stopped
+            finished |= stopped
+            if bool(finished.all()):
+                break
+        out: list[list[Completion]] = []
+        for i in range(B):
+            n_i = int(lengths[i])
+            c = Completion(token_ids=tokens[i, P:P + n_i].tolist(),
+                           rollout_logprobs=new_logprobs[i, :n_i].tolist(),
+                           finish_reason="stop" if bool(hit_stop[i]) else "length")
+            if i % n == 0:
+                out.append([])
+            out[-1].append(c)
+        return out
+
