@@ -34,3 +34,32 @@ def make_tiny_hf_checkpoint(path: str, family: str = "qwen2", *, tie_word_embedd
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+CHAR_SPECIALS = ("<pad>", "<eos>", "<unk>")
+
+
+def make_char_tokenizer(path: str, vocab_size: int = 128) -> str:
+    """Save a character-level HF tokenizer (printable ASCII + newline, one token per character;
+    <pad>=0, <eos>=1, <unk>=2) to `path`, padded to `vocab_size` entries."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
+    vocab = {t: i for i, t in enumerate(CHAR_SPECIALS)}
+    for c in chars:
+        vocab[c] = len(vocab)
+    if len(vocab) > vocab_size:
+        raise ValueError(f"character vocabulary needs {len(vocab)} entries > {vocab_size}")
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<unused{i}>"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+    os.makedirs(path, exist_ok=True)
+    fast.save_pretrained(path)
+    return path

@@ -1,0 +1,153 @@
+"""Evaluation: mean@k and pass@k per task with any rollout engine.
+
+mean@k = average reward-correctness over k samples per prompt (the paper: mean@32, temperature
+1.0, top_p 1.0); pass@k = fraction of prompts with at least one correct sample among k. Used by
+the trainer (periodic eval) and by `megatron-rl eval`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.rollout.base import SamplingParams
+
+
+def evaluate_engine(engine, records, encode, decode, scorer, k: int, params: SamplingParams,
+                    batch_prompts: int = 16) -> dict:
+    """Per-task {"mean_at_k", "pass_at_k", "num_prompts"} plus "all"; reward >= 1 is correct.
+
+    Collective when the engine is (local engine under TP/PP): every rank passes the same records.
+    """
+    per_task = defaultdict(lambda: [0.0, 0.0, 0])  # sum of mean correctness, passes, prompts
+    for start in range(0, len(records), batch_prompts):
+        chunk = records[start:start + batch_prompts]
+        ids = [encode(r.text) for r in chunk]
+        p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + start})
+        groups = engine.generate(ids, k, p)
+        texts = [decode(c.token_ids) for g in groups for c in g]
+        golds = [r.answer for r in chunk for _ in range(k)]
+        tasks = [r.task for r in chunk for _ in range(k)]
+        metas = [r.metadata for r in chunk for _ in range(k)]
+        rewards, _ = scorer.score_batch(texts, golds, tasks, metas)
+        correct = torch.tensor(rewards).reshape(len(chunk), k) >= 1.0
+        for r, row in zip(chunk, correct):
+            for key in (r.task, "all"):
+                acc = per_task[key]
+                acc[0] += float(row.float().mean())
+                acc[1] += float(row.any())
+                acc[2] += 1
+    return {t: {"mean_at_k": s / n, "pass_at_k": p_ / n, "num_prompts": n}
+            for t, (s, p_, n) in per_task.items()}
+
+
+def _eval_records(rt, limit: int):
+    data = rt.eval_data
+    n = len(data) if not limit else min(limit, len(data))
+    records = [data.record(0, i) for i in range(n)]
+    return records[rt.dp_rank::rt.dp_size]
+
+
+def evaluate(rt, step: int) -> dict:
+    """The trainer's periodic evaluation: flat metrics "eval/<task>/mean_at_k" ... (DP-reduced)."""
+    if rt.eval_data is None:
+        return {}
+    cfg = rt.cfg
+    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                            max_new_tokens=cfg.max_new_tokens, stop_token_ids=rt.stop_ids,
+                            seed=cfg.seed + 104729 + rt.dp_rank)
+    res = evaluate_engine(rt.engine, _eval_records(rt, cfg.eval_max_prompts), rt.encode_prompt,
+                          rt.decode, rt.scorer, cfg.eval_samples, params)
+    out = {}
+    for task in sorted(res):
+        n = res[task]["num_prompts"]
+        vals = torch.tensor([res[task]["mean_at_k"] * n, res[task]["pass_at_k"] * n, n],
+                            dtype=torch.float64)
+        if dist.is_initialized() and rt.dp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            dist.all_reduce(vals, group=ps.get_data_parallel_group())
+        name = "eval" if task == "all" else f"eval/{task}"
+        out[f"{name}/mean_at_k"] = float(vals[0] / vals[2])
+        out[f"{name}/pass_at_k"] = float(vals[1] / vals[2])
+    return out
+
+
+def markdown_table(results: dict, k: int) -> str:
+    lines = [f"| task | prompts | mean@{k} | pass@{k} |", "|---|---|---|---|"]
+    for task in sorted(results, key=lambda t: (t == "all", t)):
+        r = results[task]
+        lines.append(f"| {task} | {r['num_prompts']} | {r['mean_at_k']:.4f} | "
+                     f"{r['pass_at_k']:.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    """`megatron-rl eval`: accuracy table of a HF directory or Megatron checkpoint."""
+    from megatron_rl.data.prompts import PromptBuilder, PromptDataset, load_tokenizer
+    from megatron_rl.models import ModelArgs
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.rewards import RewardScorer
+    from megatron_rl.rollout.local import LocalEngine
+
+    p = argparse.ArgumentParser(prog="megatron-rl eval", description=main.__doc__)
+    p.add_argument("--hf-checkpoint", required=True, help="HF dir (weights unless --load; tokenizer)")
+    p.add_argument("--load", help="Megatron checkpoint root/dir to evaluate instead of HF weights")
+    p.add_argument("--eval-data", nargs="+", required=True)
+    p.add_argument("--samples", type=int, default=32, help="k of mean@k / pass@k")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompts", type=int, default=0)
+    p.add_argument("--chat-template", action="store_true")
+    p.add_argument("--prompt-template", default="{prompt}")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--out", help="write JSON results here")
+    a = p.parse_args(argv)
+    init_distributed(ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size))
+    args = ModelArgs.from_pretrained(a.hf_checkpoint)
+    policy = Policy(args, trainable=False)
+    if a.load:
+        from megatron_rl.checkpoint import load_checkpoint
+        from megatron_rl.convert import resolve_checkpoint
+
+        load_checkpoint(resolve_checkpoint(a.load), policy, with_optimizer=False)
+    else:
+        policy.load_hf(a.hf_checkpoint)
+    tok = load_tokenizer(a.hf_checkpoint)
+    builder = PromptBuilder(tokenizer=tok if a.chat_template else None, template=a.prompt_template,
+                            use_chat_template=a.chat_template)
+    data = PromptDataset.from_jsonl(a.eval_data, builder, shuffle=False)
+    n = len(data) if not a.max_prompts else min(a.max_prompts, len(data))
+    records = [data.record(0, i) for i in range(n)]
+    eos = tok.eos_token_id
+    engine = LocalEngine(policy, pad_token_id=tok.pad_token_id or 0)
+    all_seeds = []
+    with RewardScorer(num_workers=2) as scorer:
+        for seed in a.seeds:
+            params = SamplingParams(temperature=a.temperature, top_p=a.top_p,
+                                    max_new_tokens=a.max_new_tokens,
+                                    stop_token_ids=(eos,) if isinstance(eos, int) else tuple(eos),
+                                    seed=seed)
+            all_seeds.append(evaluate_engine(
+                engine, records,
+                lambda t: tok(t, add_special_tokens=not a.chat_template)["input_ids"],
+                lambda ids: tok.decode(ids, skip_special_tokens=True), scorer, a.samples, params))
+    merged = {t: {m: sum(r[t][m] for r in all_seeds) / len(all_seeds)
+                  for m in ("mean_at_k", "pass_at_k", "num_prompts")} for t in all_seeds[0]}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(markdown_table(merged, a.samples))
+        if a.out:
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            with open(a.out, "w") as f:
+                json.dump({"per_seed": all_seeds, "mean": merged, "k": a.samples,
+                           "seeds": a.seeds}, f, indent=2)
+    destroy_distributed()

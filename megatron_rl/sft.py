@@ -1,0 +1,56 @@
+"""Supervised warm-up: maximise log pi(answer + eos | prompt) with the same Policy machinery as RL.
+
+Used to turn a random tiny model into a weak base model for the CPU demo; works in any TP/PP/DP
+layout like the RL loss (normalised by the global number of answer tokens).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+import torch.distributed as dist
+
+from megatron_rl.batch import pack_rollouts
+from megatron_rl.rollout.base import Completion
+
+
+def sft(policy, pairs: Sequence[tuple[list[int], list[int]]], *, steps: int, batch_size: int,
+        micro_batch_size: int, seed: int = 0, progress: bool = True) -> list[float]:
+    """Train on (prompt ids, target ids) pairs (targets include the stop token). This DP rank
+    uses its share of each global batch. Returns the per-step mean token NLL."""
+    from megatron.core import parallel_state as ps
+    from tqdm import trange
+
+    from megatron_rl.ops import vocab_parallel_logprobs
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rng = random.Random(seed)
+    losses = []
+    show = progress and (not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1)
+    bar = trange(steps, desc="SFT warm-up", disable=not show, dynamic_ncols=True)
+    for _ in bar:
+        chosen = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)][dp_rank::dp]
+        batch = pack_rollouts([p for p, _ in chosen],
+                              [[Completion(t, [0.0] * len(t), "stop")] for _, t in chosen],
+                              [0.0] * len(chosen), pad_token_id=0)
+        n_tok = batch.loss_mask.sum()
+        if dist.is_initialized():
+            dist.all_reduce(n_tok, group=ps.get_data_parallel_group())
+        micro = [{"tokens": batch.tokens[i:i + micro_batch_size],
+                  "loss_mask": batch.loss_mask[i:i + micro_batch_size]}
+                 for i in range(0, len(chosen), micro_batch_size)]
+
+        def loss_fn(mb, logits):
+            logp = vocab_parallel_logprobs(logits[:, :-1], mb["tokens"][:, 1:].to(logits.device),
+                                           tp_group=policy.tp_group, vocab_start=policy.vocab_start)
+            loss = -(logp * mb["loss_mask"]).sum() / n_tok
+            return loss, {"nll_sum": -(logp.detach() * mb["loss_mask"]).sum()}
+
+        out = policy.forward_backward(micro, loss_fn)
+        policy.step()
+        if out:  # last pipeline stage: this DP rank's mean NLL per answer token
+            losses.append(sum(float(o["nll_sum"]) for o in out)
+                          / max(float(batch.loss_mask.sum()), 1.0))
+            bar.set_postfix(nll=f"{losses[-1]:.3f}")
+    return losses

@@ -1,0 +1,194 @@
+"""The RL training loop, top-down:
+
+    rollout -> rewards -> reference log-probs -> advantages (KL in the reward when placed there)
+    -> PPO epochs over minibatches (KL in the loss when placed there) -> weight sync
+    -> periodic eval and save
+
+Launch: `megatron-rl train ...` or `torchrun --nproc-per-node N -m megatron_rl.train ...`.
+Each data-parallel rank generates and scores its share of the prompts; losses are normalised by
+global (all-reduced) token/sequence counts, so results do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl import checkpoint
+from megatron_rl.config import TrainConfig, parse_config
+from megatron_rl.loss import build_advantages, policy_loss
+from megatron_rl.runtime import Runtime, setup_runtime
+from megatron_rl.batch import RolloutBatch, pack_rollouts
+from megatron_rl.evaluation import evaluate
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.mismatch import logprob_mismatch
+
+
+def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
+    """Sample group_size responses for this DP rank's prompts of `step` and score them."""
+    cfg = rt.cfg
+    records = rt.train_data.next_batch(cfg.num_prompts_per_step)[rt.dp_rank::rt.dp_size]
+    prompt_ids = [rt.encode_prompt(r.text) for r in records]
+    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                            max_new_tokens=cfg.max_new_tokens, stop_token_ids=rt.stop_ids,
+                            seed=cfg.seed + 7919 * step + rt.dp_rank)
+    completions = rt.engine.generate(prompt_ids, cfg.group_size, params)
+    texts = [rt.decode(c.token_ids) for group in completions for c in group]
+    expand = lambda xs: [x for x in xs for _ in range(cfg.group_size)]  # noqa: E731
+    rewards, reasons = rt.scorer.score_batch(texts, expand([r.answer for r in records]),
+                                             expand([r.task for r in records]),
+                                             expand([r.metadata for r in records]))
+    batch = pack_rollouts(prompt_ids, completions, rewards, rt.pad_id)
+    # behaviour policy = the weights that generated the batch: recomputed by the trainer now
+    batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, cfg.micro_batch_size)
+    return batch, {f"reward_errors/{k}": v for k, v in reasons.items()}
+
+
+def _global_sum(x: float) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    if dist.is_initialized():
+        from megatron.core import parallel_state as ps
+
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return float(t)
+
+
+def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
+    """Advantages and PPO epochs over minibatches. Returns False when an update was skipped."""
+    cfg, loss_cfg = rt.cfg, rt.loss_cfg
+    # the reference is scored even with --kl-placement none: its KL is always logged
+    ref_lp = rt.reference.token_logprobs(batch.tokens, cfg.micro_batch_size)
+    advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, batch.loss_mask,
+                                  loss_cfg, batch.group_size)
+    rollout_tokens = _global_sum(batch.loss_mask.sum())
+    n = batch.num_sequences
+    per_mb = n // cfg.ppo_minibatches
+    ok_all = True
+    for epoch in range(cfg.ppo_epochs):
+        for mb in range(cfg.ppo_minibatches):
+            idx = list(range(mb * per_mb, (mb + 1) * per_mb))
+            mbatch = batch.select(idx)
+            norm_tokens = (rollout_tokens if loss_cfg.aggregation == "token-sum-over-batch-tokens"
+                           else _global_sum(mbatch.loss_mask.sum()))
+            norm_seqs = _global_sum(len(idx))
+            micro = [_microbatch(batch, advantages, ref_lp, idx[i:i + cfg.micro_batch_size])
+                     for i in range(0, len(idx), cfg.micro_batch_size)]
+
+            def loss_fn(mb_data, logits):
+                from megatron_rl.ops import token_logprobs_and_kl
+
+                out = token_logprobs_and_kl(
+                    logits[:, :-1], mb_data["tokens"][:, 1:].to(logits.device),
+                    tp_group=rt.policy.tp_group, vocab_start=rt.policy.vocab_start,
+                    return_entropy=True)
+                mask = mb_data["loss_mask"]
+                loss, m = policy_loss(out.logprobs, mb_data["old_logprobs"],
+                                      mb_data["advantages"], mask, loss_cfg,
+                                      ref_logprobs=mb_data["ref_logprobs"],
+                                      num_global_tokens=norm_tokens, num_global_seqs=norm_seqs)
+                m["entropy"] = (out.entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+                m["loss"] = loss.detach().clone()
+                m["num_tokens"] = mask.sum()
+                return loss, m
+
+            results = rt.policy.forward_backward(micro, loss_fn)
+            finite = _all_finite(rt, results)
+            if finite:
+                updated, grad_norm = rt.policy.step()
+                metrics["grad_norm"] = grad_norm if grad_norm is not None else float("nan")
+            else:
+                updated = False
+            ok_all &= updated and finite
+            for r in results:
+                w = float(r["num_tokens"])
+                for k in ("pg_loss", "kl_k1", "kl_k3", "clip_fraction", "entropy", "ratio_mean"):
+                    if k in r:
+                        metrics.setdefault("_acc_" + k, []).append((float(r[k]), w))
+    for k in [k for k in metrics if k.startswith("_acc_")]:
+        vals = metrics.pop(k)
+        tot = sum(w for _, w in vals)
+        metrics[k[5:]] = sum(v * w for v, w in vals) / max(tot, 1e-9)
+    # forward KL(pi_ref || pi_theta) per token, estimated on the policy's samples: E[r log r]
+    lr_ = (ref_lp - batch.old_logprobs) * batch.loss_mask
+    metrics["kl_forward"] = float((lr_.exp() * lr_ * batch.loss_mask).sum()
+                                  / batch.loss_mask.sum().clamp(min=1))
+    return ok_all
+
+
+def _microbatch(batch: RolloutBatch, advantages, ref_lp, idx: list[int]) -> dict:
+    t = torch.as_tensor(idx)
+    return {"tokens": batch.tokens[t], "loss_mask": batch.loss_mask[t],
+            "old_logprobs": batch.old_logprobs[t], "advantages": advantages[t],
+            "ref_logprobs": None if ref_lp is None else ref_lp[t]}
+
+
+def _all_finite(rt: Runtime, results: list) -> bool:
+    """True when every rank's loss and gradients are finite (NaN/inf guard)."""
+    bad = any(not math.isfinite(float(r["loss"])) for r in results)
+    for p in rt.policy.parameters():
+        g = getattr(p, "main_grad", None)
+        if g is not None and not bool(torch.isfinite(g).all()):
+            bad = True
+            break
+    flag = torch.tensor([1.0 if bad else 0.0])
+    if dist.is_initialized():
+        dist.all_reduce(flag)
+    return float(flag) == 0.0
+
+
+def train(cfg: TrainConfig) -> dict:
+    rt = setup_runtime(cfg)
+    pending = collections.deque()   # async: batches generated ahead by a stale policy
+    nonfinite_in_row = 0
+    last = {}
+    for step in rt.progress(range(rt.start_step, cfg.train_iters)):
+        t0 = time.perf_counter()
+        while len(pending) <= cfg.async_level:
+            data_state = rt.train_data.state_dict()
+            pending.append((data_state, *generate_batch(rt, step + len(pending))))
+        _, batch, metrics = pending.popleft()
+        t_rollout = time.perf_counter() - t0
+        metrics.update(rt.batch_metrics(batch))
+        metrics.update(logprob_mismatch(batch.rollout_logprobs, batch.old_logprobs,
+                                        batch.loss_mask).as_dict())
+        t1 = time.perf_counter()
+        ok = train_on_batch(rt, batch, metrics)
+        nonfinite_in_row = 0 if ok else nonfinite_in_row + 1
+        metrics["skipped_update"] = float(not ok)
+        if nonfinite_in_row >= cfg.max_nonfinite_steps:
+            rt.log(step, metrics)
+            raise FloatingPointError(f"{nonfinite_in_row} consecutive non-finite updates at step "
+                                     f"{step}: stopping (--max-nonfinite-steps)")
+        t_train = time.perf_counter() - t1
+        rt.engine.update_weights(step + 1)
+        if cfg.ref_reset_interval and (step + 1) % cfg.ref_reset_interval == 0:
+            rt.reset_reference()
+        metrics.update({"time/rollout": t_rollout, "time/train": t_train,
+                        "throughput/tokens_per_s": _global_sum(batch.loss_mask.sum())
+                        / max(time.perf_counter() - t0, 1e-9)})
+        if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
+            metrics.update(evaluate(rt, step + 1))
+        rt.log(step + 1, metrics)
+        last = metrics
+        if cfg.save_interval and (step + 1) % cfg.save_interval == 0:
+            # resume re-generates the pending (async) batches: record the data position before them
+            rt.save(step + 1, data_state=pending[0][0] if pending else None)
+    rt.close()
+    return last
+
+
+def main(argv=None) -> None:
+    cfg = parse_config(argv)
+    train(cfg)
+    from megatron_rl.parallel import destroy_distributed
+
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
