@@ -28,7 +28,10 @@ def _extensions():
         os.environ.get("MEGATRON_RL_FORCE_CUDA") == "1"
         or (torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None)
     )
-    cxx_flags = ["-O3", "-fopenmp", "-std=c++17"]
+    # No -ffast-math: the kernels rely on IEEE rounding (exp range reduction, NaN propagation).
+    # -Wno-psabi: GCC notes that 32-byte vector arguments have an AVX ABI; they never cross
+    # a variant boundary (csrc/logprob_kl_cpu.cpp).
+    cxx_flags = ["-O3", "-fopenmp", "-std=c++20", "-Wno-psabi"]
     if with_cuda:
         ext = cpp_extension.CUDAExtension(
             "megatron_rl._C",

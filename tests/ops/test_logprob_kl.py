@@ -109,6 +109,34 @@ def test_fp32_absolute_accuracy(backend):
     assert _max_err(out.entropy.double(), exact[3]) < 2e-5
 
 
+@pytest.mark.skipif("cpu" not in extension_backends(), reason="no CPU kernel in megatron_rl._C")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_isa_variants_agree(dtype):
+    """The baseline-x86 and AVX2 builds of the CPU kernel give the same numbers (to ~ulps)."""
+    from megatron_rl import _C
+    logits, targets = _inputs(19, 1031, dtype)
+    ref = torch.randn(19) - 7.0
+    weights = [torch.randn(19, dtype=torch.float64) for _ in range(4)]
+    previous = _C.cpu_isa()
+    results = {}
+    try:
+        for isa in ("default", "avx2"):
+            try:
+                _C.set_cpu_isa(isa)
+            except RuntimeError:
+                continue  # this CPU has no AVX2 variant
+            results[isa] = _outputs_and_grad(_ours("cpu", 0.9), logits, targets, ref, weights)
+    finally:
+        _C.set_cpu_isa(previous)
+    if len(results) < 2:
+        pytest.skip("only one CPU kernel variant runs on this machine")
+    (outs_a, grad_a), (outs_b, grad_b) = results["default"], results["avx2"]
+    for a, b in zip(outs_a, outs_b):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grad_a, grad_b, rtol=tol, atol=tol * 1e-2)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_gradcheck_fp64(backend):
     logits, targets = _inputs(3, 7, torch.float64, scale=1.5)

@@ -1,0 +1,238 @@
+// Row kernels of the fused token log-prob op for one x86 instruction-set variant.
+//
+// No include guard on purpose: logprob_kl_cpu.cpp includes this file once per variant, inside
+// `#pragma GCC target(...)` regions, with MRL_ISA naming the namespace (default = baseline
+// x86-64 / SSE2; avx2 = AVX2 + FMA + F16C). The kernels use GCC vector extensions on 8 floats,
+// so each variant compiles to its own instruction set without intrinsics, and dispatch happens
+// once at runtime (see logprob_kl_cpu.cpp). No torch headers here: raw pointers only.
+//
+// Math (per row i, z = logits * inv_t, see megatron_rl/ops/reference.py for the contract):
+//   forward  : row_max = max z, sum_exp = sum exp(z - row_max), ent_w = sum exp(z-m)(z-m),
+//              computed online over L1-sized blocks: the row is read from memory once.
+//   backward : log p = (z - row_max) - shifted_lse, g = -p * (a + b * (log p + H)) * inv_t,
+//              plus a * inv_t at the target; one read of the logits and one write of grad.
+// Sums of a block use 8-lane fp32 accumulators; block totals are added into a double per row.
+
+namespace megatron_rl {
+namespace MRL_ISA {
+
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(32)));
+typedef uint16_t vu16 __attribute__((vector_size(16)));
+
+constexpr int kW = 8;             // lanes per vector
+constexpr int64_t kBlock = 2048;  // floats per block: 8 KiB, stays in L1 between passes
+
+static inline vf splat(float x) { return vf{} + x; }
+
+static inline float hmax(vf v) {
+  float m = v[0];
+  for (int l = 1; l < kW; ++l) m = v[l] > m ? v[l] : m;
+  return m;
+}
+
+static inline double hsum(vf v) {
+  double s = 0.0;
+  for (int l = 0; l < kW; ++l) s += v[l];
+  return s;
+}
+
+// exp(x) for x <= ~0 (all our uses: z - max, log p). Cody-Waite reduction x = k ln2 + r,
+// |r| <= ln2/2, degree-7 Taylor polynomial (truncation < 5e-9 relative), scale by 2^k through
+// the exponent bits. x < -87 returns 0 (below FLT_MIN; irrelevant next to a sum >= 1);
+// -inf gives 0 and NaN propagates.
+static inline vf vexp(vf x) {
+  const vi underflow = x < -87.0f;
+  vf xc = underflow ? splat(-87.0f) : x;
+  xc = xc > 88.0f ? splat(88.0f) : xc;
+  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting rounds to integer
+  const vf k = (xc * 1.44269504088896341f + kRound) - kRound;
+  vf r = xc - k * 0.693359375f;      // ln2 high part (exact in few bits)
+  r = r - k * -2.12194440e-4f;       // ln2 low part
+  vf p = splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vi ki = __builtin_convertvector(k, vi);
+  const vf scale = (vf)((ki + 127) << 23);
+  const vf y = p * scale;
+  return underflow ? splat(0.0f) : y;
+}
+
+// ---- loads / stores of 8 elements, and scalar conversions for row tails -------------------
+// Element types: float, uint16_t holding bf16 bits, _Float16.
+static inline vf load8(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+static inline vf load8(const uint16_t* p) {
+  vu16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+static inline vf load8(const _Float16* p) {
+#ifdef MRL_HAVE_F16C
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vf v;
+  for (int l = 0; l < kW; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
+static inline void store8(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+static inline void store8(uint16_t* p, vf v) {
+  // Round to nearest even; NaN stays a (quiet) NaN.
+  const vu u = (vu)v;
+  vu r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  r = (v != v) ? vu{} + 0x7FC0u : r;
+  const vu16 h = __builtin_convertvector(r, vu16);
+  std::memcpy(p, &h, sizeof(h));
+}
+static inline void store8(_Float16* p, vf v) {
+#ifdef MRL_HAVE_F16C
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int l = 0; l < kW; ++l) p[l] = static_cast<_Float16>(v[l]);
+#endif
+}
+
+static inline float to_float(float v) { return v; }
+static inline float to_float(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+static inline float to_float(_Float16 v) { return static_cast<float>(v); }
+
+template <typename T>
+static inline void load_partial(const T* p, int64_t n, float* out, float pad) {
+  alignas(32) T tmp[kW] = {};
+  for (int64_t l = 0; l < n; ++l) tmp[l] = p[l];
+  store8(out, load8(tmp));
+  for (int64_t l = n; l < kW; ++l) out[l] = pad;
+}
+template <typename T>
+static inline void store_partial(T* p, int64_t n, const float* in) {
+  alignas(32) T tmp[kW];
+  store8(tmp, load8(in));
+  for (int64_t l = 0; l < n; ++l) p[l] = tmp[l];
+}
+
+// buf[0, n) = x[0, n) * inv_t in fp32; buf[n, round_up(n, 2 kW)) = pad. Returns padded length.
+template <typename T>
+static inline int64_t load_block(const T* x, int64_t n, float inv_t, float* buf, float pad) {
+  const vf vinv = splat(inv_t);
+  int64_t j = 0;
+  for (; j + kW <= n; j += kW) store8(buf + j, load8(x + j) * vinv);
+  if (j < n) {
+    load_partial(x + j, n - j, buf + j, 0.0f);
+    store8(buf + j, load8(buf + j) * vinv);
+    for (int64_t l = n - j; l < kW; ++l) buf[j + l] = pad;
+    j += kW;
+  }
+  const int64_t padded = (n + 2 * kW - 1) / (2 * kW) * (2 * kW);
+  for (; j < padded; ++j) buf[j] = pad;
+  return padded;
+}
+
+// ---- forward partials ----------------------------------------------------------------------
+template <typename T, bool kEntropy>
+void partials_rows(const T* logits, const int64_t* targets, int64_t row_begin, int64_t row_end,
+                   int64_t vocab, int64_t vocab_start, float inv_t, float* row_max,
+                   float* sum_exp, float* target_z, float* ent_w) {
+  alignas(32) float buf[kBlock + 2 * kW];
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    const T* x = logits + i * vocab;
+    float m = -INFINITY;
+    double s = 0.0, w = 0.0;
+    for (int64_t j0 = 0; j0 < vocab; j0 += kBlock) {
+      const int64_t n = std::min(kBlock, vocab - j0);
+      const int64_t padded = load_block(x + j0, n, inv_t, buf, -INFINITY);
+      vf mx0 = splat(-INFINITY), mx1 = mx0;
+      for (int64_t j = 0; j < padded; j += 2 * kW) {
+        const vf a = load8(buf + j), b = load8(buf + j + kW);
+        mx0 = a > mx0 ? a : mx0;
+        mx1 = b > mx1 ? b : mx1;
+      }
+      const float bm = hmax(mx0 > mx1 ? mx0 : mx1);
+      if (bm > m) {  // online softmax: move the running sums to the new max
+        if (s > 0.0) {
+          const double delta = static_cast<double>(m) - bm;
+          const double c = std::exp(delta);
+          if (kEntropy) w = c * (w + delta * s);
+          s *= c;
+        }
+        m = bm;
+      }
+      // Padding contributes exp(-1000) = 0 and a finite (z - m), so 0 to both sums.
+      for (int64_t j = n; j < padded; ++j) buf[j] = m - 1000.0f;
+      const vf vm = splat(m);
+      vf s0 = vf{}, s1 = vf{}, w0 = vf{}, w1 = vf{};
+      for (int64_t j = 0; j < padded; j += 2 * kW) {
+        const vf d0 = load8(buf + j) - vm, d1 = load8(buf + j + kW) - vm;
+        const vf e0 = vexp(d0), e1 = vexp(d1);
+        s0 += e0;
+        s1 += e1;
+        if (kEntropy) {
+          w0 += e0 * d0;
+          w1 += e1 * d1;
+        }
+      }
+      s += hsum(s0 + s1);
+      if (kEntropy) w += hsum(w0 + w1);
+    }
+    row_max[i] = m;
+    sum_exp[i] = static_cast<float>(s);
+    if (kEntropy) ent_w[i] = static_cast<float>(w);
+    const int64_t t = targets[i] - vocab_start;
+    if (t >= 0 && t < vocab) {
+      target_z[i] = to_float(x[t]) * inv_t;  // exact conversion, same product as the vector path
+    } else {
+      target_z[i] = 0.0f;
+    }
+  }
+}
+
+// ---- backward ------------------------------------------------------------------------------
+template <typename T, bool kEntropy>
+void grad_rows(const T* logits, const int64_t* targets, int64_t row_begin, int64_t row_end,
+               int64_t vocab, int64_t vocab_start, float inv_t, const float* row_max,
+               const float* shifted_lse, const float* grad_coef, const float* entropy_grad,
+               const float* entropy, T* grad) {
+  alignas(32) float buf[kBlock + 2 * kW];
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    const T* x = logits + i * vocab;
+    T* g = grad + i * vocab;
+    const float a = grad_coef[i];
+    const vf vm = splat(row_max[i]), vls = splat(shifted_lse[i]);
+    const vf va = splat(a), vinv = splat(inv_t);
+    const vf vb = splat(kEntropy ? entropy_grad[i] : 0.0f);
+    const vf vh = splat(kEntropy ? entropy[i] : 0.0f);
+    const int64_t t = targets[i] - vocab_start;
+    for (int64_t j0 = 0; j0 < vocab; j0 += kBlock) {
+      const int64_t n = std::min(kBlock, vocab - j0);
+      const int64_t padded = load_block(x + j0, n, inv_t, buf, 0.0f);
+      for (int64_t j = 0; j < padded; j += kW) {
+        const vf logp = (load8(buf + j) - vm) - vls;
+        const vf p = vexp(logp);
+        const vf coef = kEntropy ? va + vb * (logp + vh) : va;
+        store8(buf + j, -(p * coef) * vinv);
+      }
+      if (t >= j0 && t < j0 + n) buf[t - j0] += a * inv_t;  // the one-hot term
+      int64_t j = 0;
+      for (; j + kW <= n; j += kW) store8(g + j0 + j, load8(buf + j));
+      if (j < n) store_partial(g + j0 + j, n - j, buf + j);
+    }
+  }
+}
+
+}  // namespace MRL_ISA
+}  // namespace megatron_rl

@@ -1,0 +1,227 @@
+"""Benchmark: token log-probs + K3 against a reference, forward and forward+backward.
+
+Side by side, on the same inputs, for each (N tokens, V vocab) in a grid:
+  naive     PyTorch: fp32 log_softmax, gather, K3 (materializes [N, V] fp32 log-probs)
+  mcore     megatron-core `vocab_parallel_cross_entropy` (TP=1 via parallel_state over a
+            1-rank gloo/nccl group), log p = -CE, K3 in PyTorch
+  ours-*    megatron_rl.ops.token_logprobs_and_kl with each available backend
+Reported per case: forward time (scoring under torch.no_grad, as for old/ref log-probs),
+forward+backward time (training; loss = sum(logp) + 0.1 * sum(k3), so both gradient paths
+run), and peak extra memory of forward+backward, each with its ratio to mcore.
+
+Memory is the allocator-level peak of live tensor bytes above what was allocated before the
+call (the logits and targets): on CPU from the torch profiler's memory events (every
+allocation and free through c10's CPU allocator, in time order, summed, max taken); on CUDA
+from torch.cuda.max_memory_allocated. It includes the grad_logits output (same size for all
+methods in the logits dtype, plus whatever casts a method adds). The C++ kernels allocate
+nothing outside torch tensors except an 8 KiB stack buffer per thread.
+
+Usage:
+  OMP_NUM_THREADS=2 python tools/bench_logprob_kl.py --threads 2            # CPU grid
+  python tools/bench_logprob_kl.py --device cuda                             # GPU grid
+  ... --out benchmarks/RESULTS.md    appends a markdown section with device, versions, command
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_rl.ops import extension_backends, token_logprobs_and_kl  # noqa: E402
+
+# Nominal HBM bandwidth (GB/s) by device-name substring, for the "fraction of bound" column.
+HBM_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0,
+            "H100": 3350.0, "A100": 2039.0}
+
+
+def naive(logits, targets, ref):
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    log_ratio = ref - logp
+    return logp, torch.exp(log_ratio) - 1 - log_ratio
+
+
+def mcore(logits, targets, ref):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    n, v = logits.shape
+    logp = -vocab_parallel_cross_entropy(logits.view(n, 1, v), targets.view(n, 1)).view(n)
+    log_ratio = ref - logp
+    return logp, torch.exp(log_ratio) - 1 - log_ratio
+
+
+def ours(backend):
+    def fn(logits, targets, ref):
+        out = token_logprobs_and_kl(logits, targets, ref_logprobs=ref, backend=backend)
+        return out.logprobs, out.k3
+    return fn
+
+
+def init_megatron(device):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_once(fn, logits, targets, ref, backward):
+    if not backward:
+        with torch.no_grad():
+            fn(logits, targets, ref)
+        return
+    x = logits.requires_grad_(True)
+    logp, k3 = fn(x, targets, ref)
+    (logp.sum() + 0.1 * k3.sum()).backward()
+    x.grad = None
+    x.requires_grad_(False)
+
+
+def time_it(fn, logits, targets, ref, backward, device, reps):
+    run_once(fn, logits, targets, ref, backward)  # warm-up
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        run_once(fn, logits, targets, ref, backward)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_extra_bytes(fn, logits, targets, ref, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run_once(fn, logits, targets, ref, True)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_once(fn, logits, targets, ref, True)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--tokens", type=int, nargs="+", help="N grid")
+    parser.add_argument("--vocab", type=int, nargs="+", help="V grid")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--skip", nargs="*", default=[], help="methods to skip, e.g. naive")
+    parser.add_argument("--hbm-gbps", type=float, default=None, help="override HBM bound")
+    parser.add_argument("--out", default=None, help="append a markdown section to this file")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gpu = device.type == "cuda"
+    tokens = args.tokens or ([4096, 8192, 16384, 32768] if gpu else [512, 2048])
+    vocabs = args.vocab or ([32000, 152064] if gpu else [32000, 152064 // 4])
+    reps = args.reps or (10 if gpu else 3)
+    dtype = getattr(torch, args.dtype)
+
+    methods = {"naive": naive}
+    try:
+        init_megatron(device)
+        methods["mcore"] = mcore
+    except Exception as exc:  # noqa: BLE001 - report and go on without the baseline
+        print(f"megatron-core baseline unavailable: {exc!r}", file=sys.stderr)
+    methods["ours-torch"] = ours("torch")
+    for b in extension_backends():
+        if b == device.type:
+            methods[f"ours-{b}"] = ours(b)
+    methods = {k: v for k, v in methods.items() if k not in args.skip}
+
+    hbm = args.hbm_gbps
+    if gpu and hbm is None:
+        name = torch.cuda.get_device_name()
+        hbm = next((bw for key, bw in HBM_GBPS.items() if key in name), None)
+
+    header = ("| N | V | method | fwd ms | fwd+bwd ms | peak extra MiB | fwd x mcore | "
+              "fwd+bwd x mcore | mem / mcore |" + (" fwd+bwd GB/s | % HBM |" if gpu else ""))
+    rows = [header, "|" + "---|" * (header.count("|") - 1)]
+    print(header, flush=True)
+    gen = torch.Generator().manual_seed(0)
+    for n in tokens:
+        for v in vocabs:
+            logits = (torch.randn(n, v, generator=gen) * 2).to(dtype).to(device)
+            targets = torch.randint(0, v, (n,), generator=gen).to(device)
+            ref = (-torch.rand(n, generator=gen) * 10).to(device)
+            results = {}
+            for name, fn in methods.items():
+                try:
+                    fwd = time_it(fn, logits, targets, ref, False, device, reps)
+                    both = time_it(fn, logits, targets, ref, True, device, reps)
+                    mem = peak_extra_bytes(fn, logits, targets, ref, device)
+                    results[name] = (fwd, both, mem)
+                except torch.OutOfMemoryError:
+                    results[name] = None
+                    if gpu:
+                        torch.cuda.empty_cache()
+            base = results.get("mcore")
+            for name, res in results.items():
+                if res is None:
+                    line = f"| {n} | {v} | {name} | OOM | OOM | OOM | | | |" + (" | |" if gpu else "")
+                else:
+                    fwd, both, mem = res
+                    ratio = lambda a, b: f"{b / a:.2f}x" if base else ""  # noqa: E731 speedup
+                    mem_ratio = f"{mem / base[2]:.3f}" if base else ""
+                    line = (f"| {n} | {v} | {name} | {fwd * 1e3:.2f} | {both * 1e3:.2f} | "
+                            f"{mem / 2**20:.1f} | {ratio(fwd, base[0]) if base else ''} | "
+                            f"{ratio(both, base[1]) if base else ''} | {mem_ratio} |")
+                    if gpu:
+                        # One read in forward, one read + one write in backward.
+                        gbps = 3 * n * v * logits.element_size() / both / 1e9
+                        line += f" {gbps:.0f} | {100 * gbps / hbm:.0f}% |" if hbm else f" {gbps:.0f} | |"
+                print(line, flush=True)
+                rows.append(line)
+            del logits
+
+    if args.out:
+        ext = extension_backends()
+        isa = ""
+        if "cpu" in ext:
+            from megatron_rl import _C
+            isa = f", CPU kernel variant {_C.cpu_isa()}"
+        import megatron.core
+        dev = (torch.cuda.get_device_name() if gpu else
+               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+        cmd = " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "unset"),
+                        "python"] + sys.argv)
+        with open(args.out, "a") as f:
+            f.write(f"\n## {device.type.upper()} {args.dtype}, {time.strftime('%Y-%m-%d')}\n\n")
+            f.write(f"- device: {dev}; torch threads {torch.get_num_threads()}{isa}\n")
+            f.write(f"- torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
+                    f"python {platform.python_version()}, extension backends {list(ext)}\n")
+            f.write(f"- command: `{cmd}`\n- median of {reps} runs after one warm-up; "
+                    f"x mcore = mcore time / method time (higher is faster); "
+                    f"mem / mcore = peak extra memory ratio (lower is better)\n\n")
+            f.write("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
