@@ -8,10 +8,11 @@ hand-written recursive-descent parser over a whitelisted grammar, evaluated exac
     equation := expr [ "=" integer ]          # an optional "= target" suffix is tolerated
     expr     := term  (("+" | "-") term)*
     term     := atom  (("*" | "/") atom)*
-    atom     := integer | "(" expr ")"
+    atom     := integer | "(" expr ")" | "-" atom
 
-Only binary + - * / on the given numbers (``x``/``×`` and ``÷`` are read as * and /); no unary
-minus, no exponent, no decimals, so values stay bounded by the input length. Limits: the
+Only + - * / on the given numbers (``x``/``×`` and ``÷`` are read as * and /). A unary minus is
+accepted (reasoning-gym's own solutions write ``-50 + ...``; it makes nothing solvable that
+``... - 50`` does not); no exponent, no decimals, so values stay bounded by the input length. Limits: the
 answer is at most ``MAX_ANSWER_CHARS`` characters, parentheses nest at most ``MAX_DEPTH``
 deep, a literal has at most ``MAX_DIGITS`` digits.
 
@@ -117,6 +118,10 @@ class _Parser:
 
     def atom(self, depth: int) -> Fraction:
         tok = self._take()
+        if tok == "-":
+            if depth + 1 > MAX_DEPTH:
+                raise CountdownSyntaxError(f"expression nested deeper than {MAX_DEPTH}")
+            return -self.atom(depth + 1)
         if tok == "(":
             if depth + 1 > MAX_DEPTH:
                 raise CountdownSyntaxError(f"parentheses nested deeper than {MAX_DEPTH}")

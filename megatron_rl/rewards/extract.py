@@ -70,9 +70,8 @@ def last_answer_tag(text: str) -> str | None:
 
 
 # "Answer: C", "answer is (C)", "\boxed{C}", "**C**" ... ; the last standalone A-D letter wins.
-_LETTER_CUES = re.compile(
-    r"(?:answer\s*(?:is|:)?\s*[:\-]?\s*\(?\s*|\\boxed\{\s*(?:\\text\{)?\s*)([A-Da-d])\b", re.IGNORECASE
-)
+# The cue is case-insensitive, the letter is not: "the answer is a function" names no choice.
+_LETTER_CUES = re.compile(r"(?i:answer\s*(?:is|:)?\s*[:\-]?\s*\(?\s*|\\boxed\{\s*(?:\\text\{)?\s*)([A-J])\b")
 _STANDALONE_LETTER = re.compile(r"(?<![A-Za-z0-9])\(?([A-D])\)?(?![A-Za-z0-9])")
 
 
@@ -88,7 +87,7 @@ def last_choice_letter(text: str, num_choices: int = 4) -> str | None:
         inner = boxed.replace("\\text{", "").replace("}", "").strip().strip("().").upper()
         if len(inner) == 1 and inner in valid:
             return inner
-    cued = [m.group(1).upper() for m in _LETTER_CUES.finditer(text)]
+    cued = [m.group(1) for m in _LETTER_CUES.finditer(text)]
     cued = [c for c in cued if c in valid]
     if cued:
         return cued[-1]

@@ -194,14 +194,18 @@ class VerifierPool:
         if self._closed:
             return
         self._closed = True
+        stopping = []
         for w in self._workers:
             try:
-                if w.ready and w.job_id is None:
+                if w.ready and w.job_id is None:  # idle: ask it to exit
                     w.conn.send(None)
+                    stopping.append(w)
+                    continue
             except OSError:
                 pass
+            self._kill(w)  # busy or still starting: nothing to wait for
         deadline = time.monotonic() + 2.0
-        for w in self._workers:
+        for w in stopping:
             try:
                 w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -29,7 +29,8 @@ def test_other_extractors():
     assert last_answer_tag("<answer>1</answer> and <ANSWER> 2+3 </answer>") == "2+3"
     assert last_answer_tag("<answer>unclosed") is None
     assert last_choice_letter("A is wrong; the answer is (C).") == "C"
-    assert last_choice_letter("Answer: b") == "B"
+    assert last_choice_letter("ANSWER: B") == "B"
+    assert last_choice_letter("The answer is a function of C. So B") == "B"
     assert last_choice_letter(r"\boxed{D}") == "D"
     assert last_choice_letter("A cat sat. I pick B") == "B"
     assert last_choice_letter("Always Excellent") is None
@@ -67,6 +68,7 @@ def test_countdown_known_answers():
     # exact fractions: 7 / (3 - 5/2) = 14, no float rounding
     assert check_countdown("7 / (3 - 5/2)", [7, 3, 5, 2], 14)
     assert not check_countdown("1 / 3 * 3", [1, 3, 4], 1)  # 3 used twice
+    assert check_countdown("-50 + (84*(26 + 2) + 83)/5", [50, 84, 26, 2, 83, 5], 437)  # reasoning-gym style
 
 
 def test_countdown_require_all_and_format_reward():
@@ -82,7 +84,7 @@ def test_countdown_require_all_and_format_reward():
 
 
 @pytest.mark.parametrize("answer", [
-    "__import__('os').system('true')", "eval('1')", "9**9**9**9", "2^3", "-3 + 25", "1.5 * 2",
+    "__import__('os').system('true')", "eval('1')", "9**9**9**9", "2^3", "-" * 40 + "3", "1.5 * 2", "+3",
     "(" * 40 + "1" + ")" * 40, "1" * 13, "1 +" * 200 + "1", "abs(3)", "3 5", "",
 ])
 def test_countdown_grammar_rejects(answer):
@@ -94,7 +96,7 @@ def test_mmlu_and_numeric_known_answers():
     mmlu = get_reward_fn("mmlu")
     meta = {"choices": ["w", "x", "y", "z"]}
     assert mmlu("Thinking... Answer: C", "C", meta) == 1.0
-    assert mmlu("The answer is (b)", "B", meta) == 1.0
+    assert mmlu("The answer is (B)", "B", meta) == 1.0
     assert mmlu("Answer: A", "C", meta) == 0.0
     assert mmlu("I cannot tell", "C", meta) == 0.0
     gsm = get_reward_fn("gsm8k")
