@@ -2,7 +2,8 @@
 
 Markers: `distributed` (spawns processes / torch.distributed over gloo), `gpu` (needs CUDA;
 skipped with a reason where it is absent), `slow` (deselect with -m "not slow"), `network`
-(needs PyPI; skipped unless `--run-network` or MEGATRON_RL_NETWORK_TESTS=1).
+(needs PyPI; skipped unless `--run-network` or MEGATRON_RL_NETWORK_TESTS=1), `server` (starts
+real vLLM / SGLang server processes from their own venvs; skipped with a reason when absent).
 """
 import os
 
@@ -20,6 +21,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when none is present")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
     config.addinivalue_line("markers", "network: needs PyPI; skipped unless --run-network")
+    config.addinivalue_line("markers", "server: starts real rollout server processes (vLLM / SGLang "
+                            "venvs); skipped with a reason when a venv is absent")
 
 
 def pytest_collection_modifyitems(config, items):
