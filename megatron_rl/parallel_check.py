@@ -58,7 +58,8 @@ def load_layout_outputs(out_dir: str, layout: str):
 
 
 def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch: int,
-               seq_len: int, micro_batch: int, load: str | None = None) -> None:
+               seq_len: int, micro_batch: int, load: str | None = None,
+               rl_configs: list[str] = ()) -> None:
     """One layout. Weights come from a HF directory (`hf_path`) or a Megatron checkpoint
     (`load`, saved in any layout: this exercises dist_checkpointing resharding)."""
     import torch.distributed as dist
@@ -116,7 +117,51 @@ def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch
     if grads is not None:
         torch.save(grads, os.path.join(layout_dir, "grads.pt"))
     dist.barrier()
+    if rl_configs:
+        _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, rl_configs, layout_dir)
     ps.destroy_model_parallel()
+
+
+RL_CONFIGS = [f"{e}:{p}" for e in ("k1", "k3") for p in ("reward", "loss", "reward+loss")] + [
+    "k1:none"]
+
+
+def rl_batch(policy, tokens, mask, group_size: int = 2, seed: int = 0):
+    """A deterministic RL batch on `tokens`: on-policy old log-probs (recomputed in this layout),
+    a perturbed reference, random 0/1 rewards."""
+    g = torch.Generator().manual_seed(seed)
+    old = policy.token_logprobs(tokens, micro_batch_size=tokens.shape[0])
+    ref = old + 0.3 * torch.randn(old.shape, generator=g)
+    rewards = (torch.rand(tokens.shape[0], generator=g) < 0.5).float()
+    return old, ref, rewards, group_size
+
+
+def _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, configs, layout_dir):
+    """For each "estimator:placement", one forward/backward of the trainer's RL loss on this DP
+    rank's share; full gradients and the summed loss written to <layout_dir>/rl_<config>.pt."""
+    import torch.distributed as dist
+
+    from megatron_rl.kl import KLConfig
+    from megatron_rl.loss import LossConfig, build_advantages
+    from megatron_rl.train import make_rl_loss_fn
+
+    old, ref, rewards, group_size = rl_batch(policy, tokens, mask)
+    for spec in configs:
+        estimator, placement = spec.split(":")
+        cfg = LossConfig(kl=KLConfig(estimator=estimator, placement=placement, coef=0.5))
+        adv = build_advantages(rewards, old, ref, mask, cfg, group_size)
+        micro = [{"tokens": tokens[j], "loss_mask": mask[j], "old_logprobs": old[j],
+                  "advantages": adv[j], "ref_logprobs": ref[j]}
+                 for j in (idx[i:i + micro_batch] for i in range(0, len(idx), micro_batch))]
+        loss_fn = make_rl_loss_fn(policy, cfg, float(mask.sum()), float(tokens.shape[0]))
+        results = policy.forward_backward(micro, loss_fn)
+        loss = torch.tensor([sum(float(r["loss"]) for r in results)], dtype=torch.float64)
+        dist.all_reduce(loss)  # DP ranks' shares add up; first stages hold 0; TP ranks repeat it
+        loss /= policy.tp_size
+        grads = policy.full_grads(dst=0)
+        if grads is not None:
+            torch.save({"loss": float(loss), "grads": grads},
+                       os.path.join(layout_dir, f"rl_{spec.replace('+', '_')}.pt"))
 
 
 def main(argv=None) -> None:
@@ -129,13 +174,16 @@ def main(argv=None) -> None:
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--seq-length", type=int, default=16)
+    p.add_argument("--rl-configs", default="", help='also run the RL loss for these comma-separated '
+                   '"estimator:placement" configs ("all" for the standard set)')
     a = p.parse_args(argv)
     import torch.distributed as dist
 
     for layout in a.layouts.split(","):
         tp, pp = (int(x) for x in layout.lower().split("x"))
+        configs = RL_CONFIGS if a.rl_configs == "all" else [c for c in a.rl_configs.split(",") if c]
         run_layout(a.hf, tp, pp, a.out, a.global_batch_size, a.seq_length, a.micro_batch_size,
-                   load=a.load)
+                   load=a.load, rl_configs=configs)
     if dist.is_initialized():
         dist.destroy_process_group()
 

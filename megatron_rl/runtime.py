@@ -140,6 +140,11 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
     if cfg.num_prompts_per_step % (dp * cfg.ppo_minibatches):
         raise ValueError(f"--num-prompts-per-step {cfg.num_prompts_per_step} must be divisible by "
                          f"data-parallel size {dp} x --ppo-minibatches {cfg.ppo_minibatches}")
+    per_minibatch = cfg.num_prompts_per_step // (dp * cfg.ppo_minibatches) * cfg.group_size
+    if per_minibatch % cfg.micro_batch_size and cfg.pipeline_model_parallel_size > 1:
+        raise ValueError(f"--micro-batch-size {cfg.micro_batch_size} must divide the {per_minibatch} "
+                         "sequences of a minibatch per data-parallel rank under pipeline "
+                         "parallelism (all microbatches need one shape)")
     os.makedirs(cfg.save, exist_ok=True)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     args = ModelArgs.from_pretrained(cfg.hf_checkpoint)

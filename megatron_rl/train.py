@@ -79,23 +79,7 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
             micro = [_microbatch(batch, advantages, ref_lp, idx[i:i + cfg.micro_batch_size])
                      for i in range(0, len(idx), cfg.micro_batch_size)]
 
-            def loss_fn(mb_data, logits):
-                from megatron_rl.ops import token_logprobs_and_kl
-
-                out = token_logprobs_and_kl(
-                    logits[:, :-1], mb_data["tokens"][:, 1:].to(logits.device),
-                    tp_group=rt.policy.tp_group, vocab_start=rt.policy.vocab_start,
-                    return_entropy=True)
-                mask = mb_data["loss_mask"]
-                loss, m = policy_loss(out.logprobs, mb_data["old_logprobs"],
-                                      mb_data["advantages"], mask, loss_cfg,
-                                      ref_logprobs=mb_data["ref_logprobs"],
-                                      num_global_tokens=norm_tokens, num_global_seqs=norm_seqs)
-                m["entropy"] = (out.entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
-                m["loss"] = loss.detach().clone()
-                m["num_tokens"] = mask.sum()
-                return loss, m
-
+            loss_fn = make_rl_loss_fn(rt.policy, loss_cfg, norm_tokens, norm_seqs)
             results = rt.policy.forward_backward(micro, loss_fn)
             finite = _all_finite(rt, results)
             if finite:
@@ -118,6 +102,28 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
     metrics["kl_forward"] = float((lr_.exp() * lr_ * batch.loss_mask).sum()
                                   / batch.loss_mask.sum().clamp(min=1))
     return ok_all
+
+
+def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs: float):
+    """The loss function handed to the pipeline schedule: vocab-parallel log-probs and entropy
+    of the current policy from the logits, then megatron_rl.loss.policy_loss. The microbatch
+    dict carries tokens, loss_mask, old_logprobs, advantages and ref_logprobs (see _microbatch)."""
+    from megatron_rl.ops import token_logprobs_and_kl
+
+    def loss_fn(mb, logits):
+        out = token_logprobs_and_kl(logits[:, :-1], mb["tokens"][:, 1:].to(logits.device),
+                                    tp_group=policy.tp_group, vocab_start=policy.vocab_start,
+                                    return_entropy=True)
+        mask = mb["loss_mask"]
+        loss, m = policy_loss(out.logprobs, mb["old_logprobs"], mb["advantages"], mask, loss_cfg,
+                              ref_logprobs=mb["ref_logprobs"],
+                              num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
+        m["entropy"] = (out.entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+        m["loss"] = loss.detach().clone()  # clone: the schedule scales the loss in place
+        m["num_tokens"] = mask.sum()
+        return loss, m
+
+    return loss_fn
 
 
 def _microbatch(batch: RolloutBatch, advantages, ref_lp, idx: list[int]) -> dict:

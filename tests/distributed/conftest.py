@@ -13,7 +13,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def torchrun():
     """torchrun(nproc, [args...], timeout=...) runs `python -m torch.distributed.run` and fails
     the test with the ranks' output when it exits non-zero."""

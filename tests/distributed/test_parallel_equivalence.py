@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.models import ModelArgs, hf_mapping
-from megatron_rl.parallel_check import load_layout_outputs, transformers_reference
+from megatron_rl.parallel_check import RL_CONFIGS, load_layout_outputs, transformers_reference
 
 pytestmark = pytest.mark.distributed
 LAYOUTS = ["1x1", "2x1", "1x2", "2x2"]
@@ -29,10 +29,41 @@ def _check(out_dir, hf_path):
                                        msg=lambda m: f"{layout} grad {k}: {m}")
 
 
-def test_qwen2_layouts_match_single_rank_and_transformers(tiny_qwen2, tmp_path, torchrun):
-    torchrun(4, ["-m", "megatron_rl.parallel_check", "--hf", tiny_qwen2, "--out", str(tmp_path),
-                 "--layouts", ",".join(LAYOUTS)])
-    _check(str(tmp_path), tiny_qwen2)
+@pytest.fixture(scope="module")
+def qwen2_run(tiny_qwen2, tmp_path_factory, torchrun):
+    """One 4-rank launch: every layout, the NLL loss and every KL placement of the RL loss."""
+    out = tmp_path_factory.mktemp("qwen2_layouts")
+    torchrun(4, ["-m", "megatron_rl.parallel_check", "--hf", tiny_qwen2, "--out", str(out),
+                 "--layouts", ",".join(LAYOUTS), "--rl-configs", "all"], timeout=600)
+    return str(out)
+
+
+def test_qwen2_layouts_match_single_rank_and_transformers(qwen2_run, tiny_qwen2):
+    _check(qwen2_run, tiny_qwen2)
+
+
+@pytest.mark.parametrize("config", RL_CONFIGS)
+def test_every_kl_placement_same_loss_and_grads_across_layouts(qwen2_run, config):
+    """The trainer's RL loss (policy_loss through the vocab-parallel op, with the KL placed in the
+    reward, the loss, both or nowhere) gives the TP=1 loss and gradients at TP2, PP2, TP2xPP2."""
+    name = f"rl_{config.replace('+', '_')}.pt"
+    ref = torch.load(os.path.join(qwen2_run, "1x1", name))
+    assert any(float(g.abs().max()) > 1e-3 for g in ref["grads"].values())
+    for layout in LAYOUTS[1:]:
+        got = torch.load(os.path.join(qwen2_run, layout, name))
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7), layout
+        for k, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=2e-6,
+                                       msg=lambda m: f"{config} {layout} {k}: {m}")
+
+
+def test_kl_placement_changes_the_gradient(qwen2_run):
+    """Guard against a switch that does nothing: reward, loss and none differ."""
+    g = {c: torch.load(os.path.join(qwen2_run, "1x1", f"rl_{c.replace('+', '_')}.pt"))["grads"]
+         for c in ("k1:reward", "k1:loss", "k1:none", "k3:loss")}
+    key = "decoder.layers.0.mlp.linear_fc1.weight"
+    for a, b in (("k1:reward", "k1:none"), ("k1:loss", "k1:none"), ("k1:loss", "k3:loss")):
+        assert float((g[a][key] - g[b][key]).abs().max()) > 1e-5, (a, b)
 
 
 def test_tp1_checkpoint_reshards_to_every_layout_tied_llama(tiny_llama_tied, tmp_path, torchrun):
