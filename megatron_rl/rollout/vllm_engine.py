@@ -1,0 +1,295 @@
+"""vLLM rollout engine: a vLLM OpenAI-compatible server in its own venv, driven over HTTP.
+
+Generation: `POST /v1/completions` with the prompts as token ids, `n` samples each, `logprobs=0`
+(only the sampled token's log-prob), `return_token_ids` and `return_tokens_as_token_ids` (so no
+tokenizer is needed: the server runs with `--skip-tokenizer-init`). Generation stops only at
+`SamplingParams.stop_token_ids` (the caller lists the tokenizer's EOS there) or at
+`max_new_tokens`: `ignore_eos` keeps vLLM from adding stop tokens of its own, so every engine
+stops on the same tokens. The server runs with `--logprobs-mode processed_logprobs`, so
+rollout_logprobs are log-probs of the distribution actually sampled (after temperature, and
+after top-k/top-p renormalisation when those are set); at temperature 1 without truncation they
+are the policy's own log-probs.
+
+Weight sync (`update_weights`): the policy is exported as an HF directory through the shared
+mapping (weight_sync.WeightExporter), then the worker extension in vllm_worker.py reloads it in
+place (`/collective_rpc mrl_reload_weights`, ~0.03 s for a tiny model) and re-packs a tied
+lm_head, which vLLM's own `reload_weights` leaves stale on CPU. The worker echoes the version it
+loaded, and the prefix cache is reset so no KV computed with old weights is reused. On an
+attached server without the extension, the plain `reload_weights` RPC is used, and tied models
+fall back to a restart (managed servers only).
+
+The server is launched and owned by global rank 0; its URL is broadcast, so any rank may
+generate. A server that dies is restarted from the newest exported weights (server.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Sequence
+
+from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.server import ManagedServer, ServerError
+from megatron_rl.rollout.weight_sync import WeightExporter, read_version
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYTHON_ENV_VAR = "MEGATRON_RL_VLLM_PYTHON"
+WORKER_EXTENSION = "megatron_rl.rollout.vllm_worker.WeightSyncExtension"
+SERVED_MODEL_NAME = "policy"
+
+
+def vllm_python() -> str | None:
+    """The vLLM venv's interpreter: $MEGATRON_RL_VLLM_PYTHON, else <repo>/.venv-vllm, or None."""
+    path = os.environ.get(PYTHON_ENV_VAR) or os.path.join(REPO_ROOT, ".venv-vllm", "bin",
+                                                         "python")
+    return path if os.path.exists(path) else None
+
+
+@dataclasses.dataclass
+class VLLMConfig:
+    """How to run the vLLM server. `url` attaches to a running server instead of launching one
+    (it must run with VLLM_SERVER_DEV_MODE=1, `--served-model-name policy`,
+    `--skip-tokenizer-init`, `--logprobs-mode processed_logprobs` and, for weight versions and
+    tied models, `--worker-extension-cls megatron_rl.rollout.vllm_worker.WeightSyncExtension`).
+    """
+
+    work_dir: str                       # logs and exported weights live here
+    url: str | None = None
+    python: str | None = None           # default: vllm_python()
+    dtype: str = "bfloat16"             # server compute dtype; exports are cast to it
+    max_model_len: int = 4096
+    seed: int = 0
+    enforce_eager: bool = True          # no torch.compile / CUDA graphs: fast start, needed on CPU
+    kv_cache_memory_bytes: int | None = None   # CPU: bytes of KV cache (None: vLLM's default)
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    extra_args: tuple[str, ...] = ()
+    startup_timeout: float = 600.0
+    request_timeout: float = 3600.0
+    max_restarts: int = 3
+
+
+class VLLMEngine:
+    """RolloutEngine backed by a vLLM server (see module docstring).
+
+    model_path: HF checkpoint served at start (the policy's initial weights).
+    policy: the trainer's Policy; needed by update_weights, optional for generation only.
+    """
+
+    def __init__(self, model_path: str, config: VLLMConfig, policy=None, start: bool = True):
+        self.config = config
+        self.policy = policy
+        self.weight_version = read_version(model_path) or 0
+        self.tie_word_embeddings = _tied(model_path)
+        self.has_extension = config.url is None
+        self.exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
+                                       dtype=config.dtype)
+        self.last_sync_seconds: dict[str, float] = {}
+        self.rank = _rank()
+        self.python = config.python or vllm_python()
+        self.server: ManagedServer | None = None
+        if self.rank == 0:
+            if config.url is not None:
+                self.server = ManagedServer.attach(config.url, name="vllm",
+                                                   on_start=self._on_start)
+            else:
+                if self.python is None:
+                    raise ServerError(
+                        f"no vLLM environment: set ${PYTHON_ENV_VAR} or run "
+                        f"scripts/install_vllm_cpu.sh (creates {REPO_ROOT}/.venv-vllm)")
+                self.server = ManagedServer(
+                    "vllm", self._argv, os.path.abspath(model_path),
+                    log_dir=os.path.join(config.work_dir, "logs"), env=self._env(),
+                    startup_timeout=config.startup_timeout, max_restarts=config.max_restarts,
+                    on_start=self._on_start)
+        self.url: str | None = None
+        if start:
+            self.start()
+
+    # -- process ---------------------------------------------------------------------------------
+    def _argv(self, model_path: str, host: str, port: int) -> list[str]:
+        c = self.config
+        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", model_path, "--served-model-name", SERVED_MODEL_NAME,
+                "--host", host, "--port", str(port), "--skip-tokenizer-init",
+                "--dtype", c.dtype, "--max-model-len", str(c.max_model_len),
+                "--seed", str(c.seed), "--logprobs-mode", "processed_logprobs",
+                "--tensor-parallel-size", str(c.tensor_parallel_size),
+                "--worker-extension-cls", WORKER_EXTENSION]
+        if c.enforce_eager:
+            argv.append("--enforce-eager")
+        if c.kv_cache_memory_bytes is not None:
+            argv += ["--kv-cache-memory-bytes", str(c.kv_cache_memory_bytes)]
+        if c.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
+        return argv + list(c.extra_args)
+
+    def _env(self) -> dict[str, str]:
+        pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+        # The extension module must import in the server's workers; dev mode opens
+        # /collective_rpc and /reset_prefix_cache.
+        return {"PYTHONPATH": pythonpath, "VLLM_SERVER_DEV_MODE": "1"}
+
+    def _on_start(self, server: ManagedServer) -> None:
+        """After every (re)start: the worker's version tag is that of the directory it loaded."""
+        if self.has_extension:
+            version = read_version(server.model_path) if server.managed else None
+            if version is not None:
+                server.post("/collective_rpc", {"method": "mrl_set_weight_version",
+                                                "kwargs": {"version": str(version)}},
+                            retry=False)
+
+    def start(self, wait: bool = True) -> None:
+        """Start the server (rank 0) and share its URL with every rank (collective when
+        distributed). wait=False only launches the process (to boot several servers at once);
+        call start() again to wait for it."""
+        if self.server is not None:
+            self.server.start(wait=wait)
+            if not wait:
+                return
+            self.url = self.server.url
+        self.url = _broadcast_from_rank0(self.url)
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        payload = {
+            "model": SERVED_MODEL_NAME, "prompt": [[int(t) for t in p] for p in prompts],
+            "n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": True, "skip_special_tokens": False, "logprobs": 0,
+            "return_token_ids": True, "return_tokens_as_token_ids": True,
+        }
+        if params.top_k > 0:
+            payload["top_k"] = params.top_k
+        if params.seed is not None:
+            payload["seed"] = params.seed
+        resp = self._post("/v1/completions", payload, self.config.request_timeout)
+        choices = sorted(resp["choices"], key=lambda c: c["index"])
+        if len(choices) != len(prompts) * n:
+            raise ServerError(f"vLLM returned {len(choices)} choices for {len(prompts)} prompts "
+                              f"x n={n}")
+        out = []
+        for i in range(len(prompts)):
+            row = []
+            for c in choices[i * n:(i + 1) * n]:
+                token_ids = [int(t) for t in c["token_ids"]]
+                logprobs = [float(x) for x in c["logprobs"]["token_logprobs"]]
+                if len(logprobs) != len(token_ids):
+                    raise ServerError(f"vLLM returned {len(logprobs)} log-probs for "
+                                      f"{len(token_ids)} tokens")
+                finish = "stop" if c["finish_reason"] == "stop" else "length"
+                row.append(Completion(token_ids, logprobs, finish))
+            out.append(row)
+        return out
+
+    def _post(self, path: str, payload, timeout: float = 600.0):
+        if self.server is not None:
+            return self.server.post(path, payload, timeout)
+        from megatron_rl.rollout.server import http_json  # ranks other than 0: no restarts
+        return http_json("POST", self.url + path, payload, timeout)
+
+    # -- weights ---------------------------------------------------------------------------------
+    def update_weights(self, version: int) -> None:
+        """Collective over all training ranks: export the policy, reload it on the server."""
+        if self.policy is None:
+            raise ValueError("update_weights needs the policy: VLLMEngine(..., policy=policy)")
+        t0 = time.perf_counter()
+        path = self.exporter.export(self.policy, version)
+        t_export = time.perf_counter() - t0
+        if self.rank == 0:
+            self.load_weights_from_path(path, version)
+            self.last_sync_seconds["export"] = t_export
+            self.last_sync_seconds["total"] = time.perf_counter() - t0
+        _barrier()
+        self.weight_version = version
+
+    def load_weights_from_path(self, path: str, version: int) -> None:
+        """Serve the HF checkpoint at `path` (rank 0), tagged `version`; checks the tag."""
+        t0 = time.perf_counter()
+        server = self.server
+        path = os.path.abspath(path)
+        if server.managed:
+            server.model_path = path  # a restart from here on serves these weights
+        if self.has_extension:
+            resp = server.post("/collective_rpc", {
+                "method": "mrl_reload_weights",
+                "kwargs": {"weights_path": path, "version": str(version)}})
+            loaded = {r["version"] for r in resp["results"]}
+            if loaded != {str(version)}:
+                raise ServerError(f"vLLM workers report weight versions {sorted(loaded)} after "
+                                  f"loading version {version}")
+        elif self.tie_word_embeddings and server.managed:
+            server.restart("tied embeddings: reload_weights would keep a stale lm_head")
+        elif self.tie_word_embeddings:
+            raise ServerError("attached vLLM server without the worker extension cannot reload "
+                              f"a tied-embedding model correctly; run it with "
+                              f"--worker-extension-cls {WORKER_EXTENSION}")
+        else:
+            server.post("/collective_rpc", {"method": "reload_weights",
+                                            "kwargs": {"weights_path": path}})
+        server.post("/reset_prefix_cache", None)
+        self.last_sync_seconds["reload"] = time.perf_counter() - t0
+        self.weight_version = version
+        if server.managed:
+            self.exporter.prune(path)
+
+    def server_weight_version(self) -> int | None:
+        """The version the server's workers report (None without the extension or untagged)."""
+        if not self.has_extension:
+            return None
+        resp = self._post("/collective_rpc", {"method": "mrl_weight_version"}, 60.0)
+        versions = set(resp["results"])
+        if len(versions) != 1:
+            raise ServerError(f"vLLM workers disagree on the weight version: {sorted(versions)}")
+        v = versions.pop()
+        return int(v) if v not in ("", None) else None
+
+    # -- health ----------------------------------------------------------------------------------
+    def health(self) -> bool:
+        """True when the server answers; a managed server that does not is restarted first."""
+        if self.server is None:
+            return True
+        if self.server.healthy():
+            return True
+        if self.server.managed:
+            self.server.ensure_healthy()
+        return self.server.healthy()
+
+    def shutdown(self) -> None:
+        if self.server is not None and self.server.managed:
+            self.server.stop()
+
+
+def _tied(model_path: str) -> bool:
+    import json
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        return bool(json.load(f).get("tie_word_embeddings", False))
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _broadcast_from_rank0(obj):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+

