@@ -1,11 +1,11 @@
 // CPU kernels of the fused token log-prob / log-ratio / K3 op (forward partials and backward).
 //
 // Rows are split across threads with at::parallel_for (OpenMP in PyTorch's builds, honouring
-// torch.set_num_threads). Within a row, logits are processed in L1-sized blocks with 8-lane
-// fp32 vectors (logprob_kl_cpu_kernels.h). The kernels are compiled twice, for baseline x86-64
-// and for AVX2+FMA+F16C, and the variant is picked once at load time from CPUID, so the wheel
-// stays portable without -march=native. float64 logits (used by gradcheck) take a plain
-// scalar path with std::exp and double accumulation.
+// torch.set_num_threads). Within a row, logits are processed in L1-sized blocks with fp32
+// vectors (logprob_kl_cpu_kernels.h): 8 lanes in the AVX2+FMA+F16C build, 4 in the baseline
+// x86-64 build. Both are compiled into the extension and one is picked at load time from
+// CPUID, so the wheel stays portable without -march=native. float64 logits (used by
+// gradcheck) take a plain scalar path with std::exp and double accumulation.
 #include "logprob_kl.h"
 
 #include <ATen/Parallel.h>
@@ -18,7 +18,9 @@
 
 // ---- the two instruction-set variants of the row kernels ----------------------------------
 #define MRL_ISA isa_default
+#define MRL_VEC_BYTES 16
 #include "logprob_kl_cpu_kernels.h"
+#undef MRL_VEC_BYTES
 #undef MRL_ISA
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -26,9 +28,11 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define MRL_ISA isa_avx2
+#define MRL_VEC_BYTES 32
 #define MRL_HAVE_F16C 1
 #include "logprob_kl_cpu_kernels.h"
 #undef MRL_HAVE_F16C
+#undef MRL_VEC_BYTES
 #undef MRL_ISA
 #pragma GCC pop_options
 #endif

@@ -2,26 +2,28 @@
 //
 // No include guard on purpose: logprob_kl_cpu.cpp includes this file once per variant, inside
 // `#pragma GCC target(...)` regions, with MRL_ISA naming the namespace (default = baseline
-// x86-64 / SSE2; avx2 = AVX2 + FMA + F16C). The kernels use GCC vector extensions on 8 floats,
-// so each variant compiles to its own instruction set without intrinsics, and dispatch happens
-// once at runtime (see logprob_kl_cpu.cpp). No torch headers here: raw pointers only.
+// x86-64 / SSE2; avx2 = AVX2 + FMA + F16C) and MRL_VEC_BYTES the native vector width (16 or
+// 32: GCC scalarizes selects on vectors wider than the target's registers). The kernels use
+// GCC vector extensions, so each variant compiles to its own instruction set without
+// intrinsics (except F16C conversions), and dispatch happens once at runtime (see
+// logprob_kl_cpu.cpp). No torch headers here: raw pointers only.
 //
 // Math (per row i, z = logits * inv_t, see megatron_rl/ops/reference.py for the contract):
 //   forward  : row_max = max z, sum_exp = sum exp(z - row_max), ent_w = sum exp(z-m)(z-m),
 //              computed online over L1-sized blocks: the row is read from memory once.
 //   backward : log p = (z - row_max) - shifted_lse, g = -p * (a + b * (log p + H)) * inv_t,
 //              plus a * inv_t at the target; one read of the logits and one write of grad.
-// Sums of a block use 8-lane fp32 accumulators; block totals are added into a double per row.
+// Sums of a block use kW-lane fp32 accumulators; block totals are added into a double per row.
 
 namespace megatron_rl {
 namespace MRL_ISA {
 
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(32)));
-typedef uint16_t vu16 __attribute__((vector_size(16)));
+typedef float vf __attribute__((vector_size(MRL_VEC_BYTES)));
+typedef int32_t vi __attribute__((vector_size(MRL_VEC_BYTES)));
+typedef uint32_t vu __attribute__((vector_size(MRL_VEC_BYTES)));
+typedef uint16_t vu16 __attribute__((vector_size(MRL_VEC_BYTES / 2)));
 
-constexpr int kW = 8;             // lanes per vector
+constexpr int kW = MRL_VEC_BYTES / 4;  // fp32 lanes per vector
 constexpr int64_t kBlock = 2048;  // floats per block: 8 KiB, stays in L1 between passes
 
 static inline vf splat(float x) { return vf{} + x; }
@@ -46,8 +48,12 @@ static inline vf vexp(vf x) {
   const vi underflow = x < -87.0f;
   vf xc = underflow ? splat(-87.0f) : x;
   xc = xc > 88.0f ? splat(88.0f) : xc;
-  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting rounds to integer
-  const vf k = (xc * 1.44269504088896341f + kRound) - kRound;
+  // Adding 1.5 * 2^23 rounds x / ln2 to an integer k held in the low mantissa bits of t, so k
+  // is available both as a float (t - 1.5 * 2^23) and, by integer subtraction of the bit
+  // patterns, as an int32 (no float->int conversion, which baseline SSE2 vectorizes poorly).
+  const float kRound = 12582912.0f;
+  const vf t = xc * 1.44269504088896341f + kRound;
+  const vf k = t - kRound;
   vf r = xc - k * 0.693359375f;      // ln2 high part (exact in few bits)
   r = r - k * -2.12194440e-4f;       // ln2 low part
   vf p = splat(1.0f / 5040.0f);
@@ -58,25 +64,25 @@ static inline vf vexp(vf x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const vi ki = __builtin_convertvector(k, vi);
+  const vi ki = (vi)t - (vi)splat(kRound);
   const vf scale = (vf)((ki + 127) << 23);
   const vf y = p * scale;
   return underflow ? splat(0.0f) : y;
 }
 
-// ---- loads / stores of 8 elements, and scalar conversions for row tails -------------------
+// ---- loads / stores of kW elements, and scalar conversions for row tails -------------------
 // Element types: float, uint16_t holding bf16 bits, _Float16.
-static inline vf load8(const float* p) {
+static inline vf vload(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-static inline vf load8(const uint16_t* p) {
+static inline vf vload(const uint16_t* p) {
   vu16 h;
   std::memcpy(&h, p, sizeof(h));
   return (vf)(__builtin_convertvector(h, vu) << 16);
 }
-static inline vf load8(const _Float16* p) {
+static inline vf vload(const _Float16* p) {
 #ifdef MRL_HAVE_F16C
   return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
@@ -86,8 +92,8 @@ static inline vf load8(const _Float16* p) {
 #endif
 }
 
-static inline void store8(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-static inline void store8(uint16_t* p, vf v) {
+static inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+static inline void vstore(uint16_t* p, vf v) {
   // Round to nearest even; NaN stays a (quiet) NaN.
   const vu u = (vu)v;
   vu r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
@@ -95,7 +101,7 @@ static inline void store8(uint16_t* p, vf v) {
   const vu16 h = __builtin_convertvector(r, vu16);
   std::memcpy(p, &h, sizeof(h));
 }
-static inline void store8(_Float16* p, vf v) {
+static inline void vstore(_Float16* p, vf v) {
 #ifdef MRL_HAVE_F16C
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
 #else
@@ -116,13 +122,13 @@ template <typename T>
 static inline void load_partial(const T* p, int64_t n, float* out, float pad) {
   alignas(32) T tmp[kW] = {};
   for (int64_t l = 0; l < n; ++l) tmp[l] = p[l];
-  store8(out, load8(tmp));
+  vstore(out, vload(tmp));
   for (int64_t l = n; l < kW; ++l) out[l] = pad;
 }
 template <typename T>
 static inline void store_partial(T* p, int64_t n, const float* in) {
   alignas(32) T tmp[kW];
-  store8(tmp, load8(in));
+  vstore(tmp, vload(in));
   for (int64_t l = 0; l < n; ++l) p[l] = tmp[l];
 }
 
@@ -131,10 +137,10 @@ template <typename T>
 static inline int64_t load_block(const T* x, int64_t n, float inv_t, float* buf, float pad) {
   const vf vinv = splat(inv_t);
   int64_t j = 0;
-  for (; j + kW <= n; j += kW) store8(buf + j, load8(x + j) * vinv);
+  for (; j + kW <= n; j += kW) vstore(buf + j, vload(x + j) * vinv);
   if (j < n) {
     load_partial(x + j, n - j, buf + j, 0.0f);
-    store8(buf + j, load8(buf + j) * vinv);
+    vstore(buf + j, vload(buf + j) * vinv);
     for (int64_t l = n - j; l < kW; ++l) buf[j + l] = pad;
     j += kW;
   }
@@ -158,7 +164,7 @@ void partials_rows(const T* logits, const int64_t* targets, int64_t row_begin, i
       const int64_t padded = load_block(x + j0, n, inv_t, buf, -INFINITY);
       vf mx0 = splat(-INFINITY), mx1 = mx0;
       for (int64_t j = 0; j < padded; j += 2 * kW) {
-        const vf a = load8(buf + j), b = load8(buf + j + kW);
+        const vf a = vload(buf + j), b = vload(buf + j + kW);
         mx0 = a > mx0 ? a : mx0;
         mx1 = b > mx1 ? b : mx1;
       }
@@ -177,7 +183,7 @@ void partials_rows(const T* logits, const int64_t* targets, int64_t row_begin, i
       const vf vm = splat(m);
       vf s0 = vf{}, s1 = vf{}, w0 = vf{}, w1 = vf{};
       for (int64_t j = 0; j < padded; j += 2 * kW) {
-        const vf d0 = load8(buf + j) - vm, d1 = load8(buf + j + kW) - vm;
+        const vf d0 = vload(buf + j) - vm, d1 = vload(buf + j + kW) - vm;
         const vf e0 = vexp(d0), e1 = vexp(d1);
         s0 += e0;
         s1 += e1;
@@ -221,14 +227,14 @@ void grad_rows(const T* logits, const int64_t* targets, int64_t row_begin, int64
       const int64_t n = std::min(kBlock, vocab - j0);
       const int64_t padded = load_block(x + j0, n, inv_t, buf, 0.0f);
       for (int64_t j = 0; j < padded; j += kW) {
-        const vf logp = (load8(buf + j) - vm) - vls;
+        const vf logp = (vload(buf + j) - vm) - vls;
         const vf p = vexp(logp);
         const vf coef = kEntropy ? va + vb * (logp + vh) : va;
-        store8(buf + j, -(p * coef) * vinv);
+        vstore(buf + j, -(p * coef) * vinv);
       }
       if (t >= j0 && t < j0 + n) buf[t - j0] += a * inv_t;  // the one-hot term
       int64_t j = 0;
-      for (; j + kW <= n; j += kW) store8(g + j0 + j, load8(buf + j));
+      for (; j + kW <= n; j += kW) vstore(g + j0 + j, vload(buf + j));
       if (j < n) store_partial(g + j0 + j, n - j, buf + j);
     }
   }

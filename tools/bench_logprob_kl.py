@@ -9,11 +9,12 @@ Reported per case: forward time (scoring under torch.no_grad, as for old/ref log
 forward+backward time (training; loss = sum(logp) + 0.1 * sum(k3), so both gradient paths
 run), and peak extra memory of forward+backward, each with its ratio to mcore.
 
-Memory is the allocator-level peak of live tensor bytes above what was allocated before the
-call (the logits and targets): on CPU from the torch profiler's memory events (every
+Memory, two columns: "kept fwd->bwd" = tensor bytes still allocated after forward (what is
+saved for backward, plus the [N] outputs); "peak extra" = allocator-level peak of live tensor
+bytes during forward+backward above what was allocated before the call (logits, targets): on CPU from the torch profiler's memory events (every
 allocation and free through c10's CPU allocator, in time order, summed, max taken); on CUDA
-from torch.cuda.max_memory_allocated. It includes the grad_logits output (same size for all
-methods in the logits dtype, plus whatever casts a method adds). The C++ kernels allocate
+from torch.cuda.max_memory_allocated. It includes the grad_logits output (N*V in the logits dtype,
+required of every method); "peak excl. grad" subtracts it. The C++ kernels allocate
 nothing outside torch tensors except an 8 KiB stack buffer per thread.
 
 Usage:
@@ -102,24 +103,58 @@ def time_it(fn, logits, targets, ref, backward, device, reps):
     return statistics.median(times)
 
 
-def peak_extra_bytes(fn, logits, targets, ref, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run_once(fn, logits, targets, ref, True)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+class _quiet_stderr:
+    """Silence the profiler's start/stop lines (written by kineto to fd 2)."""
+
+    def __enter__(self):
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc):
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+
+
+def _cpu_live_and_peak(step):
+    """(bytes still live after step(), peak live bytes during it), both relative to its start."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_once(fn, logits, targets, ref, True)
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = step()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:
         live += e.nbytes()
         peak = max(peak, live)
-    return peak
+    return live, peak, result
+
+
+def memory_of(fn, logits, targets, ref, device):
+    """(bytes kept from forward to backward, peak extra bytes of forward+backward)."""
+    x = logits.requires_grad_(True)
+    forward = lambda: fn(x, targets, ref)  # noqa: E731
+    backward = lambda logp, k3: (logp.sum() + 0.1 * k3.sum()).backward()  # noqa: E731
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        logp, k3 = forward()
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - base
+        backward(logp, k3)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        kept, fwd_peak, (logp, k3) = _cpu_live_and_peak(forward)
+        _, bwd_peak, _ = _cpu_live_and_peak(lambda: backward(logp, k3))
+        peak = max(fwd_peak, kept + bwd_peak)
+    del logp, k3
+    x.grad = None
+    x.requires_grad_(False)
+    return kept, peak
 
 
 def main():
@@ -161,8 +196,10 @@ def main():
         name = torch.cuda.get_device_name()
         hbm = next((bw for key, bw in HBM_GBPS.items() if key in name), None)
 
-    header = ("| N | V | method | fwd ms | fwd+bwd ms | peak extra MiB | fwd x mcore | "
-              "fwd+bwd x mcore | mem / mcore |" + (" fwd+bwd GB/s | % HBM |" if gpu else ""))
+    header = ("| N | V | method | fwd ms | fwd+bwd ms | kept fwd->bwd MiB | peak extra MiB | "
+              "peak excl. grad MiB | fwd x mcore | fwd+bwd x mcore | peak / mcore | "
+              "peak excl. grad / mcore |"
+              + (" fwd+bwd GB/s | % HBM |" if gpu else ""))
     rows = [header, "|" + "---|" * (header.count("|") - 1)]
     print(header, flush=True)
     gen = torch.Generator().manual_seed(0)
@@ -176,23 +213,29 @@ def main():
                 try:
                     fwd = time_it(fn, logits, targets, ref, False, device, reps)
                     both = time_it(fn, logits, targets, ref, True, device, reps)
-                    mem = peak_extra_bytes(fn, logits, targets, ref, device)
-                    results[name] = (fwd, both, mem)
+                    kept, mem = memory_of(fn, logits, targets, ref, device)
+                    results[name] = (fwd, both, kept, mem)
                 except torch.OutOfMemoryError:
                     results[name] = None
                     if gpu:
                         torch.cuda.empty_cache()
             base = results.get("mcore")
+            grad_bytes = logits.numel() * logits.element_size()
             for name, res in results.items():
                 if res is None:
-                    line = f"| {n} | {v} | {name} | OOM | OOM | OOM | | | |" + (" | |" if gpu else "")
+                    line = (f"| {n} | {v} | {name} | OOM | OOM | OOM | OOM | OOM | | | | |"
+                            + (" | |" if gpu else ""))
                 else:
-                    fwd, both, mem = res
-                    ratio = lambda a, b: f"{b / a:.2f}x" if base else ""  # noqa: E731 speedup
-                    mem_ratio = f"{mem / base[2]:.3f}" if base else ""
+                    fwd, both, kept, mem = res
+                    speedup = lambda t, t_base: f"{t_base / t:.2f}x"  # noqa: E731
+                    # grad_logits in the logits dtype is an output every method must produce.
+                    beyond = mem - grad_bytes
                     line = (f"| {n} | {v} | {name} | {fwd * 1e3:.2f} | {both * 1e3:.2f} | "
-                            f"{mem / 2**20:.1f} | {ratio(fwd, base[0]) if base else ''} | "
-                            f"{ratio(both, base[1]) if base else ''} | {mem_ratio} |")
+                            f"{kept / 2**20:.2f} | {mem / 2**20:.1f} | {beyond / 2**20:.2f} | "
+                            f"{speedup(fwd, base[0]) if base else ''} | "
+                            f"{speedup(both, base[1]) if base else ''} | "
+                            f"{f'{mem / base[3]:.3f}' if base else ''} | "
+                            f"{f'{beyond / (base[3] - grad_bytes):.4f}' if base else ''} |")
                     if gpu:
                         # One read in forward, one read + one write in backward.
                         gbps = 3 * n * v * logits.element_size() / both / 1e9

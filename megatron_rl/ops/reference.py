@@ -4,7 +4,7 @@ Two things live here:
 
 1. The "torch" backend: `logprob_partials_torch` and `logprob_grad_torch`, the same two
    per-rank kernels that csrc/ implements in C++ and CUDA, written with chunked PyTorch ops.
-   They run on any device. Rows are processed in chunks of at most `CHUNK_ELEMENTS` logits,
+   They run on any device. Rows are processed in chunks of at most `CHUNK_ELEMENTS` logits (CPU),
    so the only fp32 [rows, V_local] buffers ever alive are one chunk's.
 2. `naive_token_logprobs_and_kl`: the textbook full-vocab computation (log_softmax in the
    requested dtype, gather, K3). Tests run it in float64 as the oracle and in the input dtype
@@ -27,8 +27,11 @@ from typing import Optional
 
 import torch
 
-# Upper bound on logits per chunk in the torch backend: 4M elements = 16 MiB per fp32 buffer.
-CHUNK_ELEMENTS = 1 << 22
+# Upper bound on logits per chunk in the torch backend: on CPU 1M elements (4 MiB per fp32
+# buffer, the size of the chunk's temporaries); on GPUs 16M elements (64 MiB), as there every
+# chunk costs ~10 kernel launches and a few chunks' worth of memory does not matter.
+CHUNK_ELEMENTS = 1 << 20
+GPU_CHUNK_ELEMENTS = 1 << 24
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,8 +39,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rows_per_chunk(vocab_local: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, vocab_local))
+def _rows_per_chunk(vocab_local: int, device: torch.device) -> int:
+    budget = CHUNK_ELEMENTS if device.type == "cpu" else GPU_CHUNK_ELEMENTS
+    return max(1, budget // max(1, vocab_local))
 
 
 def _local_targets(targets_N: torch.Tensor, vocab_start: int, vocab_local: int):
@@ -65,7 +69,7 @@ def logprob_partials_torch(logits_NV: torch.Tensor, targets_N: torch.Tensor, voc
         target_z = target_z * inv_temperature
     target_z = torch.where(owned, target_z, torch.zeros_like(target_z))
 
-    step = _rows_per_chunk(vocab_local)
+    step = _rows_per_chunk(vocab_local, logits_NV.device)
     for r0 in range(0, num_rows, step):
         r1 = min(num_rows, r0 + step)
         z = logits_NV[r0:r1].to(acc, copy=True)  # in-place ops below
@@ -94,7 +98,7 @@ def logprob_grad_torch(logits_NV: torch.Tensor, targets_N: torch.Tensor, vocab_s
     # The one-hot term only where this rank owns the target.
     onehot_coef = torch.where(owned, grad_coef, torch.zeros_like(grad_coef))
 
-    step = _rows_per_chunk(vocab_local)
+    step = _rows_per_chunk(vocab_local, logits_NV.device)
     for r0 in range(0, num_rows, step):
         r1 = min(num_rows, r0 + step)
         logp = logits_NV[r0:r1].to(acc, copy=True)
