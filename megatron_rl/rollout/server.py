@@ -110,7 +110,8 @@ class ManagedServer:
     def __init__(self, name: str, build_argv: Callable[[str, str, int], Sequence[str]],
                  model_path: str, *, log_dir: str, env: dict[str, str] | None = None,
                  health_path: str = "/health", startup_timeout: float = 600.0,
-                 max_restarts: int = 3, on_start: Callable[["ManagedServer"], None] | None = None):
+                 max_restarts: int = 3, on_start: Callable[["ManagedServer"], None] | None = None,
+                 stop_timeout: float = 20.0):
         self.name = name
         self._build_argv = build_argv
         self.model_path = model_path
@@ -120,6 +121,7 @@ class ManagedServer:
         self.startup_timeout = startup_timeout
         self.max_restarts = max_restarts
         self.on_start = on_start
+        self.stop_timeout = stop_timeout
         self.host = HOST
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
@@ -245,8 +247,10 @@ class ManagedServer:
             exit_code = None if self.proc is None else self.proc.poll()
             self.restart(f"health check failed (exit code {exit_code})")
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """Kill the server's whole process group: SIGTERM, then SIGKILL after `timeout`."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Kill the server's whole process group: SIGTERM, then SIGKILL after `timeout`
+        (default: stop_timeout)."""
+        timeout = self.stop_timeout if timeout is None else timeout
         with self._lock:
             proc, self.proc = self.proc, None
             self._ready = False

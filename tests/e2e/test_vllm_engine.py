@@ -18,11 +18,11 @@ import signal
 import time
 
 import pytest
-import torch
 
 from megatron_rl.rollout.base import SamplingParams
-from megatron_rl.rollout.mismatch import logprob_mismatch, pad_ragged
 from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
+from rollout_checks import PROMPTS, TINY, TOL, make_policy, train_step
+from rollout_checks import mismatch as _mismatch
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -30,31 +30,19 @@ if vllm_python() is None:
     pytest.skip("no vLLM venv (.venv-vllm or $MEGATRON_RL_VLLM_PYTHON): run "
                 "scripts/install_vllm_cpu.sh", allow_module_level=True)
 
-# vLLM's CPU attention supports head sizes 32, 64, ... (not the tiny default 16): 2 heads of 32.
-TINY = dict(num_attention_heads=2, num_key_value_heads=1)
-TOL = 1e-3  # max |logp_server - logp_trainer|, fp32 both sides
-PROMPTS = [[5, 17, 300, 42], [9, 100], [250, 7, 7, 7, 31, 64]]
-
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from megatron_rl.models.config import ModelArgs
-    from megatron_rl.models.policy import OptimConfig, Policy
     from megatron_rl.models.tiny import make_tiny_hf_checkpoint
-    from megatron_rl.parallel import ParallelConfig, init_distributed
 
-    init_distributed(ParallelConfig(1, 1))
     root = tmp_path_factory.mktemp("vllm")
     out = {}
     for kind, family, tied in (("tied", "qwen2", True), ("untied", "llama", False)):
         path = make_tiny_hf_checkpoint(str(root / f"hf_{kind}"), family,
                                        tie_word_embeddings=tied, **TINY)
-        policy = Policy(ModelArgs.from_pretrained(path), trainable=True,
-                        optim=OptimConfig(lr=3e-2, clip_grad=0.0))
-        policy.load_hf(path)
         cfg = VLLMConfig(work_dir=str(root / f"work_{kind}"), dtype="float32",
                          max_model_len=256, kv_cache_memory_bytes=64 << 20, max_restarts=2)
-        engine = VLLMEngine(path, cfg, policy=policy, start=False)
+        engine = VLLMEngine(path, cfg, policy=make_policy(path), start=False)
         engine.start(wait=False)  # both servers boot at once
         out[kind] = engine
     try:
@@ -69,24 +57,8 @@ def engines(tmp_path_factory):
             engine.shutdown()
 
 
-def trainer_logprobs(policy, prompts, completions):
-    """The Policy's log-probs of each completion's tokens, as ragged rows."""
-    seqs = [list(p) + c.token_ids for p, row in zip(prompts, completions) for c in row]
-    plens = [len(p) for p, row in zip(prompts, completions) for _ in row]
-    width = max(len(s) for s in seqs)
-    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        tokens[i, :len(s)] = torch.tensor(s)
-    lp = policy.token_logprobs(tokens, micro_batch_size=len(seqs))
-    return [lp[i, plens[i] - 1:len(seqs[i]) - 1].tolist() for i in range(len(seqs))]
-
-
 def mismatch(engine, completions, prompts=PROMPTS):
-    rollout = [c.rollout_logprobs for row in completions for c in row]
-    trainer = trainer_logprobs(engine.policy, prompts, completions)
-    r, mask = pad_ragged(rollout)
-    t, _ = pad_ragged(trainer)
-    return logprob_mismatch(r, t, mask)
+    return _mismatch(engine.policy, completions, prompts)
 
 
 def test_generate_shapes_and_finish_reasons(engines):
@@ -135,30 +107,12 @@ def test_logprobs_match_trainer(engines, kind):
     assert m.abs_delta_max < TOL
 
 
-def _train_step(policy, prompts, completions):
-    """One optimizer step that raises the log-prob of the sampled responses (a big step)."""
-    seqs = [list(p) + c.token_ids for p, row in zip(prompts, completions) for c in row]
-    width = max(len(s) for s in seqs)
-    tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        tokens[i, :len(s)] = torch.tensor(s)
-
-    def loss_fn(batch, logits):
-        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
-            -1, batch["tokens"][:, 1:].unsqueeze(-1)).squeeze(-1)
-        return -lp.mean(), {}
-
-    policy.forward_backward([{"tokens": tokens}], loss_fn)
-    ok, _ = policy.step()
-    assert ok
-
-
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_update_weights_serves_new_policy(engines, kind):
     engine = engines[kind]
     params = SamplingParams(max_new_tokens=16, seed=5)
     before = engine.generate(PROMPTS, n=2, params=params)
-    _train_step(engine.policy, PROMPTS, before)
+    train_step(engine.policy, PROMPTS, before)
     # The step changed the policy: the server's (old) log-probs are now far from the trainer's.
     stale = mismatch(engine, before)
     assert stale.abs_delta_max > 50 * TOL, stale
@@ -196,7 +150,7 @@ def _group_members(pgid):
 def test_sigkill_restart_serves_current_weights(engines):
     engine = engines["tied"]
     if engine.weight_version == 0:  # run alone: make sure there is a synced version to restore
-        _train_step(engine.policy, PROMPTS, engine.generate(PROMPTS, 1, SamplingParams(8)))
+        train_step(engine.policy, PROMPTS, engine.generate(PROMPTS, 1, SamplingParams(8)))
         engine.update_weights(1)
     version = engine.weight_version
     old = engine.server.proc.pid

@@ -1,0 +1,420 @@
+"""SGLang rollout engine: an SGLang server (`python -m sglang.launch_server`) driven over HTTP.
+
+Generation: `POST /generate` with `input_ids`, `return_logprob` and one item per sample (the
+batch is expanded to prompts x n here, each sample with its own `sampling_seed` derived from
+SamplingParams.seed, so the output order and seeding are explicit). The server runs with
+`--skip-tokenizer-init`; tokens and log-probs come from `meta_info.output_token_logprobs`.
+It stops at `stop_token_ids` / `max_new_tokens`; sglang checks stop ids only with EOS enabled,
+so with stop ids the model's EOS also stops (list it among the stop ids, as the trainer does).
+
+Weight sync, three ways (`SGLangConfig.sync`):
+- "disk": the policy is exported as an HF directory through the shared mapping
+  (weight_sync.WeightExporter) and loaded with `/update_weights_from_disk` (any placement);
+- "tensor" (colocated: server and trainer on one machine): the HF tensors are shared through
+  torch's file_system shared-memory strategy and loaded with `/update_weights_from_tensor`,
+  inside a `/begin_weight_update` ... `/end_weight_update` session;
+- "distributed" (NCCL, GPU only): rank 0 joins a process group with the server's TP workers
+  (`/init_weights_update_group`, once) and broadcasts each tensor while
+  `/update_weights_from_distributed` receives it. Not testable on CPU.
+Every sync tags the server with `weight_version` and checks it through `/model_info`;
+`/flush_cache` drops KV computed with the old weights (the update endpoints also flush).
+
+sglang pins CUDA builds of its dependencies; on CPU it runs from its own venv with an
+import-only stand-in for `sgl_kernel` (see docs/rollout.md). A dead server is restarted from the
+newest exported weights (disk sync), or from the initial checkpoint followed by a fresh sync.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import io
+import os
+import threading
+import time
+from typing import Sequence
+
+from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.server import ManagedServer, ServerError, http_json
+from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYTHON_ENV_VAR = "MEGATRON_RL_SGLANG_PYTHON"
+SYNC_MODES = ("disk", "tensor", "distributed")
+
+
+def sglang_python() -> str | None:
+    """The SGLang venv's interpreter: $MEGATRON_RL_SGLANG_PYTHON, else <repo>/.venv-sglang."""
+    path = os.environ.get(PYTHON_ENV_VAR) or os.path.join(REPO_ROOT, ".venv-sglang", "bin",
+                                                         "python")
+    return path if os.path.exists(path) else None
+
+
+@dataclasses.dataclass
+class SGLangConfig:
+    """How to run the SGLang server; `url` attaches to a running one instead."""
+
+    work_dir: str
+    url: str | None = None
+    python: str | None = None           # default: sglang_python()
+    sync: str = "disk"                  # one of SYNC_MODES
+    dtype: str = "bfloat16"
+    device: str | None = None           # None: "cpu" when CUDA is absent, else sglang's default
+    context_length: int = 4096
+    seed: int = 0
+    tp_size: int = 1
+    mem_fraction_static: float | None = None
+    extra_args: tuple[str, ...] = ()
+    startup_timeout: float = 600.0
+    request_timeout: float = 3600.0
+    max_restarts: int = 3
+    # distributed (NCCL) sync: where the server's workers reach trainer rank 0
+    nccl_master_address: str = "127.0.0.1"
+    nccl_master_port: int | None = None
+    nccl_bucket_bytes: int = 512 << 20
+
+
+class SGLangEngine:
+    """RolloutEngine backed by an SGLang server (see module docstring)."""
+
+    def __init__(self, model_path: str, config: SGLangConfig, policy=None, start: bool = True):
+        if config.sync not in SYNC_MODES:
+            raise ValueError(f"unknown sync mode {config.sync!r}; valid: {list(SYNC_MODES)}")
+        self.config = config
+        self.policy = policy
+        self.model_path = os.path.abspath(model_path)
+        self.weight_version = read_version(model_path) or 0
+        self.exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
+                                       dtype=config.dtype)
+        self.last_sync_seconds: dict[str, float] = {}
+        self.rank = _rank()
+        self.python = config.python or sglang_python()
+        self._nccl_group = None
+        self.server: ManagedServer | None = None
+        if self.rank == 0:
+            if config.url is not None:
+                self.server = ManagedServer.attach(config.url, name="sglang")
+            else:
+                if self.python is None:
+                    raise ServerError(
+                        f"no SGLang environment: set ${PYTHON_ENV_VAR} or create "
+                        f"{REPO_ROOT}/.venv-sglang (see docs/rollout.md)")
+                self.server = ManagedServer(
+                    "sglang", self._argv, self.model_path,
+                    log_dir=os.path.join(config.work_dir, "logs"), env=self._env(),
+                    startup_timeout=config.startup_timeout, max_restarts=config.max_restarts,
+                    on_start=self._on_start, stop_timeout=5.0)  # it lingers on SIGTERM
+        self.url: str | None = None
+        if start:
+            self.start()
+
+    # -- process ---------------------------------------------------------------------------------
+    def _device(self) -> str | None:
+        if self.config.device is not None:
+            return self.config.device
+        import torch
+
+        return None if torch.cuda.is_available() else "cpu"
+
+    def _argv(self, model_path: str, host: str, port: int) -> list[str]:
+        c = self.config
+        argv = [self.python, "-m", "sglang.launch_server", "--model-path", model_path,
+                "--host", host, "--port", str(port), "--skip-tokenizer-init",
+                "--dtype", c.dtype, "--context-length", str(c.context_length),
+                "--random-seed", str(c.seed), "--tp-size", str(c.tp_size)]
+        if self._device() == "cpu":
+            argv += ["--device", "cpu", "--attention-backend", "torch_native",
+                     "--disable-cuda-graph"]
+        if c.mem_fraction_static is not None:
+            argv += ["--mem-fraction-static", str(c.mem_fraction_static)]
+        return argv + list(c.extra_args)
+
+    def _env(self) -> dict[str, str]:
+        return {"SGLANG_USE_CPU_ENGINE": "1"} if self._device() == "cpu" else {}
+
+    def _on_start(self, server: ManagedServer) -> None:
+        version = read_version(server.model_path)
+        if version is not None:
+            http_json("POST", server.url + "/update_weight_version",
+                      {"new_version": str(version), "abort_all_requests": False}, 60.0)
+        elif self.weight_version and self.policy is not None and server.num_restarts:
+            # Restarted from the initial checkpoint (tensor / NCCL sync): the trainer must
+            # re-send its weights; flag it so the next update_weights does.
+            self._needs_resync = True
+
+    _needs_resync = False
+
+    def start(self, wait: bool = True) -> None:
+        if self.server is not None:
+            self.server.start(wait=wait)
+            if not wait:
+                return
+            self.url = self.server.url
+        self.url = _broadcast_from_rank0(self.url)
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        if self._needs_resync:
+            raise ServerError("SGLang server restarted from the initial checkpoint; call "
+                              "update_weights before generating")
+        input_ids, sampling = [], []
+        for p in prompts:
+            for j in range(n):
+                input_ids.append([int(t) for t in p])
+                sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+                      "top_p": params.top_p, "top_k": params.top_k,
+                      "stop_token_ids": list(params.stop_token_ids),
+                      # sglang checks stop_token_ids only when EOS is not ignored
+                      "ignore_eos": not params.stop_token_ids,
+                      "skip_special_tokens": False, "no_stop_trim": True}
+                if params.seed is not None:
+                    sp["sampling_seed"] = params.seed * 1_000_003 + j
+                sampling.append(sp)
+        payload = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
+                   "logprob_start_len": -1}
+        resp = self._post("/generate", payload, self.config.request_timeout)
+        if isinstance(resp, dict):
+            resp = [resp]
+        if len(resp) != len(input_ids):
+            raise ServerError(f"SGLang returned {len(resp)} outputs for {len(input_ids)} samples")
+        out = [[_completion(resp[i * n + j]) for j in range(n)] for i in range(len(prompts))]
+        return out
+
+    def _post(self, path: str, payload, timeout: float = 600.0):
+        if self.server is not None:
+            return self.server.post(path, payload, timeout)
+        return http_json("POST", self.url + path, payload, timeout)
+
+    # -- weights ---------------------------------------------------------------------------------
+    def update_weights(self, version: int) -> None:
+        """Collective over all training ranks: send the policy's weights to the server."""
+        if self.policy is None:
+            raise ValueError("update_weights needs the policy: SGLangEngine(..., policy=policy)")
+        t0 = time.perf_counter()
+        mode = self.config.sync
+        if mode == "disk":
+            path = self.exporter.export(self.policy, version)
+            if self.rank == 0:
+                self.last_sync_seconds["export"] = time.perf_counter() - t0
+                self.load_weights_from_path(path, version)
+        else:
+            hf = policy_hf_state_dict(self.policy, dst=0, dtype=self.config.dtype)
+            if self.rank == 0:
+                self.last_sync_seconds["gather"] = time.perf_counter() - t0
+                if mode == "tensor":
+                    self.load_weights_from_tensors(hf, version)
+                else:
+                    self.load_weights_distributed(hf, version)
+        if self.rank == 0:
+            self.last_sync_seconds["total"] = time.perf_counter() - t0
+        _barrier()
+        self.weight_version = version
+        self._needs_resync = False
+
+    def load_weights_from_path(self, path: str, version: int) -> None:
+        t0 = time.perf_counter()
+        path = os.path.abspath(path)
+        if self.server.managed:
+            self.server.model_path = path  # a restart from here on serves these weights
+        resp = self._post("/update_weights_from_disk", {
+            "model_path": path, "weight_version": str(version), "flush_cache": True})
+        _check_success(resp, "update_weights_from_disk")
+        self._confirm_version(version)
+        self.last_sync_seconds["load"] = time.perf_counter() - t0
+        if self.server.managed:
+            self.exporter.prune(path)
+
+    def load_weights_from_tensors(self, hf: dict, version: int) -> None:
+        """Colocated: hand the tensors over through shared memory (no copy over HTTP)."""
+        t0 = time.perf_counter()
+        named = [(k, v.detach().contiguous()) for k, v in hf.items()]
+        with _file_system_sharing():
+            blob = _forking_pickle(named)
+        payload = {"serialized_named_tensors": [blob] * max(1, self.config.tp_size),
+                   "weight_version": str(version), "flush_cache": True}
+        _check_success(self._post("/begin_weight_update", {}), "begin_weight_update")
+        try:
+            _check_success(self._post("/update_weights_from_tensor", payload),
+                           "update_weights_from_tensor")
+        finally:
+            _check_success(self._post("/end_weight_update", {}), "end_weight_update")
+        del named  # the server has copied them; the shared-memory segments may go now
+        self._confirm_version(version)
+        self.last_sync_seconds["load"] = time.perf_counter() - t0
+
+    def load_weights_distributed(self, hf: dict, version: int) -> None:
+        """NCCL broadcast from trainer rank 0 (rank 0 of the update group) to the server's TP
+        workers (ranks 1..tp_size). GPU only."""
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ServerError("sync='distributed' broadcasts over NCCL and needs CUDA")
+        t0 = time.perf_counter()
+        if self._nccl_group is None:
+            self._nccl_group = self._init_update_group()
+        names = sorted(hf)
+        buckets, cur, size = [], [], 0
+        for name in names:
+            nbytes = hf[name].numel() * hf[name].element_size()
+            if cur and size + nbytes > self.config.nccl_bucket_bytes:
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append(name)
+            size += nbytes
+        buckets.append(cur)
+        for i, bucket in enumerate(buckets):
+            tensors = [hf[n].cuda(non_blocking=True) for n in bucket]
+            payload = {"names": bucket, "dtypes": [str(t.dtype).replace("torch.", "")
+                                                   for t in tensors],
+                       "shapes": [list(t.shape) for t in tensors], "group_name": "mrl_weights",
+                       "flush_cache": i == len(buckets) - 1,
+                       "weight_version": str(version) if i == len(buckets) - 1 else None}
+            result = {}
+            # The server posts its receives while we broadcast: the HTTP call must run
+            # concurrently with the collective.
+            thread = threading.Thread(target=lambda: result.update(
+                resp=self._post("/update_weights_from_distributed", payload)))
+            thread.start()
+            for t in tensors:
+                torch.distributed.broadcast(t, src=0, group=self._nccl_group)
+            thread.join()
+            _check_success(result.get("resp"), "update_weights_from_distributed")
+        self._confirm_version(version)
+        self.last_sync_seconds["load"] = time.perf_counter() - t0
+
+    def _init_update_group(self):
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import (PrefixStore, _new_process_group_helper,
+                                                        _world, rendezvous)
+
+        port = self.config.nccl_master_port or _free_port()
+        world = 1 + self.config.tp_size
+        addr = self.config.nccl_master_address
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(resp=self._post(
+            "/init_weights_update_group",
+            {"master_address": addr, "master_port": port, "rank_offset": 1,
+             "world_size": world, "group_name": "mrl_weights", "backend": "nccl"})))
+        thread.start()
+        # Same construction as the server side (sglang.srt.utils.common.init_custom_process_group):
+        # a TCP rendezvous hosted by this rank, keys under the group's prefix.
+        store, rank, world = next(rendezvous(f"tcp://{addr}:{port}", 0, world))
+        store = PrefixStore("mrl_weights", store)
+        group, _ = _new_process_group_helper(world, 0, [], dist.Backend("nccl"), store,
+                                             group_name="mrl_weights")
+        _world.pg_group_ranks[group] = {i: i for i in range(world)}
+        thread.join()
+        _check_success(result.get("resp"), "init_weights_update_group")
+        return group
+
+    def _confirm_version(self, version: int) -> None:
+        got = self.server_weight_version()
+        if got != version:
+            raise ServerError(f"SGLang reports weight version {got} after loading {version}")
+
+    def server_weight_version(self) -> int | None:
+        info = (self.server.get("/model_info") if self.server is not None
+                else http_json("GET", self.url + "/model_info"))
+        v = info.get("weight_version")
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            return None
+
+    def flush_cache(self) -> None:
+        self._post("/flush_cache", None)
+
+    # -- health ----------------------------------------------------------------------------------
+    def health(self) -> bool:
+        if self.server is None:
+            return True
+        if self.server.healthy():
+            return True
+        if self.server.managed:
+            self.server.ensure_healthy()
+        return self.server.healthy()
+
+    def shutdown(self) -> None:
+        if self._nccl_group is not None:
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):
+                self._post("/destroy_weights_update_group", {"group_name": "mrl_weights"})
+                dist.destroy_process_group(self._nccl_group)
+            self._nccl_group = None
+        if self.server is not None and self.server.managed:
+            self.server.stop()
+
+
+def _completion(item: dict) -> Completion:
+    meta = item["meta_info"]
+    pairs = meta.get("output_token_logprobs") or []
+    token_ids = [int(p[1]) for p in pairs]
+    logprobs = [float(p[0]) for p in pairs]
+    if "output_ids" in item and [int(t) for t in item["output_ids"]] != token_ids:
+        raise ServerError("SGLang output_ids and output_token_logprobs disagree")
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+    return Completion(token_ids, logprobs, "stop" if kind == "stop" else "length")
+
+
+def _check_success(resp, what: str) -> None:
+    if isinstance(resp, dict) and resp.get("success") is False:
+        raise ServerError(f"SGLang {what} failed: {resp.get('message')}")
+
+
+@contextlib.contextmanager
+def _file_system_sharing():
+    """Tensors pickled inside travel as shared-memory file names, which the server process
+    (another process tree) can open; the default fd-passing strategy needs a Unix socket."""
+    import torch.multiprocessing as mp
+
+    old = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(old)
+
+
+def _forking_pickle(obj) -> str:
+    """What sglang's MultiprocessingSerializer.serialize(obj, output_str=True) produces."""
+    import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _free_port() -> int:
+    from megatron_rl.rollout.server import free_port
+
+    return free_port("0.0.0.0")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _broadcast_from_rank0(obj):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

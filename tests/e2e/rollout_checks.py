@@ -1,0 +1,59 @@
+"""Helpers shared by the rollout-server tests: trainer-side log-prob recompute and a big step."""
+
+import torch
+
+from megatron_rl.rollout.mismatch import logprob_mismatch, pad_ragged
+
+# vLLM's CPU attention supports head sizes 32, 64, ... (not the tiny default 16): 2 heads of 32.
+TINY = dict(num_attention_heads=2, num_key_value_heads=1)
+TOL = 1e-3  # max |logp_server - logp_trainer|, fp32 on both sides
+PROMPTS = [[5, 17, 300, 42], [9, 100], [250, 7, 7, 7, 31, 64]]
+
+
+def make_policy(path, lr=3e-2):
+    from megatron_rl.models.config import ModelArgs
+    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.parallel import ParallelConfig, init_distributed
+
+    init_distributed(ParallelConfig(1, 1))
+    policy = Policy(ModelArgs.from_pretrained(path), trainable=True,
+                    optim=OptimConfig(lr=lr, clip_grad=0.0))
+    policy.load_hf(path)
+    return policy
+
+
+def _batch(prompts, completions):
+    seqs = [list(p) + c.token_ids for p, row in zip(prompts, completions) for c in row]
+    tokens = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = torch.tensor(s)
+    return seqs, tokens
+
+
+def trainer_logprobs(policy, prompts, completions):
+    """The Policy's log-probs of each completion's tokens, as ragged rows."""
+    seqs, tokens = _batch(prompts, completions)
+    plens = [len(p) for p, row in zip(prompts, completions) for _ in row]
+    lp = policy.token_logprobs(tokens, micro_batch_size=len(seqs))
+    return [lp[i, plens[i] - 1:len(seqs[i]) - 1].tolist() for i in range(len(seqs))]
+
+
+def mismatch(policy, completions, prompts=PROMPTS):
+    """Server-vs-trainer log-prob mismatch of these completions."""
+    rollout, mask = pad_ragged([c.rollout_logprobs for row in completions for c in row])
+    trainer, _ = pad_ragged(trainer_logprobs(policy, prompts, completions))
+    return logprob_mismatch(rollout, trainer, mask)
+
+
+def train_step(policy, prompts, completions):
+    """One optimizer step that raises the log-prob of the sampled responses (a big step)."""
+    _, tokens = _batch(prompts, completions)
+
+    def loss_fn(batch, logits):
+        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
+            -1, batch["tokens"][:, 1:].unsqueeze(-1)).squeeze(-1)
+        return -lp.mean(), {}
+
+    policy.forward_backward([{"tokens": tokens}], loss_fn)
+    ok, _ = policy.step()
+    assert ok
