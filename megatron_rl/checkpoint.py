@@ -55,11 +55,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _sharded_state_dict(policy, with_optimizer: bool) -> dict:
+def _sharded_state_dict(policy, with_optimizer: bool, is_loading: bool = False) -> dict:
     model_sd = policy.module.sharded_state_dict()
     sd = {"model": model_sd}
     if with_optimizer and policy.optimizer is not None:
-        sd["optimizer"] = policy.optimizer.sharded_state_dict(model_sd)
+        # is_loading makes megatron initialise the (lazily created) Adam state first, so that
+        # there is something to load into; without it the moments and step count are dropped
+        sd["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
     return sd
 
 
@@ -120,7 +122,7 @@ def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True) -> dict:
 
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
-    sd = _sharded_state_dict(policy, with_optimizer)
+    sd = _sharded_state_dict(policy, with_optimizer, is_loading=True)
     loaded = dist_checkpointing.load(sd, ckpt_dir)
     result = policy.module.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]

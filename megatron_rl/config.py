@@ -23,6 +23,7 @@ from megatron_rl.advantages import ADVANTAGE_ESTIMATORS
 class TrainConfig:
     # model and parallelism
     hf_checkpoint: str = ""               # initial weights and tokenizer (HF dir)
+    ref_checkpoint: str | None = None     # reference policy weights (HF dir; default: hf_checkpoint)
     load: str | None = None               # resume from this checkpoint root (default: save dir)
     save: str = "outputs/run"             # checkpoints, logs, plots
     tensor_model_parallel_size: int = 1
@@ -33,6 +34,7 @@ class TrainConfig:
     eval_data: list[str] = dataclasses.field(default_factory=list)
     chat_template: bool = False
     prompt_template: str = "{prompt}"
+    task_instruction: bool = True         # append the task's answer-format instruction
     # RL
     train_iters: int = 100
     num_prompts_per_step: int = 8         # per global batch

@@ -153,13 +153,14 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
                                       clip_grad=cfg.clip_grad, adam_beta2=cfg.adam_beta2))
     reference = Policy(args, trainable=False, params_dtype=dtype)
     policy.load_hf(cfg.hf_checkpoint)
-    reference.load_hf(cfg.hf_checkpoint)
+    reference.load_hf(cfg.ref_checkpoint or cfg.hf_checkpoint)
     tokenizer = load_tokenizer(cfg.hf_checkpoint)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = tokenizer.eos_token_id
     stop_ids = tuple(sorted({eos} if isinstance(eos, int) else set(eos or [])))
     builder = PromptBuilder(tokenizer=tokenizer if cfg.chat_template else None,
-                            template=cfg.prompt_template, use_chat_template=cfg.chat_template)
+                            template=cfg.prompt_template, use_chat_template=cfg.chat_template,
+                            task_instruction=cfg.task_instruction)
     train_data = PromptDataset.from_jsonl(cfg.train_data, builder, seed=cfg.seed)
     eval_data = (PromptDataset.from_jsonl(cfg.eval_data, builder, shuffle=False)
                  if cfg.eval_data else None)

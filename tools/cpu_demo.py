@@ -19,6 +19,8 @@ import time
 
 import torch
 
+# A tiny character-level model needs no instruction: the bare problem, then "=" and the number.
+PROMPT_TEMPLATE = "{prompt}="
 
 def prepare_data(out: str, train_size: int, eval_size: int) -> tuple[str, str]:
     from megatron_rl.data.prepare import HELD_OUT_SEED, remove_overlap, normalize_problem
@@ -64,7 +66,7 @@ def build_base_model(out: str, train_path: str, sft_steps: int) -> str:
     policy = Policy(args, trainable=True, optim=OptimConfig(lr=2e-3, clip_grad=1.0))
     policy.load_hf(init)
     tok = load_tokenizer(init)
-    builder = PromptBuilder()
+    builder = PromptBuilder(template=PROMPT_TEMPLATE, task_instruction=False)
     pairs = [(tok(builder(ex))["input_ids"], tok(ex.answer)["input_ids"] + [tok.eos_token_id])
              for ex in read_examples(train_path)]
     t0 = time.time()
@@ -106,7 +108,8 @@ def main() -> int:
         "--group-size", "5", "--micro-batch-size", "80", "--lr", "5e-4", "--adam-beta2", "0.99",
         "--kl-estimator", "k1", "--kl-placement", "reward", "--kl-coef", "0.05",
         "--advantage-estimator", "rloo", "--max-new-tokens", "6", "--eval-interval", "10",
-        "--eval-samples", "4", "--save-interval", "10", "--seed", "1"])
+        "--eval-samples", "4", "--save-interval", "10", "--seed", "1",
+        "--prompt-template", PROMPT_TEMPLATE, "--no-task-instruction"])
     # base-model accuracy, measured with exactly the evaluation the trainer runs
     base_metrics = _evaluate_weights(cfg)
     train(cfg)

@@ -80,6 +80,7 @@ class PromptBuilder:
     system_prompt: str | None = None
     use_chat_template: bool = True
     countdown_require_all: bool = False
+    task_instruction: bool = True  # False: the bare problem text (e.g. for tiny demo models)
 
     def __post_init__(self):
         if isinstance(self.tokenizer, (str, Path)):
@@ -93,6 +94,8 @@ class PromptBuilder:
                 and getattr(self.tokenizer, "chat_template", None) is not None)
 
     def user_message(self, example: TaskExample) -> str:
+        if not self.task_instruction:
+            return example.prompt.strip()
         return task_instruction_text(example, self.countdown_require_all)
 
     def __call__(self, example: TaskExample) -> str:

@@ -45,7 +45,6 @@ class LocalEngine:
         self.policy = policy
         self.pad_token_id = pad_token_id
         self.weight_version = 0
-        self._calls = 0
 
     def update_weights(self, version: int) -> None:
         self.weight_version = version
@@ -76,9 +75,10 @@ class LocalEngine:
         for i, p in enumerate(seqs):
             tokens[i, P - len(p):P] = torch.tensor(p)
             valid[i, P - len(p):P] = True
+        # an explicit seed makes the samples a function of (seed, prompts, weights) alone, so a
+        # resumed run draws exactly what the uninterrupted run would have drawn
         seed = params.seed if params.seed is not None else torch.seed() % (2 ** 31)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + self._calls)
-        self._calls += 1
+        gen = torch.Generator().manual_seed(seed)
         stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
         finished = torch.zeros(B, dtype=torch.bool)
         new_logprobs = torch.zeros(B, params.max_new_tokens)

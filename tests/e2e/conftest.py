@@ -1,0 +1,45 @@
+"""A tiny character-level model and arithmetic data for end-to-end training tests."""
+import pytest
+
+
+def _char_model(path, seed):
+    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
+
+    make_tiny_hf_checkpoint(path, "qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            tie_word_embeddings=True, eos_token_id=1, pad_token_id=0, seed=seed)
+    make_char_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_char_model(tmp_path_factory):
+    """A random tiny Qwen2 with the character tokenizer (HF dir), as the demo builds it."""
+    return _char_model(str(tmp_path_factory.mktemp("char_model")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_char_ref(tmp_path_factory):
+    """Another random model of the same shape: a reference that differs from the policy, so the
+    KL term has a gradient from the first step."""
+    return _char_model(str(tmp_path_factory.mktemp("char_ref")), seed=1)
+
+
+@pytest.fixture(scope="session")
+def arithmetic_jsonl(tmp_path_factory):
+    """64 two-term additions as prepared JSONL (task "arithmetic")."""
+    from megatron_rl.data.records import TaskExample, write_jsonl
+
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    rows = [TaskExample(f"Calculate {a}+{b}.", str(a + b), "arithmetic")
+            for a in range(8) for b in range(8)]
+    write_jsonl(path, rows)
+    return str(path)
+
+
+def train_args(model, data, save, iters, extra=(), ref=None):
+    return ["--hf-checkpoint", model, "--train-data", data, "--save", save,
+            *(["--ref-checkpoint", ref] if ref else []),
+            "--train-iters", str(iters), "--num-prompts-per-step", "4", "--group-size", "2",
+            "--max-new-tokens", "3", "--lr", "1e-2", "--micro-batch-size", "8",
+            "--prompt-template", "{prompt}=", "--no-task-instruction", "--seed", "3", *extra]
