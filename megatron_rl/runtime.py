@@ -119,11 +119,18 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
         from megatron_rl.rollout.local import LocalEngine
 
         return LocalEngine(policy, pad_token_id=pad_id)
+    # servers start from the initial HF weights and are synced after every step
+    work_dir = os.path.join(cfg.save, cfg.rollout_engine)
+    dtype = "bfloat16" if cfg.bf16 else "float32"
     if cfg.rollout_engine == "vllm":
-        from megatron_rl.rollout.vllm_engine import VLLMEngine as engine_cls
-    else:
-        from megatron_rl.rollout.sglang_engine import SGLangEngine as engine_cls
-    return engine_cls.for_policy(policy, cfg)
+        from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
+
+        return VLLMEngine(cfg.hf_checkpoint, VLLMConfig(work_dir=work_dir, url=cfg.rollout_url,
+                                                        dtype=dtype, seed=cfg.seed), policy=policy)
+    from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
+
+    return SGLangEngine(cfg.hf_checkpoint, SGLangConfig(work_dir=work_dir, url=cfg.rollout_url,
+                                                        dtype=dtype, seed=cfg.seed), policy=policy)
 
 
 def setup_runtime(cfg: TrainConfig) -> Runtime:
@@ -179,7 +186,8 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
             if ref_ckpt is not None:
                 checkpoint.load_checkpoint(ref_ckpt, reference, with_optimizer=False)
     rt.engine = _make_engine(cfg, policy, pad_id)
-    rt.engine.update_weights(rt.start_step)
+    if ckpt is not None or cfg.rollout_engine == "local":
+        rt.engine.update_weights(rt.start_step)  # a resumed server must serve the resumed weights
     if rt.is_logger:
         from torch.utils.tensorboard import SummaryWriter
 

@@ -85,7 +85,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="outputs/demo")
     p.add_argument("--sft-steps", type=int, default=150)
-    p.add_argument("--rl-steps", type=int, default=40)
+    p.add_argument("--rl-steps", type=int, default=120)
+    p.add_argument("--prompts-per-step", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-interval", type=int, default=20)
     p.add_argument("--eval-prompts", type=int, default=128)
     p.add_argument("--fresh", action="store_true", help="discard a previous RL run in <out>/rl")
     a = p.parse_args()
@@ -104,11 +107,13 @@ def main() -> int:
         shutil.rmtree(rl_dir)
     cfg = parse_config([
         "--hf-checkpoint", base, "--save", rl_dir, "--train-data", train_path,
-        "--eval-data", eval_path, "--train-iters", str(a.rl_steps), "--num-prompts-per-step", "16",
-        "--group-size", "5", "--micro-batch-size", "80", "--lr", "5e-4", "--adam-beta2", "0.99",
+        "--eval-data", eval_path, "--train-iters", str(a.rl_steps),
+        "--num-prompts-per-step", str(a.prompts_per_step), "--group-size", "5",
+        "--micro-batch-size", "80", "--lr", str(a.lr), "--adam-beta2", "0.99",
         "--kl-estimator", "k1", "--kl-placement", "reward", "--kl-coef", "0.05",
-        "--advantage-estimator", "rloo", "--max-new-tokens", "6", "--eval-interval", "10",
-        "--eval-samples", "4", "--save-interval", "10", "--seed", "1",
+        "--advantage-estimator", "rloo", "--max-new-tokens", "6",
+        "--eval-interval", str(a.eval_interval), "--eval-samples", "4",
+        "--save-interval", str(a.eval_interval), "--seed", "1",
         "--prompt-template", PROMPT_TEMPLATE, "--no-task-instruction"])
     # base-model accuracy, measured with exactly the evaluation the trainer runs
     base_metrics = _evaluate_weights(cfg)
