@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python tools/parallel_demo.py "$@"
+exec .venv/bin/python tools/cpu_demo.py "$@"
