@@ -12,7 +12,8 @@
 //   forward  : row_max = max z, sum_exp = sum exp(z - row_max), ent_w = sum exp(z-m)(z-m),
 //              computed online over L1-sized blocks: the row is read from memory once.
 //   backward : log p = (z - row_max) - shifted_lse, g = -p * (a + b * (log p + H)) * inv_t,
-//              plus a * inv_t at the target; one read of the logits and one write of grad.
+//              plus a * inv_t at the target; one read of the logits and one write of grad
+//              (the target's vector is recomputed once more to add the one-hot term in fp32).
 // Sums of a block use kW-lane fp32 accumulators; block totals are added into a double per row.
 
 namespace megatron_rl {
@@ -213,7 +214,7 @@ void grad_rows(const T* logits, const int64_t* targets, int64_t row_begin, int64
                int64_t vocab, int64_t vocab_start, float inv_t, const float* row_max,
                const float* shifted_lse, const float* grad_coef, const float* entropy_grad,
                const float* entropy, T* grad) {
-  alignas(32) float buf[kBlock + 2 * kW];
+  alignas(32) float buf[kW];
   for (int64_t i = row_begin; i < row_end; ++i) {
     const T* x = logits + i * vocab;
     T* g = grad + i * vocab;
@@ -223,19 +224,30 @@ void grad_rows(const T* logits, const int64_t* targets, int64_t row_begin, int64
     const vf vb = splat(kEntropy ? entropy_grad[i] : 0.0f);
     const vf vh = splat(kEntropy ? entropy[i] : 0.0f);
     const int64_t t = targets[i] - vocab_start;
-    for (int64_t j0 = 0; j0 < vocab; j0 += kBlock) {
-      const int64_t n = std::min(kBlock, vocab - j0);
-      const int64_t padded = load_block(x + j0, n, inv_t, buf, 0.0f);
-      for (int64_t j = 0; j < padded; j += kW) {
-        const vf logp = (vload(buf + j) - vm) - vls;
-        const vf p = vexp(logp);
-        const vf coef = kEntropy ? va + vb * (logp + vh) : va;
-        vstore(buf + j, -(p * coef) * vinv);
-      }
-      if (t >= j0 && t < j0 + n) buf[t - j0] += a * inv_t;  // the one-hot term
-      int64_t j = 0;
-      for (; j + kW <= n; j += kW) vstore(g + j0 + j, vload(buf + j));
-      if (j < n) store_partial(g + j0 + j, n - j, buf + j);
+    auto grad_of = [&](vf z) {
+      const vf logp = (z - vm) - vls;
+      const vf p = vexp(logp);
+      const vf coef = kEntropy ? va + vb * (logp + vh) : va;
+      return -(p * coef) * vinv;
+    };
+    // Full vectors straight from logits to grad, in registers.
+    const int64_t num_full = vocab / kW * kW;
+    for (int64_t j = 0; j < num_full; j += kW) vstore(g + j, grad_of(vload(x + j) * vinv));
+    // The row tail through a small fp32 buffer.
+    if (num_full < vocab) {
+      const int64_t n = vocab - num_full;
+      load_partial(x + num_full, n, buf, 0.0f);
+      vstore(buf, grad_of(vload(buf) * vinv));
+      store_partial(g + num_full, n, buf);
+    }
+    // The one-hot term: re-round the target's gradient with a * inv_t added in fp32.
+    if (t >= 0 && t < vocab) {
+      const int64_t j = t / kW * kW;
+      const int64_t n = std::min<int64_t>(kW, vocab - j);
+      load_partial(x + j, n, buf, 0.0f);
+      vstore(buf, grad_of(vload(buf) * vinv));
+      buf[t - j] += a * inv_t;
+      store_partial(g + j, n, buf);
     }
   }
 }

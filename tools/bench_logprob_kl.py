@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -91,16 +90,20 @@ def run_once(fn, logits, targets, ref, backward):
     x.requires_grad_(False)
 
 
-def time_it(fn, logits, targets, ref, backward, device, reps):
-    run_once(fn, logits, targets, ref, backward)  # warm-up
-    times = []
+def time_methods(methods, logits, targets, ref, backward, device, reps):
+    """{name: min seconds}. Methods are interleaved round-robin, so that on a shared machine
+    each one sees the same background load; the minimum estimates the uncontended time."""
+    times = {name: [] for name in methods}
+    for fn in methods.values():
+        run_once(fn, logits, targets, ref, backward)  # warm-up
     for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        run_once(fn, logits, targets, ref, backward)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in methods.items():
+            sync(device)
+            t0 = time.perf_counter()
+            run_once(fn, logits, targets, ref, backward)
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(ts) for name, ts in times.items()}
 
 
 class _quiet_stderr:
@@ -209,12 +212,21 @@ def main():
             targets = torch.randint(0, v, (n,), generator=gen).to(device)
             ref = (-torch.rand(n, generator=gen) * 10).to(device)
             results = {}
+            try:
+                fwd = time_methods(methods, logits, targets, ref, False, device, reps)
+                both = time_methods(methods, logits, targets, ref, True, device, reps)
+            except torch.OutOfMemoryError:
+                fwd = both = None
             for name, fn in methods.items():
                 try:
-                    fwd = time_it(fn, logits, targets, ref, False, device, reps)
-                    both = time_it(fn, logits, targets, ref, True, device, reps)
+                    if fwd is None:  # retry alone: some method ran out of memory
+                        one = {name: fn}
+                        fwd_t = time_methods(one, logits, targets, ref, False, device, reps)[name]
+                        both_t = time_methods(one, logits, targets, ref, True, device, reps)[name]
+                    else:
+                        fwd_t, both_t = fwd[name], both[name]
                     kept, mem = memory_of(fn, logits, targets, ref, device)
-                    results[name] = (fwd, both, kept, mem)
+                    results[name] = (fwd_t, both_t, kept, mem)
                 except torch.OutOfMemoryError:
                     results[name] = None
                     if gpu:
@@ -257,10 +269,16 @@ def main():
                         "python"] + sys.argv)
         with open(args.out, "a") as f:
             f.write(f"\n## {device.type.upper()} {args.dtype}, {time.strftime('%Y-%m-%d')}\n\n")
-            f.write(f"- device: {dev}; torch threads {torch.get_num_threads()}{isa}\n")
+            load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+            f.write(f"- device: {dev}; torch threads {torch.get_num_threads()}{isa}; "
+                    f"load average at the end {load} (shared machine)\n")
+            thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
+            if thp:
+                f.write(f"- THP_MEM_ALLOC_ENABLE={thp} (c10 CPU allocator uses huge pages)\n")
             f.write(f"- torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
                     f"python {platform.python_version()}, extension backends {list(ext)}\n")
-            f.write(f"- command: `{cmd}`\n- median of {reps} runs after one warm-up; "
+            f.write(f"- command: `{cmd}`\n- minimum of {reps} runs after one warm-up, methods "
+                    f"interleaved round-robin; "
                     f"x mcore = mcore time / method time (higher is faster); "
                     f"mem / mcore = peak extra memory ratio (lower is better)\n\n")
             f.write("\n".join(rows) + "\n")
