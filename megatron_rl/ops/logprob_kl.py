@@ -234,7 +234,9 @@ def token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor, *,
 
     Args:
         logits: [..., V_local] bf16/fp16/fp32 (fp64 for testing): this rank's vocab shard
-            [vocab_start, vocab_start + V_local). Must be finite. Made contiguous if needed.
+            [vocab_start, vocab_start + V_local). Must be finite. Non-contiguous logits (e.g.
+            `logits[:, :-1]`) are copied once, and that copy is what backward keeps: to avoid
+            it, pass contiguous logits with shifted targets and mask the last position.
         targets: [...] global token ids (any integer dtype); each must lie in exactly one
             rank's shard. Masked positions should hold any valid id and be masked in the loss.
         ref_logprobs: [...] reference-model log-probs (no gradient flows into them).
