@@ -19,6 +19,16 @@ import torch
 from megatron_rl.rollout.base import Completion
 
 
+def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
+    """[b, L] targets aligned with the model's [b, L, V] logits: position t is scored on token
+    t+1; the last position gets a dummy target (its result is dropped with `[:, :-1]`).
+
+    Scoring the full, contiguous logits this way and slicing the [b, L] result avoids the copy
+    of the [b, L-1, V] logits that slicing `logits[:, :-1]` (non-contiguous) would force.
+    """
+    return torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+
+
 @dataclasses.dataclass
 class RolloutBatch:
     tokens: torch.Tensor            # [B, L] int64, right-padded
@@ -50,7 +60,7 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequen
     group_size = len(completions[0])
     if any(len(g) != group_size for g in completions):
         raise ValueError("every prompt needs the same number of completions")
-    rows, masks, lps, plens, rlens, reasons = [], [], [], [], [], []
+    rows, lps, plens, rlens, reasons = [], [], [], [], []
     for p, group in zip(prompts, completions):
         for c in group:
             rows.append(list(p) + list(c.token_ids))

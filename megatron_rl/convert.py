@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -66,6 +66,7 @@ def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from megatron_rl.batch import next_token_targets
     from megatron_rl.models import ModelArgs
     from megatron_rl.models.policy import OptimConfig, Policy
     from megatron_rl.ops import vocab_parallel_logprobs
@@ -95,9 +96,9 @@ def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch
 
     def loss_fn(batch, logits):
         logp = vocab_parallel_logprobs(
-            logits[:, :-1].float(), batch["tokens"][:, 1:].to(logits.device),
+            logits, next_token_targets(batch["tokens"]).to(logits.device),
             tp_group=ps.get_tensor_model_parallel_group(),
-            vocab_start=ps.get_tensor_model_parallel_rank() * vocab_local)
+            vocab_start=ps.get_tensor_model_parallel_rank() * vocab_local)[:, :-1]
         loss = -(logp * batch["mask"].to(logp.device)).sum() / global_tokens
         full = gather_from_tensor_model_parallel_region(logits.detach())
         return loss, {"loss": loss.detach().clone(), "logits": full.cpu(), "index": batch["index"]}

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from megatron_rl.batch import pack_rollouts
+from megatron_rl.batch import next_token_targets, pack_rollouts
 from megatron_rl.rollout.base import Completion
 
 
@@ -42,8 +42,9 @@ def sft(policy, pairs: Sequence[tuple[list[int], list[int]]], *, steps: int, bat
                  for i in range(0, len(chosen), micro_batch_size)]
 
         def loss_fn(mb, logits):
-            logp = vocab_parallel_logprobs(logits[:, :-1], mb["tokens"][:, 1:].to(logits.device),
-                                           tp_group=policy.tp_group, vocab_start=policy.vocab_start)
+            targets = next_token_targets(mb["tokens"]).to(logits.device)
+            logp = vocab_parallel_logprobs(logits, targets, tp_group=policy.tp_group,
+                                           vocab_start=policy.vocab_start)[:, :-1]
             loss = -(logp * mb["loss_mask"]).sum() / n_tok
             return loss, {"nll_sum": -(logp.detach() * mb["loss_mask"]).sum()}
 

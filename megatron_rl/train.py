@@ -19,11 +19,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_rl import checkpoint
 from megatron_rl.config import TrainConfig, parse_config
 from megatron_rl.loss import build_advantages, policy_loss
 from megatron_rl.runtime import Runtime, setup_runtime
-from megatron_rl.batch import RolloutBatch, pack_rollouts
+from megatron_rl.batch import RolloutBatch, next_token_targets, pack_rollouts
 from megatron_rl.evaluation import evaluate
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.mismatch import logprob_mismatch
@@ -111,14 +110,15 @@ def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs:
     from megatron_rl.ops import token_logprobs_and_kl
 
     def loss_fn(mb, logits):
-        out = token_logprobs_and_kl(logits[:, :-1], mb["tokens"][:, 1:].to(logits.device),
+        out = token_logprobs_and_kl(logits, next_token_targets(mb["tokens"]).to(logits.device),
                                     tp_group=policy.tp_group, vocab_start=policy.vocab_start,
                                     return_entropy=True)
+        logprobs, entropy = out.logprobs[:, :-1], out.entropy[:, :-1]
         mask = mb["loss_mask"]
-        loss, m = policy_loss(out.logprobs, mb["old_logprobs"], mb["advantages"], mask, loss_cfg,
+        loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, loss_cfg,
                               ref_logprobs=mb["ref_logprobs"],
                               num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
-        m["entropy"] = (out.entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+        m["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         m["loss"] = loss.detach().clone()  # clone: the schedule scales the loss in place
         m["num_tokens"] = mask.sum()
         return loss, m

@@ -163,6 +163,7 @@ class Policy:
                        temperature: float = 1.0) -> torch.Tensor:
         """log pi(tokens[:, t+1] | tokens[:, :t+1]) for a right-padded batch: [B, L-1] fp32 on
         every rank of this pipeline. Forward only, through the one vocab-parallel log-prob op."""
+        from megatron_rl.batch import next_token_targets
         from megatron_rl.ops import vocab_parallel_logprobs
 
         B, L = tokens.shape
@@ -175,9 +176,10 @@ class Policy:
                                                chunks[-1]["tokens"][:1].expand(pad, L)])}
 
         def collect(batch, logits):
-            return vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:].to(logits.device),
-                                           tp_group=self.tp_group, vocab_start=self.vocab_start,
-                                           temperature=temperature).float()
+            targets = next_token_targets(batch["tokens"]).to(logits.device)
+            return vocab_parallel_logprobs(logits, targets, tp_group=self.tp_group,
+                                           vocab_start=self.vocab_start,
+                                           temperature=temperature)[:, :-1].float()
 
         outs = self.forward_backward(chunks, None, forward_only=True, collect=collect)
         out = torch.cat(outs)[:B] if self.is_last_stage else None
