@@ -108,6 +108,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-prompts", type=int, default=0)
     p.add_argument("--chat-template", action="store_true")
     p.add_argument("--prompt-template", default="{prompt}")
+    p.add_argument("--no-task-instruction", dest="task_instruction", action="store_false",
+                   help="the bare problem text, without the task's answer-format instruction")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--out", help="write JSON results here")
@@ -124,7 +126,7 @@ def main(argv=None) -> None:
         policy.load_hf(a.hf_checkpoint)
     tok = load_tokenizer(a.hf_checkpoint)
     builder = PromptBuilder(tokenizer=tok if a.chat_template else None, template=a.prompt_template,
-                            use_chat_template=a.chat_template)
+                            use_chat_template=a.chat_template, task_instruction=a.task_instruction)
     data = PromptDataset.from_jsonl(a.eval_data, builder, shuffle=False)
     n = len(data) if not a.max_prompts else min(a.max_prompts, len(data))
     records = [data.record(0, i) for i in range(n)]
@@ -141,8 +143,9 @@ def main(argv=None) -> None:
                 engine, records,
                 lambda t: tok(t, add_special_tokens=not a.chat_template)["input_ids"],
                 lambda ids: tok.decode(ids, skip_special_tokens=True), scorer, a.samples, params))
-    merged = {t: {m: sum(r[t][m] for r in all_seeds) / len(all_seeds)
-                  for m in ("mean_at_k", "pass_at_k", "num_prompts")} for t in all_seeds[0]}
+    merged = {t: {"mean_at_k": sum(r[t]["mean_at_k"] for r in all_seeds) / len(all_seeds),
+                  "pass_at_k": sum(r[t]["pass_at_k"] for r in all_seeds) / len(all_seeds),
+                  "num_prompts": all_seeds[0][t]["num_prompts"]} for t in all_seeds[0]}
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(markdown_table(merged, a.samples))
         if a.out:

@@ -98,3 +98,20 @@ def test_bad_configuration_names_the_valid_choices(tiny_char_model, arithmetic_j
     with pytest.raises(ValueError, match=r"unknown KL placement 'everywhere'; valid: \['reward', "
                                          r"'loss', 'reward\+loss', 'none'\]"):
         parse_config(base + ["--config", str(yaml_path)])
+
+
+def test_eval_command_prints_the_accuracy_table(tiny_char_model, arithmetic_jsonl, tmp_path):
+    out = tmp_path / "eval.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "eval", "--hf-checkpoint", tiny_char_model,
+         "--eval-data", arithmetic_jsonl, "--samples", "3", "--seeds", "0", "1",
+         "--max-new-tokens", "3", "--max-prompts", "10", "--prompt-template", "{prompt}=",
+         "--no-task-instruction", "--out", str(out)],
+        env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| task | prompts | mean@3 | pass@3 |" in proc.stdout
+    assert "| arithmetic | 10 |" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["seeds"] == [0, 1] and len(res["per_seed"]) == 2
+    m = res["mean"]["all"]
+    assert 0.0 <= m["mean_at_k"] <= m["pass_at_k"] <= 1.0 and m["num_prompts"] == 10
