@@ -84,10 +84,10 @@ def build_base_model(out: str, train_path: str, sft_steps: int) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="outputs/demo")
-    p.add_argument("--sft-steps", type=int, default=150)
-    p.add_argument("--rl-steps", type=int, default=120)
+    p.add_argument("--sft-steps", type=int, default=800)
+    p.add_argument("--rl-steps", type=int, default=80)
     p.add_argument("--prompts-per-step", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-interval", type=int, default=20)
     p.add_argument("--eval-prompts", type=int, default=128)
     p.add_argument("--fresh", action="store_true", help="discard a previous RL run in <out>/rl")
