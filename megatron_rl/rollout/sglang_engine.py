@@ -36,7 +36,8 @@ import time
 from typing import Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import ManagedServer, ServerError, http_json
+from megatron_rl.rollout.server import (ManagedServer, ServerError, broadcast_from_rank0,
+                                        dist_barrier, dist_rank, http_json)
 from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,7 +89,7 @@ class SGLangEngine:
         self.exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
                                        dtype=config.dtype)
         self.last_sync_seconds: dict[str, float] = {}
-        self.rank = _rank()
+        self.rank = dist_rank()
         self.python = config.python or sglang_python()
         self._nccl_group = None
         self.server: ManagedServer | None = None
@@ -151,7 +152,7 @@ class SGLangEngine:
             if not wait:
                 return
             self.url = self.server.url
-        self.url = _broadcast_from_rank0(self.url)
+        self.url = broadcast_from_rank0(self.url)
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
@@ -211,7 +212,7 @@ class SGLangEngine:
                     self.load_weights_distributed(hf, version)
         if self.rank == 0:
             self.last_sync_seconds["total"] = time.perf_counter() - t0
-        _barrier()
+        dist_barrier()
         self.weight_version = version
         self._needs_resync = False
 
@@ -395,26 +396,3 @@ def _free_port() -> int:
     from megatron_rl.rollout.server import free_port
 
     return free_port("0.0.0.0")
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _broadcast_from_rank0(obj):
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

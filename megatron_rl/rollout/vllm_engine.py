@@ -30,7 +30,8 @@ import time
 from typing import Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import ManagedServer, ServerError
+from megatron_rl.rollout.server import (ManagedServer, ServerError, broadcast_from_rank0,
+                                        dist_barrier, dist_rank)
 from megatron_rl.rollout.weight_sync import WeightExporter, read_version
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,7 +87,7 @@ class VLLMEngine:
         self.exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
                                        dtype=config.dtype)
         self.last_sync_seconds: dict[str, float] = {}
-        self.rank = _rank()
+        self.rank = dist_rank()
         self.python = config.python or vllm_python()
         self.server: ManagedServer | None = None
         if self.rank == 0:
@@ -149,7 +150,7 @@ class VLLMEngine:
             if not wait:
                 return
             self.url = self.server.url
-        self.url = _broadcast_from_rank0(self.url)
+        self.url = broadcast_from_rank0(self.url)
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
@@ -204,7 +205,7 @@ class VLLMEngine:
             self.load_weights_from_path(path, version)
             self.last_sync_seconds["export"] = t_export
             self.last_sync_seconds["total"] = time.perf_counter() - t0
-        _barrier()
+        dist_barrier()
         self.weight_version = version
 
     def load_weights_from_path(self, path: str, version: int) -> None:
@@ -269,27 +270,3 @@ def _tied(model_path: str) -> bool:
 
     with open(os.path.join(model_path, "config.json")) as f:
         return bool(json.load(f).get("tie_word_embeddings", False))
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _broadcast_from_rank0(obj):
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
