@@ -1,0 +1,413 @@
+#!/usr/bin/env python
+"""Throughput of full RL steps (rollout + update), megatron-rl vs TRL's GRPOTrainer, on CPU.
+
+Both sides train the same tiny HF Qwen2 with a character tokenizer (megatron_rl.models.tiny, the
+CPU demo's architecture) on the same prompts (reasoning-gym basic_arithmetic, the demo's easy
+setting, prompt "<problem>="), with the same batch (prompts x samples), max new tokens, sampling
+(temperature 1, no truncation), learning rate, KL beta and objective:
+
+    GRPO advantages (group mean / std), PPO-clip 0.2, K3 KL in the loss with beta, loss summed over
+    tokens / tokens in the batch (TRL loss_type "dapo" = megatron-rl token-sum-over-batch-tokens),
+    one optimizer step per rollout batch, Adam (0.9, 0.999), no weight decay, grad clip 1, fp32,
+    constant learning rate.
+
+The reward is megatron_rl.rewards.simple.score_last_number on both sides (megatron-rl scores in
+its reward process pool, TRL in-process). Each side runs in its own subprocess with the same
+OMP_NUM_THREADS / torch threads: megatron-rl with `python -m megatron_rl.train`'s main() (flags
+below) in the project environment, TRL in its own venv (`--setup` creates it). Rounds alternate
+the two sides (M T M T ...) so a slow phase of a shared machine hits both.
+
+Measured per step, warm-up steps excluded: generated response tokens (EOS included) / wall time
+of the step, from before generation to after the optimizer step (megatron-rl: its own
+`throughput/tokens_per_s` metric; TRL: a callback timing on_step_begin -> on_step_end and the
+completion token ids). The median over timed steps is reported, with a phase breakdown.
+
+    python tools/bench_vs_trl.py --setup                 # once: .venv-trl with pinned TRL
+    python tools/bench_vs_trl.py --out outputs/bench_vs_trl --report benchmarks/BENCH_VS_TRL.md
+
+Worker modes (used by the driver): --worker megatron|trl --workdir DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT_TEMPLATE = "{prompt}="
+# The TRL environment: versions resolved together on 2026-11-22 for torch 2.13.0 CPU, Python 3.11.
+TRL_PINS = ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0"]
+TORCH_PIN = "torch==2.13.0"
+CUDA_LINKED = ["torchvision", "torchaudio", "torchcodec"]
+
+
+# ------------------------------------------------------------------------------------------------
+# setup: the TRL venv
+# ------------------------------------------------------------------------------------------------
+def setup_trl_venv(venv: str) -> None:
+    """Create `venv` with TRL and the local CPU torch; refuse a CUDA torch."""
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.exists(py):
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    with open(os.path.join(venv, ".gitignore"), "w") as f:
+        f.write("*\n")
+    pip = [py, "-m", "pip", "install", "--disable-pip-version-check"]
+    # torch first, alone: FINDINGS: torch==2.13.0 resolves to the local CPU build; any other
+    # version would download a CUDA build, so TRL's requirements must find it already satisfied.
+    out = subprocess.run(pip + [TORCH_PIN], check=True, capture_output=True, text=True).stdout
+    print(out.strip().splitlines()[-1] if out.strip() else "torch installed")
+    out = subprocess.run(pip + [TORCH_PIN, *TRL_PINS], check=True, capture_output=True,
+                         text=True).stdout
+    print(out.strip().splitlines()[-1] if out.strip() else "trl installed")
+    if "nvidia-" in out or "+cu" in out:
+        raise SystemExit("setup: pip pulled CUDA packages:\n" + out)
+    subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", *CUDA_LINKED],
+                   capture_output=True)  # absent is fine; present breaks imports beside CPU torch
+    check = ("import torch, trl, transformers; assert torch.version.cuda is None, torch.__version__;"
+             "print('torch', torch.__version__, 'trl', trl.__version__, "
+             "'transformers', transformers.__version__)")
+    subprocess.run([py, "-c", check], check=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs: model, tokenizer, data (project environment)
+# ------------------------------------------------------------------------------------------------
+def make_inputs(work: str, a) -> dict:
+    from megatron_rl.data.prompts import PromptBuilder
+    from megatron_rl.data.records import write_jsonl
+    from megatron_rl.data.sources import generate_arithmetic
+    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
+
+    model = os.path.join(work, "model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        make_tiny_hf_checkpoint(model, "qwen2", vocab_size=128, hidden_size=a.hidden_size,
+                                intermediate_size=3 * a.hidden_size, num_hidden_layers=a.num_layers,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=256, initializer_range=0.02,
+                                tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)
+        make_char_tokenizer(model)
+    easy = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
+                allow_parentheses=False, allow_negation=False, whitespace="no_space")
+    examples = generate_arithmetic(2000, 0, **easy)
+    train = os.path.join(work, "train.jsonl")
+    write_jsonl(train, examples)
+    builder = PromptBuilder(template=PROMPT_TEMPLATE, task_instruction=False)
+    trl_rows = os.path.join(work, "trl_train.jsonl")
+    with open(trl_rows, "w") as f:  # the exact prompt strings megatron-rl builds
+        for ex in examples:
+            f.write(json.dumps({"prompt": builder(ex), "answer": ex.answer}) + "\n")
+    return {"model": model, "train": train, "trl_train": trl_rows}
+
+
+def megatron_flags(a, inputs: dict, save: str) -> list[str]:
+    batch = a.prompts * a.group_size
+    return ["--hf-checkpoint", inputs["model"], "--train-data", inputs["train"], "--save", save,
+            "--train-iters", str(a.warmup + a.steps),
+            "--num-prompts-per-step", str(a.prompts), "--group-size", str(a.group_size),
+            "--micro-batch-size", str(batch), "--ppo-minibatches", "1", "--ppo-epochs", "1",
+            "--advantage-estimator", "grpo", "--loss-aggregation", "token-sum-over-batch-tokens",
+            "--clip-low", "0.2", "--clip-high", "0.2",
+            "--kl-estimator", "k3", "--kl-placement", "loss", "--kl-coef", str(a.beta),
+            "--lr", str(a.lr), "--weight-decay", "0", "--clip-grad", "1.0", "--adam-beta2", "0.999",
+            "--temperature", "1.0", "--top-p", "1.0", "--max-new-tokens", str(a.max_new_tokens),
+            "--prompt-template", PROMPT_TEMPLATE, "--no-task-instruction",
+            "--rollout-engine", a.engine, "--seed", str(a.seed)]
+
+
+# ------------------------------------------------------------------------------------------------
+# worker: megatron-rl (project environment)
+# ------------------------------------------------------------------------------------------------
+def run_megatron_worker(argv: list[str]) -> None:
+    """megatron_rl.train.main(argv), with phase timers merged into each metrics.jsonl row."""
+    import torch
+
+    from megatron_rl import runtime, train
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.rewards.scorer import RewardScorer
+    from megatron_rl.rollout.local import LocalEngine
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    timers: dict[str, float] = {}
+    depth = [0]  # time only the outermost timed call: forward_backward also runs inside the
+    #              engine's decode steps and token_logprobs, and must not be counted twice
+
+    def timed(cls, name, key):
+        fn = getattr(cls, name)
+
+        def wrapper(*args, **kw):
+            if depth[0]:
+                return fn(*args, **kw)
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                depth[0] -= 1
+                timers[key] = timers.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(cls, name, wrapper)
+
+    timed(LocalEngine, "generate", "phase/generate")
+    timed(RewardScorer, "score_batch", "phase/reward")
+    timed(Policy, "token_logprobs", "phase/logprobs_old_and_ref")
+    timed(Policy, "forward_backward", "phase/train_forward_backward")
+    timed(Policy, "step", "phase/optimizer")
+    log = runtime.Runtime.log
+
+    def log_with_phases(self, step, metrics):
+        metrics.update(timers)
+        timers.clear()
+        log(self, step, metrics)
+
+    runtime.Runtime.log = log_with_phases
+    train.main(argv)
+
+
+# ------------------------------------------------------------------------------------------------
+# worker: TRL (TRL venv; imports nothing from megatron-core)
+# ------------------------------------------------------------------------------------------------
+def run_trl_worker(work: str, a) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, REPO)
+    from megatron_rl.rewards.simple import score_last_number  # pure Python, no megatron import
+
+    torch.set_num_threads(a.threads)
+    inputs = json.load(open(os.path.join(work, "inputs.json")))
+    rows = [json.loads(line) for line in open(inputs["trl_train"])]
+    tok = AutoTokenizer.from_pretrained(inputs["model"])
+    model = AutoModelForCausalLM.from_pretrained(inputs["model"], dtype=torch.float32)
+    state = {"tokens": 0, "generate": 0.0, "reward": 0.0}
+
+    def reward(completions, answer, completion_ids, **_):
+        t = time.perf_counter()
+        state["tokens"] += sum(len(ids) for ids in completion_ids)
+        out = [score_last_number(c, g, {}).reward for c, g in zip(completions, answer)]
+        state["reward"] += time.perf_counter() - t
+        return out
+
+    generate = model.generate
+
+    def timed_generate(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return generate(*args, **kw)
+        finally:
+            state["generate"] += time.perf_counter() - t
+
+    model.generate = timed_generate
+    steps_path = os.path.join(work, "trl_steps.jsonl")
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, st, control, **kw):
+            state.update(t0=time.perf_counter(), tokens=0, generate=0.0, reward=0.0)
+            state["score"] = 0.0
+
+        def on_step_end(self, args, st, control, **kw):
+            dt = time.perf_counter() - state["t0"]
+            with open(steps_path, "a") as f:
+                f.write(json.dumps({"step": st.global_step, "time": dt, "tokens": state["tokens"],
+                                    "tokens_per_s": state["tokens"] / dt,
+                                    "phase/generate": state["generate"],
+                                    "phase/reward": state["reward"],
+                                    "phase/generate_and_score": state["score"],
+                                    # reference log-probs, advantages, padding, bookkeeping
+                                    "phase/ref_logprobs_and_rest": state["score"]
+                                    - state["generate"] - state["reward"],
+                                    # policy forward/backward (loss), optimizer step
+                                    "phase/train_fwd_bwd_and_optimizer": dt - state["score"]})
+                        + "\n")
+
+    class Trainer(GRPOTrainer):
+        # generation + rewards + reference log-probs + advantages, for the breakdown
+        def _generate_and_score_completions(self, *args, **kw):
+            t = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(*args, **kw)
+            finally:
+                state["score"] += time.perf_counter() - t
+
+    batch = a.prompts * a.group_size
+    cfg = GRPOConfig(
+        output_dir=os.path.join(work, "trl_out"), use_cpu=True, bf16=False, fp16=False,
+        max_steps=a.warmup + a.steps, per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        num_generations=a.group_size, max_completion_length=a.max_new_tokens,
+        temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
+        beta=a.beta, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        logging_steps=1, report_to="none", save_strategy="no", seed=a.seed,
+        dataloader_num_workers=0, disable_dropout=True, log_completions=False)
+    trainer = Trainer(model=model, reward_funcs=[reward], args=cfg,
+                      train_dataset=Dataset.from_list(rows), processing_class=tok,
+                      callbacks=[StepTimer()])
+    trainer.train()
+
+
+# ------------------------------------------------------------------------------------------------
+# driver
+# ------------------------------------------------------------------------------------------------
+def _env(threads: int) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO, HF_HUB_OFFLINE="1",
+                HF_DATASETS_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+
+
+def _run(cmd: list[str], env: dict, log_path: str) -> float:
+    t = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    if proc.returncode:
+        tail = open(log_path).read()[-3000:]
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n--- {log_path} ---\n{tail}")
+    return time.perf_counter() - t
+
+
+def run_side(side: str, round_: int, a, inputs: dict) -> dict:
+    work = os.path.join(a.out, f"{side}_r{round_}")
+    if os.path.exists(work):
+        import shutil
+
+        shutil.rmtree(work)
+    os.makedirs(work)
+    env = _env(a.threads)
+    if side == "megatron":
+        cmd = [sys.executable, __file__, "--worker", "megatron", "--",
+               *megatron_flags(a, inputs, work)]
+        wall = _run(cmd, env, os.path.join(work, "log.txt"))
+        rows = [json.loads(line) for line in open(os.path.join(work, "metrics.jsonl"))]
+        steps = [{"tokens_per_s": r["throughput/tokens_per_s"],
+                  "time": r["time/rollout"] + r["time/train"],
+                  **{k: v for k, v in r.items() if k.startswith(("phase/", "time/"))}}
+                 for r in rows]
+    else:
+        with open(os.path.join(work, "inputs.json"), "w") as f:
+            json.dump(inputs, f)
+        py = os.path.join(a.trl_venv, "bin", "python")
+        cmd = [py, __file__, "--worker", "trl", "--workdir", work, *_shared_argv(a)]
+        wall = _run(cmd, env, os.path.join(work, "log.txt"))
+        steps = [json.loads(line) for line in open(os.path.join(work, "trl_steps.jsonl"))]
+    if len(steps) != a.warmup + a.steps:
+        raise SystemExit(f"{side}: {len(steps)} steps logged, expected {a.warmup + a.steps}")
+    return {"side": side, "round": round_, "wall_s": wall, "cmd": cmd, "timed": steps[a.warmup:]}
+
+
+def _shared_argv(a) -> list[str]:
+    return ["--prompts", str(a.prompts), "--group-size", str(a.group_size),
+            "--max-new-tokens", str(a.max_new_tokens), "--steps", str(a.steps),
+            "--warmup", str(a.warmup), "--threads", str(a.threads), "--lr", str(a.lr),
+            "--beta", str(a.beta), "--seed", str(a.seed)]
+
+
+def _versions(trl_py: str) -> dict:
+    code = ("import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in "
+            "['torch', 'transformers', 'trl', 'accelerate', 'datasets', 'megatron-core'] "
+            "if __import__('importlib.util').util.find_spec(p.replace('-', '.').split('.')[0])}))")
+    out = {}
+    for name, py in (("megatron-rl env", sys.executable), ("TRL env", trl_py)):
+        res = subprocess.run([py, "-c", code], capture_output=True, text=True)
+        out[name] = json.loads(res.stdout) if res.returncode == 0 else res.stderr[-300:]
+    return out
+
+
+def _cpu() -> str:
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        keep = ("Model name", "CPU(s):", "Thread(s) per core", "L3 cache")
+        return "; ".join(" ".join(l.split()) for l in lines if l.strip().startswith(keep))
+    except OSError:
+        return platform.processor()
+
+
+def summarize(results: list[dict], a) -> dict:
+    by_side = {}
+    for side in ("megatron", "trl"):
+        steps = [s for r in results if r["side"] == side for s in r["timed"]]
+        tps = [s["tokens_per_s"] for s in steps]
+        phases = sorted({k for s in steps for k in s if k.startswith("phase/")})
+        by_side[side] = {
+            "median_tokens_per_s": statistics.median(tps), "min": min(tps), "max": max(tps),
+            "n_steps": len(tps), "median_step_s": statistics.median(s["time"] for s in steps),
+            "phases_median_s": {p: statistics.median(s.get(p, 0.0) for s in steps) for p in phases},
+            "per_round_median": [statistics.median(s["tokens_per_s"] for s in r["timed"])
+                                 for r in results if r["side"] == side],
+            "wall_s": [round(r["wall_s"], 1) for r in results if r["side"] == side]}
+    ratio = by_side["megatron"]["median_tokens_per_s"] / by_side["trl"]["median_tokens_per_s"]
+    return {"config": {k: getattr(a, k) for k in ("prompts", "group_size", "max_new_tokens",
+                                                  "steps", "warmup", "rounds", "threads", "lr",
+                                                  "beta", "seed", "hidden_size", "num_layers",
+                                                  "engine")},
+            "sides": by_side, "ratio_megatron_over_trl": ratio}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--setup", action="store_true", help="create the TRL venv and exit")
+    p.add_argument("--trl-venv", default=os.path.join(REPO, ".venv-trl"))
+    p.add_argument("--out", default=os.path.join(REPO, "outputs", "bench_vs_trl"))
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--group-size", type=int, default=5, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
+    p.add_argument("--rounds", type=int, default=2, help="alternating runs per side")
+    p.add_argument("--threads", type=int, default=1, help="OMP / torch threads, both sides")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--beta", type=float, default=0.04, help="KL coefficient (K3 in the loss)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--engine", choices=["local", "vllm", "sglang"], default="local",
+                   help="megatron-rl's rollout engine (servers need their venv, docs/rollout.md)")
+    p.add_argument("--json", help="also write the summary here")
+    p.add_argument("--worker", choices=["megatron", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker == "megatron":
+        run_megatron_worker([x for x in a.rest if x != "--"])
+        return 0
+    if a.worker == "trl":
+        run_trl_worker(a.workdir, a)
+        return 0
+    if a.setup:
+        setup_trl_venv(a.trl_venv)
+        return 0
+    if not os.path.exists(os.path.join(a.trl_venv, "bin", "python")):
+        raise SystemExit(f"no TRL venv at {a.trl_venv}: run `python {__file__} --setup` first")
+    a.out = os.path.abspath(a.out)
+    os.makedirs(a.out, exist_ok=True)
+    inputs = make_inputs(a.out, a)
+    results = []
+    for r in range(a.rounds):
+        for side in ("megatron", "trl"):
+            res = run_side(side, r, a, inputs)
+            med = statistics.median(s["tokens_per_s"] for s in res["timed"])
+            print(f"round {r} {side:8s}: median {med:8.1f} tokens/s over {len(res['timed'])} "
+                  f"steps (process wall {res['wall_s']:.0f} s)", flush=True)
+            results.append(res)
+    summary = summarize(results, a)
+    summary["commands"] = {res["side"]: " ".join(res["cmd"]) for res in results[:2]}
+    summary["versions"] = _versions(os.path.join(a.trl_venv, "bin", "python"))
+    summary["cpu"] = _cpu()
+    summary["python"] = platform.python_version()
+    text = json.dumps(summary, indent=2)
+    print(text)
+    with open(a.json or os.path.join(a.out, "summary.json"), "w") as f:
+        f.write(text + "\n")
+    print(f"\nmegatron-rl / TRL tokens/s (median of timed steps): "
+          f"{summary['ratio_megatron_over_trl']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
