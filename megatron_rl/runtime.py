@@ -122,6 +122,7 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
     # servers start from the initial HF weights and are synced after every step
     work_dir = os.path.join(cfg.save, cfg.rollout_engine)
     dtype = "bfloat16" if cfg.bf16 else "float32"
+    max_len = policy.args.max_position_embeddings  # servers refuse a longer context
     if cfg.rollout_engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
 
@@ -129,12 +130,14 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
         kv_bytes = None if torch.cuda.is_available() else 2 << 30
         return VLLMEngine(cfg.hf_checkpoint, VLLMConfig(work_dir=work_dir, url=cfg.rollout_url,
                                                         dtype=dtype, seed=cfg.seed,
-                                                        kv_cache_memory_bytes=kv_bytes),
+                                                        kv_cache_memory_bytes=kv_bytes,
+                                                        max_model_len=max_len),
                           policy=policy)
     from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
 
     return SGLangEngine(cfg.hf_checkpoint, SGLangConfig(work_dir=work_dir, url=cfg.rollout_url,
-                                                        dtype=dtype, seed=cfg.seed), policy=policy)
+                                                        dtype=dtype, seed=cfg.seed,
+                                                        context_length=max_len), policy=policy)
 
 
 def setup_runtime(cfg: TrainConfig) -> Runtime:
