@@ -39,6 +39,7 @@ class RolloutBatch:
     prompt_lengths: list[int]
     response_lengths: list[int]
     finish_reasons: list[str]
+    old_logprobs: torch.Tensor | None = None  # [B, L-1] behaviour policy, filled by the trainer
 
     @property
     def num_sequences(self) -> int:
@@ -51,7 +52,8 @@ class RolloutBatch:
         return RolloutBatch(self.tokens[idx_t], self.loss_mask[idx_t],
                             self.rollout_logprobs[idx_t], self.rewards[idx_t], self.group_size,
                             pick(self.prompt_lengths), pick(self.response_lengths),
-                            pick(self.finish_reasons))
+                            pick(self.finish_reasons),
+                            None if self.old_logprobs is None else self.old_logprobs[idx_t])
 
 
 def pack_rollouts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Completion]],

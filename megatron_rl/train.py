@@ -167,7 +167,7 @@ def train(cfg: TrainConfig) -> dict:
         nonfinite_in_row = 0 if ok else nonfinite_in_row + 1
         metrics["skipped_update"] = float(not ok)
         if nonfinite_in_row >= cfg.max_nonfinite_steps:
-            rt.log(step, metrics)
+            rt.log(step + 1, metrics)
             raise FloatingPointError(f"{nonfinite_in_row} consecutive non-finite updates at step "
                                      f"{step}: stopping (--max-nonfinite-steps)")
         t_train = time.perf_counter() - t1
