@@ -149,3 +149,21 @@ def test_training_loop_with_server_engine_serves_current_weights(engine, arithme
     assert all(r["grad_norm"] > 1e-4 for r in rows)  # the weights do change between steps
     for r in rows:
         assert r["mismatch/abs_delta_max"] < 1e-3, (r["step"], r["mismatch/abs_delta_max"])
+
+
+def test_async_level_trains_on_stale_rollouts(tiny_char_model, tiny_char_ref, arithmetic_jsonl,
+                                              tmp_path):
+    """--async-level 2: batches come from a policy two updates old. The behaviour log-probs are
+    those of the generating weights (mismatch with the engine stays at float noise), and the PPO
+    ratio against them moves away from 1 once the policy has changed."""
+    save = str(tmp_path / "async")
+    args = train_args(tiny_char_model, arithmetic_jsonl, save, 4,
+                      ["--async-level", "2", "--kl-placement", "reward+loss", "--kl-estimator",
+                       "k3", "--kl-coef", "1.0"], ref=tiny_char_ref)
+    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
+    rows = _metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["mismatch/abs_delta_max"] < 1e-4 for r in rows)
+    # steps 1-2 use batches of the initial weights; by step 3 the policy moved twice
+    assert abs(rows[0]["ratio_mean"] - 1.0) < 1e-5
+    assert abs(rows[3]["ratio_mean"] - 1.0) > 1e-4
