@@ -15,7 +15,10 @@
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
 FROM ${BASE_IMAGE}
 
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG DEBIAN_FRONTEND=noninteractive
+# TOKENIZERS_PARALLELISM is no secret (hadolint matches "TOKEN")
+# hadolint ignore=DL3064
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TOKENIZERS_PARALLELISM=false
@@ -60,10 +63,10 @@ RUN --mount=type=cache,target=/root/.cache/pip \
         > /etc/megatron-rl-keep.txt && \
     PIP_CONSTRAINT=/etc/megatron-rl-keep.txt pip install --no-deps "megatron-core==0.16.1" && \
     PIP_CONSTRAINT=/etc/megatron-rl-keep.txt pip install \
-        "psutil" "tqdm" "einops" "safetensors" "pyyaml" \
+        "psutil==7.2.2" "tqdm==4.70.1" "einops==0.8.2" "safetensors==0.8.0" "pyyaml==6.0.3" \
         "transformers==5.23.0" "tokenizers==0.23.3" \
         "math-verify==0.9.0" "reasoning-gym==0.1.25" \
-        "tensorboard" "matplotlib" "pytest"
+        "tensorboard==2.21.0" "matplotlib==3.11.2" "pytest==9.2.0"
 
 # --- 3. this package and its CUDA extension ----------------------------------------------------
 # The kernels change far less often than the Python code: build them from setup.py + csrc/ alone,
@@ -78,7 +81,7 @@ COPY megatron_rl/__init__.py megatron_rl/__init__.py
 # above. setup.py builds the CUDA kernels because nvcc and a CUDA torch are present (no GPU is
 # needed at build time: the target architectures come from TORCH_CUDA_ARCH_LIST).
 RUN TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" MAX_JOBS="${MAX_JOBS}" \
-        pip install --no-build-isolation --no-deps -e . && \
+        pip install --no-cache-dir --no-build-isolation --no-deps -e . && \
     ls megatron_rl/_C*.so
 COPY . .
 # An editable install maps `megatron_rl` to this directory; PYTHONPATH also covers the tools/ and

@@ -153,6 +153,12 @@ def run_megatron_worker(argv: list[str]) -> None:
         setattr(cls, name, wrapper)
 
     timed(LocalEngine, "generate", "phase/generate")
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.rollout.vllm_engine import VLLMEngine
+
+    for engine_cls in (VLLMEngine, SGLangEngine):  # server engines: HTTP generate, weight sync
+        timed(engine_cls, "generate", "phase/generate")
+        timed(engine_cls, "update_weights", "phase/weight_sync")
     timed(RewardScorer, "score_batch", "phase/reward")
     timed(Policy, "token_logprobs", "phase/logprobs_old_and_ref")
     timed(Policy, "forward_backward", "phase/train_forward_backward")
