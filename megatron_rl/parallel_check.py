@@ -59,7 +59,7 @@ def load_layout_outputs(out_dir: str, layout: str):
 
 def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch: int,
                seq_len: int, micro_batch: int, load: str | None = None,
-               rl_configs: list[str] = ()) -> None:
+               rl_configs: list[str] = (), generate: bool = False) -> None:
     """One layout. Weights come from a HF directory (`hf_path`) or a Megatron checkpoint
     (`load`, saved in any layout: this exercises dist_checkpointing resharding)."""
     import torch.distributed as dist
@@ -120,6 +120,8 @@ def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch
     dist.barrier()
     if rl_configs:
         _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, rl_configs, layout_dir)
+    if generate:
+        _run_generation(policy, tokens, layout_dir)
     ps.destroy_model_parallel()
 
 
@@ -165,6 +167,21 @@ def _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, configs, layou
                        os.path.join(layout_dir, f"rl_{spec.replace('+', '_')}.pt"))
 
 
+def _run_generation(policy, tokens, layout_dir):
+    """Sample from the local engine on prompts of unequal length (left padding exercised); the
+    tokens and log-probs are written to <layout_dir>/generate.pt by global rank 0."""
+    import torch.distributed as dist
+
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.local import LocalEngine
+
+    prompts = [tokens[i, : 3 + 2 * i].tolist() for i in range(tokens.shape[0])]
+    groups = LocalEngine(policy).generate(prompts, 2, SamplingParams(max_new_tokens=6, seed=11))
+    if dist.get_rank() == 0:
+        torch.save([[(c.token_ids, c.rollout_logprobs, c.finish_reason) for c in g]
+                    for g in groups], os.path.join(layout_dir, "generate.pt"))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -175,6 +192,7 @@ def main(argv=None) -> None:
     p.add_argument("--global-batch-size", type=int, default=4)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--seq-length", type=int, default=16)
+    p.add_argument("--generate", action="store_true", help="also sample from the local engine")
     p.add_argument("--rl-configs", default="", help='also run the RL loss for these comma-separated '
                    '"estimator:placement" configs ("all" for the standard set)')
     a = p.parse_args(argv)
@@ -184,7 +202,7 @@ def main(argv=None) -> None:
         tp, pp = (int(x) for x in layout.lower().split("x"))
         configs = RL_CONFIGS if a.rl_configs == "all" else [c for c in a.rl_configs.split(",") if c]
         run_layout(a.hf, tp, pp, a.out, a.global_batch_size, a.seq_length, a.micro_batch_size,
-                   load=a.load, rl_configs=configs)
+                   load=a.load, rl_configs=configs, generate=a.generate)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -34,7 +34,8 @@ def qwen2_run(tiny_qwen2, tmp_path_factory, torchrun):
     """One 4-rank launch: every layout, the NLL loss and every KL placement of the RL loss."""
     out = tmp_path_factory.mktemp("qwen2_layouts")
     torchrun(4, ["-m", "megatron_rl.parallel_check", "--hf", tiny_qwen2, "--out", str(out),
-                 "--layouts", ",".join(LAYOUTS), "--rl-configs", "all"], timeout=600)
+                 "--layouts", ",".join(LAYOUTS), "--rl-configs", "all", "--generate"],
+             timeout=600)
     return str(out)
 
 
@@ -55,6 +56,20 @@ def test_every_kl_placement_same_loss_and_grads_across_layouts(qwen2_run, config
         for k, g in ref["grads"].items():
             torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=2e-6,
                                        msg=lambda m: f"{config} {layout} {k}: {m}")
+
+
+def test_local_engine_samples_the_same_at_every_layout(qwen2_run):
+    """The in-process engine at TP2, PP2 and TP2xPP2 draws the TP1 samples (same seed) with the
+    same log-probs: TP shards are gathered and PP stages receive the last stage's tokens."""
+    ref = torch.load(os.path.join(qwen2_run, "1x1", "generate.pt"))
+    assert sum(len(c[0]) for g in ref for c in g) > 0
+    for layout in LAYOUTS[1:]:
+        got = torch.load(os.path.join(qwen2_run, layout, "generate.pt"))
+        for g_ref, g_got in zip(ref, got):
+            for (t_ref, lp_ref, f_ref), (t_got, lp_got, f_got) in zip(g_ref, g_got):
+                assert t_got == t_ref and f_got == f_ref, layout
+                torch.testing.assert_close(torch.tensor(lp_got), torch.tensor(lp_ref),
+                                           rtol=0, atol=1e-5)
 
 
 def test_kl_placement_changes_the_gradient(qwen2_run):
