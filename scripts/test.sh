@@ -14,4 +14,7 @@ if [ "${MEGATRON_RL_SKIP_SGLANG:-0}" != "1" ]; then
   bash scripts/install_sglang_cpu.sh
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests
+# a private temporary root: pytest prunes old /tmp/pytest-of-$USER runs, which would delete the
+# session fixtures of a concurrent test run
+basetemp=$(mktemp -d -t megatron-rl-tests-XXXXXX)
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$basetemp" "$@" tests
