@@ -63,15 +63,17 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600
     world = int(os.environ.get("WORLD_SIZE", 1))
     dp = cfg.data_parallel_size(world)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()) if world == 1 else "29500")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             backend = "nccl"
         else:
             backend = "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        if "WORLD_SIZE" in os.environ:  # launched by torchrun: MASTER_ADDR/PORT from the env
+            init_method = "env://"
+        else:  # a plain single process: a private port, and the environment left untouched
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
