@@ -275,26 +275,24 @@ def gather_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], args: 
     return full
 
 
-def to_te_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename local-spec layer norms to the TransformerEngine spec's fused names."""
+def _rename_layer_suffixes(sd: dict[str, torch.Tensor], renames: dict[str, str]):
     out = {}
     for name, t in sd.items():
         m = _LAYER_RE.match(name)
-        if m and m.group(2) in _TE_RENAMES:
-            name = f"decoder.layers.{m.group(1)}.{_TE_RENAMES[m.group(2)]}"
+        if m and m.group(2) in renames:
+            name = f"decoder.layers.{m.group(1)}.{renames[m.group(2)]}"
         out[name] = t
     return out
+
+
+def to_te_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename local-spec layer norms to the TransformerEngine spec's fused names."""
+    return _rename_layer_suffixes(sd, _TE_RENAMES)
 
 
 def from_te_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    inverse = {v: k for k, v in _TE_RENAMES.items()}
-    out = {}
-    for name, t in sd.items():
-        m = _LAYER_RE.match(name)
-        if m and m.group(2) in inverse:
-            name = f"decoder.layers.{m.group(1)}.{inverse[m.group(2)]}"
-        out[name] = t
-    return out
+    """Inverse of to_te_names."""
+    return _rename_layer_suffixes(sd, {v: k for k, v in _TE_RENAMES.items()})
 
 
 # ---------------------------------------------------------------------------------------------
