@@ -115,6 +115,9 @@ _PROXIED_MODULES = {
     # creates tensors on current_device().
     "megatron.core.inference.text_generation_controllers.text_generation_controller":
         "current_device()",
+    # attention.py:430 Attention._allocate_memory puts the static-batching KV cache
+    # (StaticInferenceContext, used by the local engine's KV-cached decoding) on current_device().
+    "megatron.core.transformer.attention": "L430 current_device()",
 }
 
 

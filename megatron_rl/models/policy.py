@@ -200,6 +200,57 @@ class Policy:
         return self.broadcast_from_last_stage(out, (tokens.shape[0], self.args.vocab_size),
                                               torch.float32)
 
+    def supports_kv_decoding(self) -> bool:
+        """Whether `decode_logits` (KV-cached decoding) can run on this layout: one pipeline
+        stage, no sequence parallelism (a one-token decode step cannot be split over TP ranks),
+        and the SDPA core attention, which honours the boolean padding mask at every step."""
+        if self.pp_size != 1 or self.config.sequence_parallel:
+            return False
+        layers = getattr(self.module.decoder, "layers", [])
+        return len(layers) > 0 and all(
+            type(layer.self_attention.core_attention).__name__ == "SDPAttention"
+            for layer in layers)
+
+    def new_decode_context(self, max_batch_size: int, max_sequence_length: int):
+        """An empty megatron-core `StaticInferenceContext` (KV cache) for `decode_logits`; the
+        cache buffers are allocated by the attention layers on the first call."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from megatron.core.inference.contexts.static_context import StaticInferenceContext
+        return StaticInferenceContext(max_batch_size, max_sequence_length)
+
+    @torch.no_grad()
+    def decode_logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                      context) -> torch.Tensor:
+        """KV-cached forward of the next `tokens` [B, s] (the whole left-padded prompt block at
+        the first call, then one token per step): full-vocabulary fp32 logits [B, V] at the last
+        position. attention_mask [B, 1, s, context_len + s] (bool, True = masked out) covers the
+        cached keys plus the new ones. Appends to `context` (from `new_decode_context`) and
+        advances its `sequence_len_offset`. Pipeline-parallel size 1 only (see
+        `supports_kv_decoding`); runs the model directly, not through the pipeline schedule."""
+        if self.pp_size != 1:
+            raise RuntimeError("decode_logits needs pipeline-parallel size 1")
+        model = self.module
+        dev = next(model.parameters()).device
+        b, s = tokens.shape
+        start = context.sequence_len_offset
+        # RoPE is applied by sequence index from the context (the cache slot); position_ids are
+        # not used by a rope model's embedding, these are only for the call signature
+        pos = torch.arange(start, start + s, device=dev).expand(b, s)
+        was_training = model.training
+        model.eval()  # megatron-core uses the inference context only when not training
+        try:
+            logits = model(tokens.to(dev), pos, attention_mask.to(dev),
+                           inference_context=context, runtime_gather_output=True)
+        finally:
+            model.train(was_training)
+        context.sequence_len_offset = start + s
+        if start == 0:
+            context.enable_decode_mode()
+        return logits[:, -1].float()
+
     def step(self) -> tuple[bool, float | None]:
         """Optimizer step after forward_backward. Returns (update applied, grad norm)."""
         ok, grad_norm, _ = self.optimizer.step()

@@ -6,9 +6,16 @@ model-parallel group all ranks run the same forward (TP shards gathered, PP thro
 schedule) and the last stage samples, then broadcasts the tokens.
 
 Prompts are left-padded, with position ids counted from each prompt's first real token and an
-attention mask that hides the padding, so each sequence is computed as if alone. Decoding
-recomputes the full prefix at every step (no KV cache): simple and exact, fine for the short
-responses of tests and CPU runs; use the vLLM or SGLang engine for long generations.
+attention mask that hides the padding, so each sequence is computed as if alone (RoPE is relative
+and the pads are masked, so left padding does not change the result).
+
+Two decoding paths, which draw the same tokens for the same seed (same logits up to float
+rounding, same generator use):
+- KV-cached (default where `Policy.supports_kv_decoding()`: pipeline-parallel size 1, any TP, no
+  sequence parallelism): megatron-core's `StaticInferenceContext` on the same model object, one
+  prefill of the left-padded prompt block, then one token per step (`Policy.decode_logits`).
+- full recompute (PP > 1, or `kv_cache=False`, or MEGATRON_RL_LOCAL_KV_CACHE=0): the whole prefix
+  through the pipeline schedule at every step (`Policy.last_token_logits`); quadratic in length.
 
 rollout_logprobs are log-probs under the temperature-scaled distribution softmax(z / T), before
 top-k / top-p truncation (with T = 1 and no truncation: the policy's own log-probs).
@@ -17,6 +24,8 @@ top-k / top-p truncation (with T = 1 and no truncation: the policy's own log-pro
 from __future__ import annotations
 
 from typing import Sequence
+
+import os
 
 import torch
 
@@ -41,10 +50,20 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 class LocalEngine:
     """Generation with the training `Policy` (megatron_rl.models.policy) itself."""
 
-    def __init__(self, policy, pad_token_id: int = 0):
+    def __init__(self, policy, pad_token_id: int = 0, kv_cache: bool | None = None):
+        """kv_cache: True = KV-cached decoding (error where the layout does not support it),
+        False = full recompute at every step, None = KV cache where supported, unless the
+        environment sets MEGATRON_RL_LOCAL_KV_CACHE=0."""
         self.policy = policy
         self.pad_token_id = pad_token_id
         self.weight_version = 0
+        supported = hasattr(policy, "supports_kv_decoding") and policy.supports_kv_decoding()
+        if kv_cache is None:
+            kv_cache = supported and os.environ.get("MEGATRON_RL_LOCAL_KV_CACHE", "1") != "0"
+        elif kv_cache and not supported:
+            raise ValueError("KV-cached decoding needs pipeline-parallel size 1, no sequence "
+                             "parallelism and the SDPA core attention; use kv_cache=False")
+        self.kv_cache = bool(kv_cache)
 
     def update_weights(self, version: int) -> None:
         self.weight_version = version
@@ -85,12 +104,23 @@ class LocalEngine:
         lengths = torch.zeros(B, dtype=torch.long)
         hit_stop = torch.zeros(B, dtype=torch.bool)
         eye = torch.eye(max_len, dtype=torch.bool)
+        context = self.policy.new_decode_context(B, max_len) if self.kv_cache else None
         for t in range(params.max_new_tokens):
             s = P + t
             v = valid[:, :s]
-            allowed = (torch.ones(s, s, dtype=torch.bool).tril() & v[:, None, :]) | eye[:s, :s]
-            pos = (v.long().cumsum(-1) - 1).clamp(min=0)
-            logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None], pos).cpu()
+            if context is None:  # full recompute of the prefix
+                allowed = (torch.ones(s, s, dtype=torch.bool).tril() & v[:, None, :]) | eye[:s, :s]
+                pos = (v.long().cumsum(-1) - 1).clamp(min=0)
+                logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None], pos)
+            elif t == 0:  # prefill: the prompt block, causal, pads hidden (each sees itself)
+                allowed = (torch.ones(s, s, dtype=torch.bool).tril() & v[:, None, :]) | eye[:s, :s]
+                logits = self.policy.decode_logits(tokens[:, :s], ~allowed[:, None], context)
+            else:  # one new query (position s-1) over the s cached keys, pads hidden
+                allowed = v.clone()
+                allowed[:, s - 1] = True
+                logits = self.policy.decode_logits(tokens[:, s - 1:s], ~allowed[:, None, None],
+                                                   context)
+            logits = logits.cpu()
             if self.policy.is_last_stage:
                 scaled = logits / max(params.temperature, 1e-6)
                 logp = scaled.log_softmax(-1)
