@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import contextlib
 import os
 
 import torch
@@ -105,45 +106,49 @@ class LocalEngine:
         hit_stop = torch.zeros(B, dtype=torch.bool)
         eye = torch.eye(max_len, dtype=torch.bool)
         context = self.policy.new_decode_context(B, max_len) if self.kv_cache else None
-        for t in range(params.max_new_tokens):
-            s = P + t
-            v = valid[:, :s]
-            if context is None:  # full recompute of the prefix
-                allowed = (torch.ones(s, s, dtype=torch.bool).tril() & v[:, None, :]) | eye[:s, :s]
-                pos = (v.long().cumsum(-1) - 1).clamp(min=0)
-                logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None], pos)
-            elif t == 0:  # prefill: the prompt block, causal, pads hidden (each sees itself)
-                allowed = (torch.ones(s, s, dtype=torch.bool).tril() & v[:, None, :]) | eye[:s, :s]
-                logits = self.policy.decode_logits(tokens[:, :s], ~allowed[:, None], context)
-            else:  # one new query (position s-1) over the s cached keys, pads hidden
-                allowed = v.clone()
-                allowed[:, s - 1] = True
-                logits = self.policy.decode_logits(tokens[:, s - 1:s], ~allowed[:, None, None],
-                                                   context)
-            logits = logits.cpu()
-            if self.policy.is_last_stage:
-                scaled = logits / max(params.temperature, 1e-6)
-                logp = scaled.log_softmax(-1)
-                if params.temperature <= 1e-6:
-                    nxt = scaled.argmax(-1)
+        # the KV path runs the model in eval mode (megatron-core's inference context needs it),
+        # set once for the whole loop and restored afterwards
+        with self.policy.eval_mode() if context is not None else contextlib.nullcontext():
+            for t in range(params.max_new_tokens):
+                s = P + t
+                v = valid[:, :s]
+                if context is None or t == 0:  # the whole prefix: causal, pads hidden
+                    allowed = ((torch.ones(s, s, dtype=torch.bool).tril() & v[:, None, :])
+                               | eye[:s, :s])
+                if context is None:  # full recompute of the prefix
+                    pos = (v.long().cumsum(-1) - 1).clamp(min=0)
+                    logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None], pos)
+                elif t == 0:  # prefill of the KV cache with the prompt block
+                    logits = self.policy.decode_logits(tokens[:, :s], ~allowed[:, None], context)
+                else:  # one new query (position s-1) over the s cached keys, pads hidden
+                    allowed = v.clone()
+                    allowed[:, s - 1] = True
+                    logits = self.policy.decode_logits(tokens[:, s - 1:s], ~allowed[:, None, None],
+                                                       context)
+                logits = logits.cpu()
+                if self.policy.is_last_stage:
+                    scaled = logits / max(params.temperature, 1e-6)
+                    logp = scaled.log_softmax(-1)
+                    if params.temperature <= 1e-6:
+                        nxt = scaled.argmax(-1)
+                    else:
+                        probs = _filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+                        nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+                    lp = logp.gather(-1, nxt[:, None])[:, 0]
                 else:
-                    probs = _filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
-                    nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
-                lp = logp.gather(-1, nxt[:, None])[:, 0]
-            else:
-                nxt, lp = torch.zeros(B, dtype=torch.long), torch.zeros(B)
-            nxt = self.policy.broadcast_from_last_stage(nxt, (B,), torch.long).cpu()
-            lp = self.policy.broadcast_from_last_stage(lp, (B,), torch.float32).cpu()
-            active = ~finished
-            tokens[active, s] = nxt[active]
-            valid[active, s] = True
-            new_logprobs[active, t] = lp[active]
-            lengths[active] += 1
-            stopped = active & torch.isin(nxt, stop_ids)
-            hit_stop |= stopped
-            finished |= stopped
-            if bool(finished.all()):
-                break
+                    nxt, lp = torch.zeros(B, dtype=torch.long), torch.zeros(B)
+                nxt = self.policy.broadcast_from_last_stage(nxt, (B,), torch.long).cpu()
+                lp = self.policy.broadcast_from_last_stage(lp, (B,), torch.float32).cpu()
+                active = ~finished
+                tokens[active, s] = nxt[active]
+                valid[active, s] = True
+                new_logprobs[active, t] = lp[active]
+                lengths[active] += 1
+                stopped = active & torch.isin(nxt, stop_ids)
+                hit_stop |= stopped
+                finished |= stopped
+                if bool(finished.all()):
+                    break
         out: list[list[Completion]] = []
         for i in range(B):
             n_i = int(lengths[i])

@@ -124,3 +124,14 @@ def test_selection(policy, monkeypatch):
     monkeypatch.setenv("MEGATRON_RL_LOCAL_KV_CACHE", "0")
     assert not LocalEngine(policy).kv_cache
     assert LocalEngine(policy, kv_cache=True).kv_cache
+
+
+@pytest.mark.distributed
+def test_train_mode_restored(policy):
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.local import LocalEngine
+
+    for mode in (True, False):
+        policy.model[0].train(mode)
+        LocalEngine(policy).generate([[5, 6, 7]], 2, SamplingParams(max_new_tokens=3, seed=0))
+        assert all(m.training == mode for m in policy.model[0].modules())
