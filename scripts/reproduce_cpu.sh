@@ -6,8 +6,8 @@
 #   + the async slice (--async-level 2: none, k1:reward, k3:loss, k1:reward + seq-is),
 # 100 RL steps each, 162 runs. Results: docs/results.md (generated block), docs/figures/.
 #
-# Expected duration: ~__HOURS__ h on a 2-core CPU shared with other jobs (measured: a 40-step
-# run took ~__RUN40__ s here, plus ~20 s of evaluation and process start per run); about half
+# Expected duration: ~9 h on a 2-core CPU shared with other jobs (measured: a 40-step
+# run took ~55-75 s here, plus ~20 s of evaluation and process start per run); about half
 # that on an idle 4-core machine. The sweep is resumable: rerun the same command after an
 # interruption and finished runs are skipped.
 #

@@ -212,14 +212,17 @@ def plot_group(runs: dict[str, list[list[dict]]], path: str, title: str, base: f
             pts = ex.mean_curve(seed_rows, key)
             if not pts:
                 continue
+            if key == "eval/mean_at_k" and base is not None:
+                pts = [(0, base)] + pts   # step 0: the base model (megatron-rl eval, 3 seeds)
             xs, ys = zip(*pts)
             ys = ex.moving_average(list(ys), smooth)
             ax.plot(xs, ys, marker="o" if key.startswith("eval") else None, ms=3, lw=1.2,
                     label=name)
         if key == "eval/mean_at_k" and base is not None:
             ax.axhline(base, color="gray", ls="--", lw=1, label="base model")
-        if key in ("grad_norm", "kl_k1"):
-            ax.set_yscale("symlog", linthresh=1e-3)
+        if key == "grad_norm":
+            ax.set_yscale("log")
+            ax.set_ylim(bottom=1e-2)   # an all-equal-reward minibatch has a zero gradient
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("RL step", fontsize=8)
         ax.tick_params(labelsize=7)
