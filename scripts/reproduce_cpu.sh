@@ -7,8 +7,8 @@
 # 100 RL steps each, 162 runs. Results: docs/results.md (generated block), docs/figures/.
 #
 # Expected duration: ~9 h on a 2-core CPU shared with other jobs (measured: a 40-step
-# run took ~55-75 s here, plus ~20 s of evaluation and process start per run); about half
-# that on an idle 4-core machine. The sweep is resumable: rerun the same command after an
+# run took ~55-75 s here, plus ~20 s of evaluation and process start per run); less
+# on an idle machine (and with newer local-engine speedups). The sweep is resumable: rerun the same command after an
 # interruption and finished runs are skipped.
 #
 #   bash scripts/reproduce_cpu.sh [extra tools/reproduce.py flags, e.g. --seeds 1 --regimes on]
