@@ -68,6 +68,7 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
     n = batch.num_sequences
     per_mb = n // cfg.ppo_minibatches
     ok_all = True
+    grad_norms: list[float] = []
     for epoch in range(cfg.ppo_epochs):
         for mb in range(cfg.ppo_minibatches):
             idx = list(range(mb * per_mb, (mb + 1) * per_mb))
@@ -83,7 +84,7 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
             finite = _all_finite(rt, results)
             if finite:
                 updated, grad_norm = rt.policy.step()
-                metrics["grad_norm"] = grad_norm if grad_norm is not None else float("nan")
+                grad_norms.append(grad_norm if grad_norm is not None else float("nan"))
             else:
                 updated = False
             ok_all &= updated and finite
@@ -92,6 +93,9 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
                 for k in ("pg_loss", "kl_k1", "kl_k3", "clip_fraction", "entropy", "ratio_mean"):
                     if k in r:
                         metrics.setdefault("_acc_" + k, []).append((float(r[k]), w))
+    if grad_norms:  # mean and max over the optimizer steps of this batch (PPO minibatches)
+        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["grad_norm_max"] = max(grad_norms)
     for k in [k for k in metrics if k.startswith("_acc_")]:
         vals = metrics.pop(k)
         tot = sum(w for _, w in vals)
