@@ -359,3 +359,43 @@ def broadcast_from_rank0(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class ServerBackedEngine:
+    """What the vLLM and SGLang engines share: the server process (`self.server`, a
+    ManagedServer on rank 0 or None elsewhere) and its URL (`self.url`, on every rank)."""
+
+    server: "ManagedServer | None"
+    url: str | None
+
+    def start(self, wait: bool = True) -> None:
+        """Start the server (rank 0) and share its URL with every rank (collective when
+        distributed). wait=False only launches the process (to boot several servers at once);
+        call start() again to wait for it."""
+        if self.server is not None:
+            self.server.start(wait=wait)
+            if not wait:
+                return
+            self.url = self.server.url
+        self.url = broadcast_from_rank0(self.url)
+
+    def _post(self, path: str, payload, timeout: float = 600.0):
+        """POST to the server: through the ManagedServer on rank 0 (restart and retry on a dead
+        process), directly elsewhere."""
+        if self.server is not None:
+            return self.server.post(path, payload, timeout)
+        return http_json("POST", self.url + path, payload, timeout)
+
+    def health(self) -> bool:
+        """True when the server answers; a managed server that does not is restarted first."""
+        if self.server is None:
+            return True
+        if self.server.healthy():
+            return True
+        if self.server.managed:
+            self.server.ensure_healthy()
+        return self.server.healthy()
+
+    def _stop_server(self) -> None:
+        if self.server is not None and self.server.managed:
+            self.server.stop()

@@ -36,7 +36,7 @@ import time
 from typing import Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import (ManagedServer, ServerError, broadcast_from_rank0,
+from megatron_rl.rollout.server import (ManagedServer, ServerBackedEngine, ServerError,
                                         dist_barrier, dist_rank, http_json)
 from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
@@ -76,7 +76,7 @@ class SGLangConfig:
     nccl_bucket_bytes: int = 512 << 20
 
 
-class SGLangEngine:
+class SGLangEngine(ServerBackedEngine):
     """RolloutEngine backed by an SGLang server (see module docstring)."""
 
     def __init__(self, model_path: str, config: SGLangConfig, policy=None, start: bool = True):
@@ -146,14 +146,6 @@ class SGLangEngine:
 
     _needs_resync = False
 
-    def start(self, wait: bool = True) -> None:
-        if self.server is not None:
-            self.server.start(wait=wait)
-            if not wait:
-                return
-            self.url = self.server.url
-        self.url = broadcast_from_rank0(self.url)
-
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:
@@ -184,11 +176,6 @@ class SGLangEngine:
             raise ServerError(f"SGLang returned {len(resp)} outputs for {len(input_ids)} samples")
         out = [[_completion(resp[i * n + j]) for j in range(n)] for i in range(len(prompts))]
         return out
-
-    def _post(self, path: str, payload, timeout: float = 600.0):
-        if self.server is not None:
-            return self.server.post(path, payload, timeout)
-        return http_json("POST", self.url + path, payload, timeout)
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, version: int) -> None:
@@ -330,15 +317,6 @@ class SGLangEngine:
         self._post("/flush_cache", None)
 
     # -- health ----------------------------------------------------------------------------------
-    def health(self) -> bool:
-        if self.server is None:
-            return True
-        if self.server.healthy():
-            return True
-        if self.server.managed:
-            self.server.ensure_healthy()
-        return self.server.healthy()
-
     def shutdown(self) -> None:
         if self._nccl_group is not None:
             import torch.distributed as dist
@@ -347,8 +325,7 @@ class SGLangEngine:
                 self._post("/destroy_weights_update_group", {"group_name": "mrl_weights"})
                 dist.destroy_process_group(self._nccl_group)
             self._nccl_group = None
-        if self.server is not None and self.server.managed:
-            self.server.stop()
+        self._stop_server()
 
 
 def _completion(item: dict) -> Completion:

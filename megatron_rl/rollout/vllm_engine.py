@@ -30,7 +30,7 @@ import time
 from typing import Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import (ManagedServer, ServerError, broadcast_from_rank0,
+from megatron_rl.rollout.server import (ManagedServer, ServerBackedEngine, ServerError,
                                         dist_barrier, dist_rank)
 from megatron_rl.rollout.weight_sync import WeightExporter, read_version
 
@@ -71,7 +71,7 @@ class VLLMConfig:
     max_restarts: int = 3
 
 
-class VLLMEngine:
+class VLLMEngine(ServerBackedEngine):
     """RolloutEngine backed by a vLLM server (see module docstring).
 
     model_path: HF checkpoint served at start (the policy's initial weights).
@@ -141,17 +141,6 @@ class VLLMEngine:
                                                 "kwargs": {"version": str(version)}},
                             retry=False)
 
-    def start(self, wait: bool = True) -> None:
-        """Start the server (rank 0) and share its URL with every rank (collective when
-        distributed). wait=False only launches the process (to boot several servers at once);
-        call start() again to wait for it."""
-        if self.server is not None:
-            self.server.start(wait=wait)
-            if not wait:
-                return
-            self.url = self.server.url
-        self.url = broadcast_from_rank0(self.url)
-
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:
@@ -186,12 +175,6 @@ class VLLMEngine:
                 row.append(Completion(token_ids, logprobs, finish))
             out.append(row)
         return out
-
-    def _post(self, path: str, payload, timeout: float = 600.0):
-        if self.server is not None:
-            return self.server.post(path, payload, timeout)
-        from megatron_rl.rollout.server import http_json  # ranks other than 0: no restarts
-        return http_json("POST", self.url + path, payload, timeout)
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, version: int) -> None:
@@ -250,19 +233,8 @@ class VLLMEngine:
         return int(v) if v not in ("", None) else None
 
     # -- health ----------------------------------------------------------------------------------
-    def health(self) -> bool:
-        """True when the server answers; a managed server that does not is restarted first."""
-        if self.server is None:
-            return True
-        if self.server.healthy():
-            return True
-        if self.server.managed:
-            self.server.ensure_healthy()
-        return self.server.healthy()
-
     def shutdown(self) -> None:
-        if self.server is not None and self.server.managed:
-            self.server.stop()
+        self._stop_server()
 
 
 def _tied(model_path: str) -> bool:
