@@ -111,13 +111,6 @@ _PROXIED_MODULES = {
     "megatron.core.tensor_parallel.data": "L86 current_device()",
     # exchange_utils.py:104/110/326 checkpoint-load exchange buffers on device="cuda".
     "megatron.core.dist_checkpointing.exchange_utils": "L104,110,326 device='cuda'",
-    # text_generation_controller.py:1067 .cuda() is handled in the rollout engine; the module also
-    # creates tensors on current_device().
-    "megatron.core.inference.text_generation_controllers.text_generation_controller":
-        "current_device()",
-    # attention.py:430 Attention._allocate_memory puts the static-batching KV cache
-    # (StaticInferenceContext, used by the local engine's KV-cached decoding) on current_device().
-    "megatron.core.transformer.attention": "L430 current_device()",
 }
 
 

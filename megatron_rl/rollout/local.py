@@ -11,11 +11,12 @@ and the pads are masked, so left padding does not change the result).
 
 Two decoding paths, which draw the same tokens for the same seed (same logits up to float
 rounding, same generator use):
-- KV-cached (default where `Policy.supports_kv_decoding()`: pipeline-parallel size 1, any TP, no
-  sequence parallelism): megatron-core's `StaticInferenceContext` on the same model object, one
-  prefill of the left-padded prompt block, then one token per step (`Policy.decode_logits`).
+- KV-cached (default where megatron_rl.models.decode supports the layout: pipeline-parallel size
+  1, any TP): `KVDecoder` on the live weights, one prefill of the left-padded prompt block, then
+  one token per step.
 - full recompute (PP > 1, or `kv_cache=False`, or MEGATRON_RL_LOCAL_KV_CACHE=0): the whole prefix
-  through the pipeline schedule at every step (`Policy.last_token_logits`); quadratic in length.
+  through megatron-core's pipeline schedule at every step (`Policy.last_token_logits`);
+  quadratic in length.
 
 rollout_logprobs are log-probs under the temperature-scaled distribution softmax(z / T), before
 top-k / top-p truncation (with T = 1 and no truncation: the policy's own log-probs).
@@ -25,11 +26,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import contextlib
 import os
 
 import torch
 
+from megatron_rl.models.decode import KVDecoder, unsupported_reason
 from megatron_rl.rollout.base import Completion, SamplingParams
 
 
@@ -58,12 +59,11 @@ class LocalEngine:
         self.policy = policy
         self.pad_token_id = pad_token_id
         self.weight_version = 0
-        supported = hasattr(policy, "supports_kv_decoding") and policy.supports_kv_decoding()
+        reason = unsupported_reason(policy)
         if kv_cache is None:
-            kv_cache = supported and os.environ.get("MEGATRON_RL_LOCAL_KV_CACHE", "1") != "0"
-        elif kv_cache and not supported:
-            raise ValueError("KV-cached decoding needs pipeline-parallel size 1, no sequence "
-                             "parallelism and the SDPA core attention; use kv_cache=False")
+            kv_cache = reason is None and os.environ.get("MEGATRON_RL_LOCAL_KV_CACHE", "1") != "0"
+        elif kv_cache and reason:
+            raise ValueError(f"{reason}; use kv_cache=False")
         self.kv_cache = bool(kv_cache)
 
     def update_weights(self, version: int) -> None:
@@ -105,50 +105,49 @@ class LocalEngine:
         lengths = torch.zeros(B, dtype=torch.long)
         hit_stop = torch.zeros(B, dtype=torch.bool)
         eye = torch.eye(max_len, dtype=torch.bool)
-        context = self.policy.new_decode_context(B, max_len) if self.kv_cache else None
-        # the KV path runs the model in eval mode (megatron-core's inference context needs it),
-        # set once for the whole loop and restored afterwards
-        with self.policy.eval_mode() if context is not None else contextlib.nullcontext():
-            for t in range(params.max_new_tokens):
-                s = P + t
-                v = valid[:, :s]
-                if context is None or t == 0:  # the whole prefix: causal, pads hidden
-                    allowed = ((torch.ones(s, s, dtype=torch.bool).tril() & v[:, None, :])
-                               | eye[:s, :s])
-                if context is None:  # full recompute of the prefix
-                    pos = (v.long().cumsum(-1) - 1).clamp(min=0)
-                    logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None], pos)
-                elif t == 0:  # prefill of the KV cache with the prompt block
-                    logits = self.policy.decode_logits(tokens[:, :s], ~allowed[:, None], context)
-                else:  # one new query (position s-1) over the s cached keys, pads hidden
-                    allowed = v.clone()
-                    allowed[:, s - 1] = True
-                    logits = self.policy.decode_logits(tokens[:, s - 1:s], ~allowed[:, None, None],
-                                                       context)
-                logits = logits.cpu()
-                if self.policy.is_last_stage:
-                    scaled = logits / max(params.temperature, 1e-6)
-                    logp = scaled.log_softmax(-1)
-                    if params.temperature <= 1e-6:
-                        nxt = scaled.argmax(-1)
-                    else:
-                        probs = _filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
-                        nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
-                    lp = logp.gather(-1, nxt[:, None])[:, 0]
+        # positions counted from each prompt's first real token (pads left of it: 0, masked)
+        pads = torch.tensor([P - len(p) for p in seqs])
+        pos = (torch.arange(max_len)[None, :] - pads[:, None]).clamp(min=0)
+        decoder = KVDecoder(self.policy, B, max_len) if self.kv_cache else None
+        for t in range(params.max_new_tokens):
+            s = P + t
+            v = valid[:, :s]
+            if decoder is None or t == 0:  # the whole prefix: causal, pads hidden
+                allowed = (torch.ones(s, s, dtype=torch.bool).tril() & v[:, None, :]) | eye[:s, :s]
+            if decoder is None:  # full recompute of the prefix
+                logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None],
+                                                       pos[:, :s])
+            elif t == 0:  # prefill of the KV cache with the prompt block
+                logits = decoder.forward(tokens[:, :s], pos[:, :s], allowed[:, None])
+            else:  # one new query (position s-1) over the s cached keys, pads hidden
+                allowed = v.clone()
+                allowed[:, s - 1] = True
+                logits = decoder.forward(tokens[:, s - 1:s], pos[:, s - 1:s],
+                                         allowed[:, None, None])
+            logits = logits.cpu()
+            if self.policy.is_last_stage:
+                scaled = logits / max(params.temperature, 1e-6)
+                logp = scaled.log_softmax(-1)
+                if params.temperature <= 1e-6:
+                    nxt = scaled.argmax(-1)
                 else:
-                    nxt, lp = torch.zeros(B, dtype=torch.long), torch.zeros(B)
-                nxt = self.policy.broadcast_from_last_stage(nxt, (B,), torch.long).cpu()
-                lp = self.policy.broadcast_from_last_stage(lp, (B,), torch.float32).cpu()
-                active = ~finished
-                tokens[active, s] = nxt[active]
-                valid[active, s] = True
-                new_logprobs[active, t] = lp[active]
-                lengths[active] += 1
-                stopped = active & torch.isin(nxt, stop_ids)
-                hit_stop |= stopped
-                finished |= stopped
-                if bool(finished.all()):
-                    break
+                    probs = _filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+                    nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+                lp = logp.gather(-1, nxt[:, None])[:, 0]
+            else:
+                nxt, lp = torch.zeros(B, dtype=torch.long), torch.zeros(B)
+            nxt = self.policy.broadcast_from_last_stage(nxt, (B,), torch.long).cpu()
+            lp = self.policy.broadcast_from_last_stage(lp, (B,), torch.float32).cpu()
+            active = ~finished
+            tokens[active, s] = nxt[active]
+            valid[active, s] = True
+            new_logprobs[active, t] = lp[active]
+            lengths[active] += 1
+            stopped = active & torch.isin(nxt, stop_ids)
+            hit_stop |= stopped
+            finished |= stopped
+            if bool(finished.all()):
+                break
         out: list[list[Completion]] = []
         for i in range(B):
             n_i = int(lengths[i])

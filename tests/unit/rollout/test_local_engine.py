@@ -119,7 +119,9 @@ def test_kv_logprobs_match_teacher_forced_forward(policy):
 def test_selection(policy, monkeypatch):
     from megatron_rl.rollout.local import LocalEngine
 
-    assert policy.supports_kv_decoding()
+    from megatron_rl.models.decode import unsupported_reason
+
+    assert unsupported_reason(policy) is None
     assert LocalEngine(policy).kv_cache
     monkeypatch.setenv("MEGATRON_RL_LOCAL_KV_CACHE", "0")
     assert not LocalEngine(policy).kv_cache
