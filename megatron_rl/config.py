@@ -54,6 +54,10 @@ class TrainConfig:
     kl_is_truncation: float | None = None
     ref_reset_interval: int = 0           # reset the reference to the policy every N steps (0: never)
     async_level: int = 0                  # rollouts may come from a policy up to k steps stale
+    # behaviour-policy log-probs for the ratio and the KL: "recompute" = one forward of the
+    # trainer over the batch; "rollout" = the engine's; "auto" = the engine's where they are the
+    # policy's own (local engine, fp32, temperature 1, top-p 1), else recompute
+    old_logprobs: str = "auto"
     # optimizer
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -83,10 +87,22 @@ class TrainConfig:
                         off_policy_correction=self.kl_off_policy_correction,
                         is_truncation=self.kl_is_truncation))
 
+    def use_rollout_logprobs(self) -> bool:
+        """Whether the engine's log-probs serve as the behaviour policy's (see old_logprobs).
+        The local engine samples from the live fp32 weights, so at temperature 1 without
+        truncation its log-probs are the policy's up to float rounding (~1e-6) and the trainer's
+        recompute forward would only repeat them."""
+        if self.old_logprobs != "auto":
+            return self.old_logprobs == "rollout"
+        return (self.rollout_engine == "local" and not self.bf16 and self.temperature == 1.0
+                and self.top_p == 1.0)
+
     def validate(self) -> None:
         self.loss_config()  # raises ValueError listing valid names
         if self.rollout_engine not in ("local", "vllm", "sglang"):
             raise ValueError(f"--rollout-engine {self.rollout_engine!r}; valid: local, vllm, sglang")
+        if self.old_logprobs not in _CHOICES["old_logprobs"]:
+            raise ValueError(f"--old-logprobs {self.old_logprobs!r}; valid: auto, recompute, rollout")
         if self.num_prompts_per_step % self.ppo_minibatches:
             raise ValueError("--ppo-minibatches must divide --num-prompts-per-step")
         if not self.hf_checkpoint:
@@ -99,7 +115,7 @@ _CHOICES = {
     "kl_estimator": sorted(ESTIMATORS), "kl_placement": list(PLACEMENTS),
     "kl_off_policy_correction": list(OFF_POLICY_CORRECTIONS),
     "loss_aggregation": sorted(AGGREGATIONS), "advantage_estimator": sorted(ADVANTAGE_ESTIMATORS),
-    "rollout_engine": ["local", "vllm", "sglang"],
+    "rollout_engine": ["local", "vllm", "sglang"], "old_logprobs": ["auto", "recompute", "rollout"],
 }
 
 

@@ -43,9 +43,15 @@ def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
                                              expand([r.task for r in records]),
                                              expand([r.metadata for r in records]))
     batch = pack_rollouts(prompt_ids, completions, rewards, rt.pad_id)
-    # behaviour policy = the weights that generated the batch: recomputed by the trainer now
-    batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, cfg.micro_batch_size)
-    return batch, {f"reward_errors/{k}": v for k, v in reasons.items()}
+    # behaviour policy = the weights that generated the batch (see --old-logprobs)
+    metrics = {f"reward_errors/{k}": v for k, v in reasons.items()}
+    if cfg.use_rollout_logprobs():
+        batch.old_logprobs = batch.rollout_logprobs.clone()
+    else:
+        batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, cfg.micro_batch_size)
+        metrics.update(logprob_mismatch(batch.rollout_logprobs, batch.old_logprobs,
+                                        batch.loss_mask).as_dict())
+    return batch, metrics
 
 
 def _global_sum(x: float) -> float:
@@ -164,8 +170,6 @@ def train(cfg: TrainConfig) -> dict:
         _, batch, metrics = pending.popleft()
         t_rollout = time.perf_counter() - t0
         metrics.update(rt.batch_metrics(batch))
-        metrics.update(logprob_mismatch(batch.rollout_logprobs, batch.old_logprobs,
-                                        batch.loss_mask).as_dict())
         t1 = time.perf_counter()
         ok = train_on_batch(rt, batch, metrics)
         nonfinite_in_row = 0 if ok else nonfinite_in_row + 1

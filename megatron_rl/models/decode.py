@@ -60,6 +60,7 @@ class KVDecoder:
     """
 
     def __init__(self, policy, batch_size: int, max_len: int):
+        """batch_size: rows of the first `forward` (the prefill); `repeat_rows` may grow it."""
         reason = unsupported_reason(policy)
         if reason:
             raise ValueError(reason)
@@ -122,6 +123,13 @@ class KVDecoder:
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
         dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
+
+    def repeat_rows(self, n: int) -> None:
+        """Each cached row becomes n consecutive rows (row i -> rows i*n .. i*n+n-1): a prompt
+        prefilled once serves its n samples (the group shares the prompt)."""
+        if n > 1:
+            self.cache = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0))
+                          for k, v in self.cache]
 
     # -- the forward -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -12,8 +12,8 @@ and the pads are masked, so left padding does not change the result).
 Two decoding paths, which draw the same tokens for the same seed (same logits up to float
 rounding, same generator use):
 - KV-cached (default where megatron_rl.models.decode supports the layout: pipeline-parallel size
-  1, any TP): `KVDecoder` on the live weights, one prefill of the left-padded prompt block, then
-  one token per step.
+  1, any TP): `KVDecoder` on the live weights, one prefill of the left-padded block of distinct
+  prompts (the n samples of a prompt share its cache rows), then one token per step.
 - full recompute (PP > 1, or `kv_cache=False`, or MEGATRON_RL_LOCAL_KV_CACHE=0): the whole prefix
   through megatron-core's pipeline schedule at every step (`Policy.last_token_logits`);
   quadratic in length.
@@ -108,7 +108,7 @@ class LocalEngine:
         # positions counted from each prompt's first real token (pads left of it: 0, masked)
         pads = torch.tensor([P - len(p) for p in seqs])
         pos = (torch.arange(max_len)[None, :] - pads[:, None]).clamp(min=0)
-        decoder = KVDecoder(self.policy, B, max_len) if self.kv_cache else None
+        decoder = KVDecoder(self.policy, len(prompts), max_len) if self.kv_cache else None
         for t in range(params.max_new_tokens):
             s = P + t
             v = valid[:, :s]
@@ -117,8 +117,10 @@ class LocalEngine:
             if decoder is None:  # full recompute of the prefix
                 logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None],
                                                        pos[:, :s])
-            elif t == 0:  # prefill of the KV cache with the prompt block
-                logits = decoder.forward(tokens[:, :s], pos[:, :s], allowed[:, None])
+            elif t == 0:  # prefill with each distinct prompt once, then one cache row per sample
+                logits = decoder.forward(tokens[::n, :s], pos[::n, :s], allowed[::n, None])
+                decoder.repeat_rows(n)
+                logits = logits.repeat_interleave(n, 0)
             else:  # one new query (position s-1) over the s cached keys, pads hidden
                 allowed = v.clone()
                 allowed[:, s - 1] = True

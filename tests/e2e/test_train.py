@@ -159,7 +159,8 @@ def test_async_level_trains_on_stale_rollouts(tiny_char_model, tiny_char_ref, ar
     save = str(tmp_path / "async")
     args = train_args(tiny_char_model, arithmetic_jsonl, save, 4,
                       ["--async-level", "2", "--kl-placement", "reward+loss", "--kl-estimator",
-                       "k3", "--kl-coef", "1.0"], ref=tiny_char_ref)
+                       "k3", "--kl-coef", "1.0", "--old-logprobs", "recompute"],
+                      ref=tiny_char_ref)
     subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
     rows = _metrics(save)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -167,3 +168,25 @@ def test_async_level_trains_on_stale_rollouts(tiny_char_model, tiny_char_ref, ar
     # steps 1-2 use batches of the initial weights; by step 3 the policy moved twice
     assert abs(rows[0]["ratio_mean"] - 1.0) < 1e-5
     assert abs(rows[3]["ratio_mean"] - 1.0) > 1e-4
+
+
+def test_rollout_logprobs_stand_in_for_the_recompute_forward(tiny_char_model, tiny_char_ref,
+                                                            arithmetic_jsonl, tmp_path):
+    """--old-logprobs auto on the local engine (fp32, T=1) takes the behaviour log-probs from the
+    engine instead of a recompute forward. They are the policy's own: the same run with
+    --old-logprobs recompute logs a mismatch at float noise and the same training metrics."""
+    kl = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0"]
+    rows = {}
+    for mode in ("auto", "recompute"):
+        save = str(tmp_path / mode)
+        args = train_args(tiny_char_model, arithmetic_jsonl, save, 3,
+                          kl + ["--old-logprobs", mode], ref=tiny_char_ref)
+        subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True,
+                       timeout=600)
+        rows[mode] = _metrics(save)
+    assert all("mismatch/abs_delta_max" not in r for r in rows["auto"])  # no recompute ran
+    assert all(r["mismatch/abs_delta_max"] < 1e-4 for r in rows["recompute"])
+    for a, b in zip(rows["auto"], rows["recompute"]):
+        assert a["reward/mean"] == b["reward/mean"]  # the same samples
+        for k in ("kl_k1", "kl_k3", "pg_loss", "grad_norm", "ratio_mean"):
+            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(b[k])), (a["step"], k, a[k], b[k])
