@@ -30,7 +30,8 @@ def _sdpa_attention_class():
         """Core attention on `F.scaled_dot_product_attention`.
 
         Inputs: query [sq, b, np, hn], key/value [sk, b, ng, hn] (ng query groups, this TP rank's
-        heads); output [sq, b, np * hn]. KV heads are repeated for grouped-query attention. The
+        heads); output [sq, b, np * hn]. Grouped-query attention: query head i reads KV group
+        i // (np / ng) (SDPA's enable_gqa, no copy of the keys). The
         causal mask is aligned bottom-right so that a query block at the end of the keys
         (KV-cache decoding, sq < sk) attends to every earlier key. An explicit boolean
         `attention_mask` (True = masked out, megatron's convention) is honoured as well.
@@ -48,22 +49,19 @@ def _sdpa_attention_class():
                 raise NotImplementedError("SDPAttention supports neither packed sequences nor "
                                           "attention bias")
             sq, b, n_heads, head_dim = query.shape
-            sk, n_groups = key.shape[0], key.shape[2]
-            if n_heads != n_groups:
-                key = key.repeat_interleave(n_heads // n_groups, dim=2)
-                value = value.repeat_interleave(n_heads // n_groups, dim=2)
+            sk, gqa = key.shape[0], n_heads != key.shape[2]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
             mask = None
             if attention_mask is not None and attention_mask.dtype == torch.bool:
                 mask = ~attention_mask[..., -sq:, -sk:]
             if mask is None and sq == sk:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                     scale=self.softmax_scale)
+                                                     scale=self.softmax_scale, enable_gqa=gqa)
             else:
                 causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
                 mask = causal if mask is None else (mask & causal)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                     scale=self.softmax_scale)
+                                                     scale=self.softmax_scale, enable_gqa=gqa)
             return out.permute(2, 0, 1, 3).reshape(sq, b, n_heads * head_dim)
 
     return SDPAttention
