@@ -50,6 +50,14 @@ def tiny_qwen2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """A random tiny Qwen3 (q/k norms, no qkv bias, head_dim 32 != hidden / heads, GQA)."""
+    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3", seed=4)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_tied(tmp_path_factory):
     """A random tiny Llama with tied input/output embeddings in HF safetensors format."""
     from megatron_rl.models.tiny import make_tiny_hf_checkpoint

@@ -1,4 +1,4 @@
-"""Model architecture read from a Hugging Face `config.json` (Qwen2 and Llama families).
+"""Model architecture read from a Hugging Face `config.json` (Qwen2, Qwen3 and Llama families).
 
 `ModelArgs` is the one description of the architecture used everywhere: it builds megatron-core's
 `TransformerConfig`, drives the HF <-> Megatron weight mapping, and is written back into
@@ -17,6 +17,7 @@ import torch
 SUPPORTED_ARCHITECTURES = {
     # HF architecture name -> family
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
 }
 
@@ -42,6 +43,7 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has q/k/v biases; Llama has none (attention_bias=False)
+    qk_norm: bool = False   # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
     rope_scaling_factor: float | None = None  # Llama-3.1 style ("llama3") rope scaling
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -75,7 +77,7 @@ class ModelArgs:
         qkv_bias = True if family == "qwen2" else bool(config.get("attention_bias", False))
         if config.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=True is not supported (field 'mlp_bias')")
-        if family == "qwen2" and config.get("use_sliding_window"):
+        if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
             raise ValueError(f"{source}: sliding-window attention is not supported "
                              "(field 'use_sliding_window')")
 
@@ -112,6 +114,7 @@ class ModelArgs:
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            qk_norm=family == "qwen3",
             rope_scaling_factor=factor,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
@@ -187,6 +190,7 @@ def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_pa
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=args.qkv_bias,
+        qk_layernorm=args.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,

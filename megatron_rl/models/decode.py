@@ -9,6 +9,7 @@ step is seen by the next call) and runs the same arithmetic with a preallocated 
 
     x = E[token]                                                     (vocab-parallel lookup)
     per layer:  h = RMSNorm(x);  q, k, v = split_groups(W_qkv h + b_qkv)
+                [Qwen3: q, k = RMSNorm_head(q), RMSNorm_head(k)]
                 q, k = RoPE(q, pos), RoPE(k, pos);  K, V <- cache[:, :, :t] ++ (k, v)
                 x = x + W_proj softmax(q K^T / sqrt(d) + mask) V                   (sum over TP)
                 h = RMSNorm(x);  g, u = W_fc1 h;  x = x + W_fc2 (silu(g) * u)      (sum over TP)
@@ -22,8 +23,8 @@ padding (masked) changes nothing. Tensor parallelism works on the local shards w
 all-reduce after the attention and MLP outputs; sequence parallelism needs no special case
 (weights are the same). Agreement with megatron-core's forward: tests/unit/models/test_decode.py.
 
-Supported: the Qwen2 / Llama models megatron_rl.models builds (RMSNorm, SwiGLU, RoPE, GQA, qkv
-bias, tied or untied output), pipeline-parallel size 1. `unsupported_reason` says why not.
+Supported: the Qwen2 / Qwen3 / Llama models megatron_rl.models builds (RMSNorm, SwiGLU, RoPE,
+GQA, qkv bias, q/k norms, tied or untied output), pipeline-parallel size 1. `unsupported_reason` says why not.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def unsupported_reason(policy) -> str | None:
     cfg = policy.config
     if not (cfg.gated_linear_unit and cfg.normalization == "RMSNorm"):
         return "KV-cached decoding supports RMSNorm + SwiGLU models only"
-    if getattr(cfg, "qk_layernorm", False) or getattr(cfg, "num_moe_experts", None):
-        return "KV-cached decoding does not support q/k norms or MoE layers"
+    if getattr(cfg, "num_moe_experts", None):
+        return "KV-cached decoding does not support MoE layers"
     if getattr(cfg, "rotary_interleaved", False):
         return "KV-cached decoding supports non-interleaved RoPE only"
     return None
@@ -85,7 +86,8 @@ class KVDecoder:
             self.layers.append({k: p.get(pre + k) for k in (
                 "input_layernorm.weight", "self_attention.linear_qkv.weight",
                 "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
-                "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")})
+                "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
+                "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")})
         dev, dtype = self.embedding.device, self.embedding.dtype
         rot = model.rotary_pos_emb(max_len).reshape(max_len, -1).to(dev)  # [S, rot_dim] angles
         self.cos, self.sin = rot.cos().to(dtype), rot.sin().to(dtype)
@@ -148,8 +150,11 @@ class KVDecoder:
             h = torch.rms_norm(x, (x.shape[-1],), w["input_layernorm.weight"], self.eps)
             qkv = F.linear(h, w["self_attention.linear_qkv.weight"],
                            w["self_attention.linear_qkv.bias"]).view(B, s, ng, qpg + 2, d)
-            q = self._rope(qkv[:, :, :, :qpg].reshape(B, s, ng * qpg, d), cos, sin)
-            k = self._rope(qkv[:, :, :, qpg], cos, sin)
+            q, k = qkv[:, :, :, :qpg].reshape(B, s, ng * qpg, d), qkv[:, :, :, qpg]
+            if w["self_attention.q_layernorm.weight"] is not None:  # Qwen3: per-head RMSNorm
+                q = torch.rms_norm(q, (d,), w["self_attention.q_layernorm.weight"], self.eps)
+                k = torch.rms_norm(k, (d,), w["self_attention.k_layernorm.weight"], self.eps)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             k_cache[:, :, t0:t1] = k.transpose(1, 2)
             v_cache[:, :, t0:t1] = qkv[:, :, :, qpg + 1].transpose(1, 2)
             a = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :t1],

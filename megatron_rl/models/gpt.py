@@ -1,4 +1,4 @@
-"""The policy: a megatron-core `GPTModel` for Qwen2 / Llama checkpoints.
+"""The policy: a megatron-core `GPTModel` for Qwen2 / Qwen3 / Llama checkpoints.
 
 Layer spec: TransformerEngine layers when TE is installed (GPU), otherwise megatron-core's local
 spec with the core attention replaced by `SDPAttention`, a `scaled_dot_product_attention` module
@@ -74,8 +74,10 @@ def layer_spec(args: ModelArgs, use_te: bool | None = None):
     if use_te is None:
         use_te = _transformer_engine_available()
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=args.qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm",
+                                                    qk_layernorm=args.qk_norm)
     spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     return spec
 

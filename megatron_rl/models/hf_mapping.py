@@ -1,4 +1,4 @@
-"""The one HF <-> Megatron weight mapping (Qwen2 / Llama), used by the conversion tools and by
+"""The one HF <-> Megatron weight mapping (Qwen2 / Qwen3 / Llama), used by the conversion tools and by
 weight sync to rollout servers.
 
 Three layers, each a plain function on state dicts:
@@ -43,6 +43,18 @@ _LAYER_PARAMS = {
     "mlp.linear_fc1.weight": (None, GATED_COLUMN),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight", ROW),
 }
+# Qwen3's per-head RMSNorm of queries and keys (head_dim weights, the same on every TP rank).
+_QK_NORM_PARAMS = {
+    "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight", REPLICATED),
+    "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight", REPLICATED),
+}
+
+
+def _layer_params(args: ModelArgs) -> dict[str, tuple[str | None, str]]:
+    """The per-layer megatron suffix -> (HF suffix, partition kind) table of this architecture."""
+    return {**_LAYER_PARAMS, **_QK_NORM_PARAMS} if args.qk_norm else _LAYER_PARAMS
+
+
 # TransformerEngine specs fuse the pre-norms into the following linear layer.
 _TE_RENAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -68,6 +80,9 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
         shapes[p + "mlp.linear_fc1.weight"] = (2 * args.intermediate_size, h)
         shapes[p + "mlp.linear_fc2.weight"] = (h, args.intermediate_size)
+        if args.qk_norm:
+            shapes[p + "self_attention.q_layernorm.weight"] = (d,)
+            shapes[p + "self_attention.k_layernorm.weight"] = (d,)
     return shapes
 
 
@@ -90,6 +105,8 @@ def hf_expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         if args.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (nq,), p + "self_attn.k_proj.bias": (nkv,),
                            p + "self_attn.v_proj.bias": (nkv,)})
+        if args.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     return shapes
 
 
@@ -141,7 +158,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs,
         out["output_layer.weight"] = hf["lm_head.weight"]
     for i in range(args.num_hidden_layers):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for mg_suffix, (hf_suffix, _) in _LAYER_PARAMS.items():
+        for mg_suffix, (hf_suffix, _) in _layer_params(args).items():
             if hf_suffix is not None:
                 out[mp + mg_suffix] = hf[hp + hf_suffix]
         a = hp + "self_attn."
@@ -167,7 +184,7 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], args: ModelArgs,
     f = args.intermediate_size
     for i in range(args.num_hidden_layers):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for mg_suffix, (hf_suffix, _) in _LAYER_PARAMS.items():
+        for mg_suffix, (hf_suffix, _) in _layer_params(args).items():
             if hf_suffix is not None:
                 out[hp + hf_suffix] = mg[mp + mg_suffix]
         a = hp + "self_attn."
@@ -193,6 +210,8 @@ def partition_kind(name: str) -> str:
                 suffix = local
         if suffix in _LAYER_PARAMS:
             return _LAYER_PARAMS[suffix][1]
+        if suffix in _QK_NORM_PARAMS:
+            return _QK_NORM_PARAMS[suffix][1]
     return REPLICATED
 
 

@@ -1,4 +1,4 @@
-"""Tiny random Qwen2 / Llama checkpoints in HF format, for tests, demos and CI.
+"""Tiny random Qwen2 / Qwen3 / Llama checkpoints in HF format, for tests, demos and CI.
 
 They are built with `transformers` from a config (nothing is downloaded) and saved as
 safetensors + config.json, exactly like a real checkpoint.
@@ -17,18 +17,22 @@ TINY_DEFAULTS = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_
 
 def make_tiny_hf_checkpoint(path: str, family: str = "qwen2", *, tie_word_embeddings: bool = False,
                             seed: int = 0, **overrides) -> str:
-    """Write a random tiny HF checkpoint of `family` ("qwen2" or "llama") to `path`."""
+    """Write a random tiny HF checkpoint of `family` ("qwen2", "qwen3" or "llama") to `path`."""
     import transformers
 
     kwargs = {**TINY_DEFAULTS, "tie_word_embeddings": tie_word_embeddings, **overrides}
     if family == "qwen2":
         config = transformers.Qwen2Config(rope_theta=1_000_000.0, **kwargs)
         cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":  # q/k norms, no qkv bias, head_dim independent of hidden / heads
+        kwargs.setdefault("head_dim", 2 * kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        config = transformers.Qwen3Config(rope_theta=1_000_000.0, **kwargs)
+        cls = transformers.Qwen3ForCausalLM
     elif family == "llama":
         config = transformers.LlamaConfig(rope_theta=500_000.0, **kwargs)
         cls = transformers.LlamaForCausalLM
     else:
-        raise ValueError(f"unknown tiny model family {family!r}; valid: ['llama', 'qwen2']")
+        raise ValueError(f"unknown tiny model family {family!r}; valid: ['llama', 'qwen2', 'qwen3']")
     torch.manual_seed(seed)
     model = cls(config).float().eval()
     os.makedirs(path, exist_ok=True)

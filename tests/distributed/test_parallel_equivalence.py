@@ -72,6 +72,17 @@ def test_local_engine_samples_the_same_at_every_layout(qwen2_run):
                                            rtol=0, atol=1e-5)
 
 
+def test_qwen3_layouts_match_transformers_and_sample_the_same(tiny_qwen3, tmp_path, torchrun):
+    """Qwen3's q/k norms (one head_dim weight shared by the heads that TP splits across ranks):
+    logits and gradients at every layout equal transformers', and the local engine (KV decoder
+    at TP2, recompute at PP2) draws the TP1 samples."""
+    out = tmp_path / "qwen3_layouts"
+    torchrun(4, ["-m", "megatron_rl.parallel_check", "--hf", tiny_qwen3, "--out", str(out),
+                 "--layouts", ",".join(LAYOUTS), "--generate"], timeout=600)
+    _check(str(out), tiny_qwen3)
+    test_local_engine_samples_the_same_at_every_layout(str(out))
+
+
 def test_kl_placement_changes_the_gradient(qwen2_run):
     """Guard against a switch that does nothing: reward, loss and none differ."""
     g = {c: torch.load(os.path.join(qwen2_run, "1x1", f"rl_{c.replace('+', '_')}.pt"))["grads"]

@@ -3,7 +3,7 @@
 A left-padded batch of unequal prompts is prefilled, then decoded one token at a time; at every
 step the decoder's last-position logits must equal megatron-core's full forward of the whole
 prefix (same masks, same positions) to float32 rounding. Models: tiny Qwen2 (GQA, qkv bias,
-untied output) and a tiny tied Llama with Llama-3.1 RoPE scaling and no GQA. Also: the decoder
+untied output), a tiny Qwen3 (q/k norms, head_dim != hidden / heads) and a tiny tied Llama with Llama-3.1 RoPE scaling and no GQA. Also: the decoder
 reads the live weights, so an optimizer step is seen without any sync.
 """
 
@@ -74,6 +74,14 @@ def _max_decode_error(policy, lens=(1, 4, 9, 6), new=6):
 @pytest.mark.distributed
 def test_decoder_matches_megatron_forward_qwen2(dist_env, tiny_qwen2):
     err, scale = _max_decode_error(_policy(tiny_qwen2))
+    assert scale > 0.1 and err < 1e-5
+
+
+@pytest.mark.distributed
+def test_decoder_matches_megatron_forward_qwen3(dist_env, tiny_qwen3):
+    policy = _policy(tiny_qwen3)
+    assert policy.args.qk_norm and not policy.args.qkv_bias
+    err, scale = _max_decode_error(policy)
     assert scale > 0.1 and err < 1e-5
 
 

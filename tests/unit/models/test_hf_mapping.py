@@ -22,7 +22,7 @@ def _hf_model(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("ckpt", ["tiny_qwen2", "tiny_llama_tied"])
+@pytest.mark.parametrize("ckpt", ["tiny_qwen2", "tiny_qwen3", "tiny_llama_tied"])
 def test_megatron_logits_equal_transformers(ckpt, request, single_rank):
     from megatron_rl.models.policy import Policy
 
@@ -39,7 +39,7 @@ def test_megatron_logits_equal_transformers(ckpt, request, single_rank):
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("ckpt", ["tiny_qwen2", "tiny_llama_tied"])
+@pytest.mark.parametrize("ckpt", ["tiny_qwen2", "tiny_qwen3", "tiny_llama_tied"])
 def test_hf_megatron_hf_round_trip_is_bit_exact(ckpt, request):
     path = request.getfixturevalue(ckpt)
     args = ModelArgs.from_pretrained(path)
@@ -137,7 +137,7 @@ def test_sharded_hf_checkpoint_round_trip(tiny_qwen2, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ckpt", ["tiny_qwen2", "tiny_llama_tied"])
+@pytest.mark.parametrize("ckpt", ["tiny_qwen2", "tiny_qwen3", "tiny_llama_tied"])
 def test_megatron_logits_equal_transformers_on_gpu(ckpt, request, single_rank):
     from megatron_rl.models.policy import Policy
 
