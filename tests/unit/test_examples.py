@@ -3,6 +3,7 @@ and type errors fail here, not on a GPU cluster), and examples/tiny_cpu.yaml kee
 settings of tools/cpu_demo.py."""
 import dataclasses
 import glob
+import math
 import os
 import sys
 
@@ -68,14 +69,25 @@ def test_unknown_key_fails(tmp_path):
         parse_config(["--config", str(bad), *REQUIRED])
 
 
-def test_qwen3_recipe_says_it_is_not_runnable():
-    path = os.path.join(REPO, "examples", "qwen3-4b-instruct_countdown_async10.yaml")
-    text = open(path).read()
-    assert "NOT RUNNABLE YET" in text
-    from megatron_rl.models.config import SUPPORTED_ARCHITECTURES
+def test_qwen3_recipe_model_is_supported_at_its_layout():
+    """Qwen3-4B-Instruct-2507's config.json (the recipe's model) parses, fits the recipe's TP and
+    maps to the known parameter count (4.02 B, tied embeddings)."""
+    from megatron_rl.models import ModelArgs, hf_mapping
 
-    if "Qwen3ForCausalLM" in SUPPORTED_ARCHITECTURES:
-        pytest.fail("Qwen3 is supported now: update the header of " + path)
+    cfg = parse_config(["--config", os.path.join(REPO, "examples",
+                                                  "qwen3-4b-instruct_countdown_async10.yaml")])
+    qwen3_4b = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 2560,
+                "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+                "rope_theta": 5000000, "max_position_embeddings": 262144,
+                "tie_word_embeddings": True, "attention_bias": False}
+    args = ModelArgs.from_hf_config(qwen3_4b)
+    assert args.qk_norm and not args.qkv_bias and args.head_dim == 128
+    tp = cfg.tensor_model_parallel_size
+    assert args.num_key_value_heads % tp == 0 and args.vocab_size % tp == 0
+    n = sum(math.prod(s) for s in hf_mapping.hf_expected_shapes(args).values())
+    assert n == sum(math.prod(s) for s in hf_mapping.expected_shapes(args).values())
+    assert abs(n - 4.02e9) < 0.01e9, n
 
 
 def test_tiny_cpu_recipe_matches_cpu_demo(monkeypatch):
