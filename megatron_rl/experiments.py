@@ -149,7 +149,10 @@ class StabilityCriteria:
       update) or a non-finite ``loss`` / ``grad_norm`` / ``kl_k1``.
     - ``grad_spike``: at some step t > ``window``, ``grad_norm[t]`` exceeds ``grad_spike_factor``
       times the median of the ``window`` preceding grad norms (pre-clipping norms; clipping
-      bounds the update, not the norm, so a spike still says the loss surface blew up).
+      bounds the update, not the norm, so a spike still says the loss surface blew up). With
+      several PPO minibatches per step the trainer also logs ``grad_norm_max`` (the largest over
+      the step's optimizer updates); that series is used where every row has it, so a spike in
+      an early minibatch is not averaged away.
     - ``kl_blowup``: the ``window``-step moving average of ``kl_k1`` (nats per token, to the
       reference) exceeds ``kl_max`` at some step.
     """
@@ -204,7 +207,8 @@ def detect_instability(rows: Sequence[dict], returncode: int = 0,
            or any(k in r and not math.isfinite(float(r[k])) for k in ("loss", "grad_norm", "kl_k1"))]
     if bad:
         reasons.append(f"nonfinite@{bad[0]}")
-    gn = [(s, v) for s, v in _series(rows, "grad_norm") if math.isfinite(v)]
+    key = "grad_norm_max" if rows and all("grad_norm_max" in r for r in rows) else "grad_norm"
+    gn = [(s, v) for s, v in _series(rows, key) if math.isfinite(v)]
     w = criteria.window
     for i in range(w, len(gn)):
         med = statistics.median(v for _, v in gn[i - w:i])

@@ -95,6 +95,17 @@ def test_grad_spike_threshold():
     assert detect_instability(_rows(grad_norm={3: 100.0}), criteria=c) == []
 
 
+def test_grad_spike_in_one_ppo_minibatch_is_seen_through_grad_norm_max():
+    """Four minibatches, one of which spikes to 40: the step's mean (10.75) stays under 10x the
+    median only if averaged with more steady ones, but the max series always shows it."""
+    c = StabilityCriteria(window=5, grad_spike_factor=10.0)
+    rows = _rows(grad_norm={12: 9.0}, grad_norm_max=lambda step: 40.0 if step == 12 else 1.2)
+    assert detect_instability(rows, criteria=c) == ["grad_spike@12"]
+    # the mean alone would not have fired
+    assert detect_instability([{k: v for k, v in r.items() if k != "grad_norm_max"}
+                               for r in rows], criteria=c) == []
+
+
 def test_kl_blowup_uses_moving_average():
     c = StabilityCriteria(window=5, kl_max=1.0)
     assert detect_instability(_rows(kl_k1={10: 3.0}), criteria=c) == []  # one step: avg 0.64
