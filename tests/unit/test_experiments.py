@@ -96,8 +96,8 @@ def test_grad_spike_threshold():
 
 
 def test_grad_spike_in_one_ppo_minibatch_is_seen_through_grad_norm_max():
-    """Four minibatches, one of which spikes to 40: the step's mean (10.75) stays under 10x the
-    median only if averaged with more steady ones, but the max series always shows it."""
+    """One of a step's minibatches spikes to 40: the step's mean grad norm (9.0) stays under 10x
+    the preceding median (1.0), the max over its minibatches (40 vs 1.2) does not."""
     c = StabilityCriteria(window=5, grad_spike_factor=10.0)
     rows = _rows(grad_norm={12: 9.0}, grad_norm_max=lambda step: 40.0 if step == 12 else 1.2)
     assert detect_instability(rows, criteria=c) == ["grad_spike@12"]
