@@ -3,7 +3,7 @@
 # then the tiny char-level model (tools/cpu_demo.py's base model) swept over
 #   {none, k1:reward, k1:loss, k1:reward+loss, k3:reward, k3:loss, k3:reward+loss}
 #   x beta {0.05, 0.1, 0.3, 1} x seeds {1, 2, 3} x {on-policy, off-policy (4 PPO minibatches)}
-#   + the async slice (--async-level 2: none, k1:reward, k3:loss, k1:reward + seq-is),
+#   + the async slice (--async-level 2, beta 1: none, k1:reward, k3:loss, k1:reward + seq-is),
 # 40 RL steps each (what docs/results.md reports), 162 runs. Results: docs/results.md (generated
 # block), docs/figures/. Longer runs: add --steps 100 (and a fresh --out: a finished 40-step run
 # is not extended).
@@ -20,5 +20,5 @@ cd "$(dirname "$0")/.."
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then source .venv/bin/activate; fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec nice -n 19 python tools/reproduce.py --out outputs/reproduce \
-    --betas 0.05 0.1 0.3 1 --seeds 1 2 3 --regimes on off --async-levels 2 \
+    --betas 0.05 0.1 0.3 1 --seeds 1 2 3 --regimes on off --async-levels 2 --async-betas 1 \
     --steps 40 --eval-interval 10 "$@"
