@@ -160,7 +160,8 @@ def run_megatron_worker(argv: list[str]) -> None:
         timed(engine_cls, "generate", "phase/generate")
         timed(engine_cls, "update_weights", "phase/weight_sync")
     timed(RewardScorer, "score_batch", "phase/reward")
-    timed(Policy, "token_logprobs", "phase/logprobs_old_and_ref")
+    # reference log-probs, plus the behaviour policy's where recomputed (--old-logprobs)
+    timed(Policy, "token_logprobs", "phase/logprobs")
     timed(Policy, "forward_backward", "phase/train_forward_backward")
     timed(Policy, "step", "phase/optimizer")
     log = runtime.Runtime.log
