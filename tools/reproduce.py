@@ -450,9 +450,11 @@ def main(argv=None) -> int:
         w = json.load(open(st)).get("wall_s", 0.0) if os.path.exists(st) else 0.0
         wall["runs"][spec.run_id] = w
         wall["train_s"] += w
-        # rewrite the report after every run: an interrupted sweep still leaves a report
-        write_report(a, toy, specs, summaries, all_rows, wall)
-    if not summaries:
+        # rewrite the report after every run trained: an interrupted sweep still leaves a report
+        # (not per run when only aggregating: every rewrite redraws all figures)
+        if not a.report_only:
+            write_report(a, toy, specs, summaries, all_rows, wall)
+    if a.report_only or not summaries:
         write_report(a, toy, specs, summaries, all_rows, wall)
     log(f"total {time.time() - t_start:.0f} s")
     return 0
