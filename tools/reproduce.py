@@ -262,6 +262,49 @@ def plot_summary(table: list[dict], path: str, base: dict | None) -> str:
     return path
 
 
+def plot_beta_sweep(table: list[dict], path: str, base: dict | None) -> str | None:
+    """Final KL and OOD mean@k against beta, one line per KL configuration (mean +- std over
+    seeds), one column per regime with more than one beta; no KL and the base model dashed."""
+    regimes = [g for g in dict.fromkeys(r["regime"] for r in table)
+               if len({r["beta"] for r in table if r["regime"] == g and r["config"] != "none"}) > 1]
+    if not regimes:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(regimes), figsize=(5.5 * len(regimes), 7), squeeze=False)
+    for col, regime in enumerate(regimes):
+        rows = [r for r in table if r["regime"] == regime]
+        configs = [c for c in dict.fromkeys(r["config"] for r in rows) if c != "none"]
+        none = next((r for r in rows if r["config"] == "none"), None)
+        for row_i, (key, name) in enumerate((("kl_k1_final", "final KL (k1 / token)"),
+                                             ("ood_mean_at_k", "OOD mean@k"))):
+            ax = axes[row_i][col]
+            for i, config in enumerate(configs):
+                pts = sorted((r["beta"], r[key]) for r in rows if r["config"] == config
+                             and r[key][0] is not None)
+                ax.errorbar([b for b, _ in pts], [v[0] for _, v in pts],
+                            yerr=[v[1] or 0.0 for _, v in pts], marker="o", capsize=2,
+                            label=config, color=f"C{i}", ls="-" if config.startswith("k1") else "--")
+            if none is not None and none[key][0] is not None:
+                ax.axhline(none[key][0], color="k", ls=":", lw=1, label="no KL")
+            if key == "ood_mean_at_k" and base:
+                ax.axhline(base["ood"], color="grey", ls="--", lw=1, label="base model")
+            ax.set_xscale("log")
+            if key == "kl_k1_final":
+                ax.set_yscale("log")
+            ax.set_xlabel("beta")
+            ax.set_ylabel(name)
+            ax.set_title(f"{regime}-policy" if regime in ("on", "off") else regime)
+        axes[0][col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def write_report(a, toy: dict | None, specs: list[ex.RunSpec], summaries: list[dict],
                  all_rows: dict[str, list[dict]], wall: dict) -> None:
     figures = a.figures
@@ -291,6 +334,9 @@ def write_report(a, toy: dict | None, specs: list[ex.RunSpec], summaries: list[d
                   ex.markdown_table(table, k, a.base), "",
                   "![summary](figures/sweep_summary.png)", ""]
         plot_summary(table, os.path.join(figures, "sweep_summary.png"), a.base)
+        if plot_beta_sweep(table, os.path.join(figures, "beta_sweep.png"), a.base):
+            lines[-2:-1] = ["![final KL and OOD accuracy against beta](figures/beta_sweep.png)",
+                            "", lines[-2]]
         by_fig: dict[tuple, dict[str, list]] = {}
         for s in summaries:
             spec = next(x for x in specs if x.run_id == s["run_id"])
