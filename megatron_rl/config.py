@@ -99,10 +99,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         self.loss_config()  # raises ValueError listing valid names
-        if self.rollout_engine not in ("local", "vllm", "sglang"):
-            raise ValueError(f"--rollout-engine {self.rollout_engine!r}; valid: local, vllm, sglang")
-        if self.old_logprobs not in _CHOICES["old_logprobs"]:
-            raise ValueError(f"--old-logprobs {self.old_logprobs!r}; valid: auto, recompute, rollout")
+        for name in ("rollout_engine", "old_logprobs"):  # YAML values bypass argparse's choices
+            if getattr(self, name) not in _CHOICES[name]:
+                raise ValueError(f"{_flag(name)} {getattr(self, name)!r}; valid: "
+                                 + ", ".join(_CHOICES[name]))
         if self.num_prompts_per_step % self.ppo_minibatches:
             raise ValueError("--ppo-minibatches must divide --num-prompts-per-step")
         if not self.hf_checkpoint:

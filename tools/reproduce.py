@@ -331,12 +331,11 @@ def write_report(a, toy: dict | None, specs: list[ex.RunSpec], summaries: list[d
                   "Final KL: mean of the last 5 steps' `kl_k1`. Verdict criteria: "
                   f"`{ex.StabilityCriteria()}`, `{ex.CollapseCriteria()}` "
                   "(megatron_rl/experiments.py).", "",
-                  ex.markdown_table(table, k, a.base), "",
-                  "![summary](figures/sweep_summary.png)", ""]
-        plot_summary(table, os.path.join(figures, "sweep_summary.png"), a.base)
+                  ex.markdown_table(table, k, a.base), ""]
         if plot_beta_sweep(table, os.path.join(figures, "beta_sweep.png"), a.base):
-            lines[-2:-1] = ["![final KL and OOD accuracy against beta](figures/beta_sweep.png)",
-                            "", lines[-2]]
+            lines += ["![final KL and OOD accuracy against beta](figures/beta_sweep.png)", ""]
+        plot_summary(table, os.path.join(figures, "sweep_summary.png"), a.base)
+        lines += ["![summary](figures/sweep_summary.png)", ""]
         by_fig: dict[tuple, dict[str, list]] = {}
         for s in summaries:
             spec = next(x for x in specs if x.run_id == s["run_id"])

@@ -50,9 +50,12 @@ _QK_NORM_PARAMS = {
 }
 
 
+_ALL_LAYER_PARAMS = {**_LAYER_PARAMS, **_QK_NORM_PARAMS}
+
+
 def _layer_params(args: ModelArgs) -> dict[str, tuple[str | None, str]]:
     """The per-layer megatron suffix -> (HF suffix, partition kind) table of this architecture."""
-    return {**_LAYER_PARAMS, **_QK_NORM_PARAMS} if args.qk_norm else _LAYER_PARAMS
+    return _ALL_LAYER_PARAMS if args.qk_norm else _LAYER_PARAMS
 
 
 # TransformerEngine specs fuse the pre-norms into the following linear layer.
@@ -208,10 +211,8 @@ def partition_kind(name: str) -> str:
         for te_name, local in ((v, k) for k, v in _TE_RENAMES.items()):
             if suffix == te_name:
                 suffix = local
-        if suffix in _LAYER_PARAMS:
-            return _LAYER_PARAMS[suffix][1]
-        if suffix in _QK_NORM_PARAMS:
-            return _QK_NORM_PARAMS[suffix][1]
+        if suffix in _ALL_LAYER_PARAMS:
+            return _ALL_LAYER_PARAMS[suffix][1]
     return REPLICATED
 
 
