@@ -4,6 +4,10 @@ Glossary (used everywhere): `rollout_logprobs` (from the engine), `old_logprobs`
 policy, recomputed by the trainer), `ref_logprobs` (reference policy), `logprobs` (current
 policy, with grad), `loss_mask` (1 on response tokens), `advantages`.
 
+Placement: `pack_rollouts` builds the batch on the host from the engine's token ids;
+`RolloutBatch.to(device)` moves every tensor to the trainer's device in one place (train.py,
+right after packing). From there on, everything that meets the model stays on the device.
+
 Shapes: B sequences = num_prompts * group_size, grouped contiguously (the samples of one prompt
 are adjacent, as RLOO/GRPO expect). Sequences are prompt + response, right-padded to L tokens;
 per-token tensors are [B, L-1] and position t scores token t+1 given tokens[:, :t+1].
@@ -45,9 +49,21 @@ class RolloutBatch:
     def num_sequences(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """This batch with every tensor on `device` (host lists stay on the host)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return dataclasses.replace(self, tokens=move(self.tokens), loss_mask=move(self.loss_mask),
+                                   rollout_logprobs=move(self.rollout_logprobs),
+                                   rewards=move(self.rewards),
+                                   old_logprobs=move(self.old_logprobs))
+
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
         """Rows `idx` (e.g. a PPO minibatch), keeping the padding length."""
-        idx_t = torch.as_tensor(list(idx), dtype=torch.long)
+        idx_t = torch.as_tensor(list(idx), dtype=torch.long, device=self.device)
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         return RolloutBatch(self.tokens[idx_t], self.loss_mask[idx_t],
                             self.rollout_logprobs[idx_t], self.rewards[idx_t], self.group_size,

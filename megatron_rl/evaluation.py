@@ -15,6 +15,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel import all_reduce, data_parallel_group
 from megatron_rl.rollout.base import SamplingParams
 
 
@@ -47,10 +48,11 @@ def evaluate_engine(engine, records, encode, decode, scorer, k: int, params: Sam
 
 
 def _eval_records(rt, limit: int):
+    """(this data-parallel rank's share of the eval records, every task of the whole set)."""
     data = rt.eval_data
     n = len(data) if not limit else min(limit, len(data))
     records = [data.record(0, i) for i in range(n)]
-    return records[rt.dp_rank::rt.dp_size]
+    return records[rt.dp_rank::rt.dp_size], sorted({r.task for r in records} | {"all"})
 
 
 def evaluate(rt, step: int) -> dict:
@@ -61,20 +63,30 @@ def evaluate(rt, step: int) -> dict:
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                             max_new_tokens=cfg.max_new_tokens, stop_token_ids=rt.stop_ids,
                             seed=cfg.seed + 104729 + rt.dp_rank)
-    res = evaluate_engine(rt.engine, _eval_records(rt, cfg.eval_max_prompts), rt.encode_prompt,
-                          rt.decode, rt.scorer, cfg.eval_samples, params)
-    out = {}
-    for task in sorted(res):
-        n = res[task]["num_prompts"]
-        vals = torch.tensor([res[task]["mean_at_k"] * n, res[task]["pass_at_k"] * n, n],
-                            dtype=torch.float64)
-        if dist.is_initialized() and rt.dp_size > 1:
-            from megatron.core import parallel_state as ps
+    records, tasks = _eval_records(rt, cfg.eval_max_prompts)
+    res = evaluate_engine(rt.engine, records, rt.encode_prompt, rt.decode, rt.scorer,
+                          cfg.eval_samples, params)
+    return reduce_eval_results(res, tasks)
 
-            dist.all_reduce(vals, group=ps.get_data_parallel_group())
+
+def reduce_eval_results(res: dict, tasks: list[str]) -> dict[str, float]:
+    """Per-task mean@k / pass@k of this rank's prompts -> data-parallel means, flat names
+    ("eval/mean_at_k", "eval/<task>/pass_at_k", ...). One all-reduce of a device tensor.
+
+    Collective: every data-parallel rank passes the same `tasks` (all tasks of the whole eval
+    set, "all" included), also for tasks it has no prompts of."""
+    zero = {"mean_at_k": 0.0, "pass_at_k": 0.0, "num_prompts": 0}
+    rows = [res.get(t, zero) for t in tasks]
+    sums = [[r["mean_at_k"] * r["num_prompts"], r["pass_at_k"] * r["num_prompts"],
+             r["num_prompts"]] for r in rows]
+    vals = all_reduce(sums, data_parallel_group()).tolist() if tasks else []
+    out = {}
+    for task, (mean_sum, pass_sum, n) in zip(tasks, vals):
+        if n == 0:
+            continue
         name = "eval" if task == "all" else f"eval/{task}"
-        out[f"{name}/mean_at_k"] = float(vals[0] / vals[2])
-        out[f"{name}/pass_at_k"] = float(vals[1] / vals[2])
+        out[f"{name}/mean_at_k"] = mean_sum / n
+        out[f"{name}/pass_at_k"] = pass_sum / n
     return out
 
 

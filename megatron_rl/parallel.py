@@ -20,6 +20,8 @@ import torch.distributed as dist
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False          # --sequence-parallel (needs TP > 1)
+    use_distributed_optimizer: bool = False  # --use-distributed-optimizer (shards optimizer state over DP)
 
     def data_parallel_size(self, world_size: int) -> int:
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
@@ -30,11 +32,50 @@ class ParallelConfig:
         return world_size // mp
 
 
+# -- the device decision: made here and nowhere else -------------------------------------------
+
+def use_cuda() -> bool:
+    """Whether this process runs on a GPU (CUDA present). Every other module asks this
+    function (or `device()`), never torch.cuda directly."""
+    return torch.cuda.is_available()
+
+
 def device() -> torch.device:
-    """This rank's device: its local GPU under torchrun, else the CPU."""
-    if torch.cuda.is_available():
+    """This rank's device: its local GPU under torchrun (set by init_distributed), else the CPU.
+
+    Tensors that meet the model (batches, logits, losses, metrics before logging) and tensors
+    handed to collectives live here; only token ids, rewards and logged floats live on the host.
+    """
+    if use_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def process_group_backend() -> str:
+    """The default process group's backend: NCCL for device tensors with gloo beside it for
+    host tensors on a CUDA build (so a stray host tensor in a collective still works), gloo on
+    CPU. megatron-core's groups inherit it."""
+    return "cpu:gloo,cuda:nccl" if use_cuda() else "gloo"
+
+
+def all_reduce(values, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce `values` (a tensor, or a list of numbers -> float64) over `group` on this
+    rank's device; returns the reduced tensor on that device. A no-op outside torch.distributed.
+    """
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
+    t = t.to(device())
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def data_parallel_group():
+    """megatron-core's data-parallel group (None outside torch.distributed)."""
+    if not dist.is_initialized():
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
 
 
 def set_seed(seed: int) -> None:
@@ -42,7 +83,7 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
+    if use_cuda():
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -55,7 +96,7 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600
     """
     from megatron.core import parallel_state
 
-    if not torch.cuda.is_available():
+    if not use_cuda():
         from megatron_rl.compat import apply_cpu_compat
 
         apply_cpu_compat()
@@ -63,16 +104,13 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600
     world = int(os.environ.get("WORLD_SIZE", 1))
     dp = cfg.data_parallel_size(world)
     if not dist.is_initialized():
-        if torch.cuda.is_available():
+        if use_cuda():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            backend = "nccl"
-        else:
-            backend = "gloo"
         if "WORLD_SIZE" in os.environ:  # launched by torchrun: MASTER_ADDR/PORT from the env
             init_method = "env://"
         else:  # a plain single process: a private port, and the environment left untouched
             init_method = f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+        dist.init_process_group(backend=process_group_backend(), init_method=init_method, rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_rl import checkpoint
 from megatron_rl.config import TrainConfig
 from megatron_rl.loss import LossConfig
+from megatron_rl.parallel import use_cuda
 
 
 @dataclasses.dataclass
@@ -52,7 +53,8 @@ class Runtime:
     def batch_metrics(self, batch) -> dict:
         r = batch.rewards
         lengths = torch.tensor(batch.response_lengths, dtype=torch.float32)
-        return {"reward/mean": float(r.mean()), "reward/accuracy": float((r >= 1.0).float().mean()),
+        mean, acc = torch.stack([r.mean(), (r >= 1.0).float().mean()]).tolist()
+        return {"reward/mean": mean, "reward/accuracy": acc,
                 "response/length_mean": float(lengths.mean()),
                 "response/truncated_fraction": sum(f == "length" for f in batch.finish_reasons)
                 / len(batch.finish_reasons)}
@@ -127,7 +129,7 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
         from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
 
         # on CPU vLLM reserves most of the RAM for its KV cache unless told otherwise
-        kv_bytes = None if torch.cuda.is_available() else 2 << 30
+        kv_bytes = None if use_cuda() else 2 << 30
         return VLLMEngine(cfg.hf_checkpoint, VLLMConfig(work_dir=work_dir, url=cfg.rollout_url,
                                                         dtype=dtype, seed=cfg.seed,
                                                         kv_cache_memory_bytes=kv_bytes,

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from megatron_rl.batch import next_token_targets, pack_rollouts
+from megatron_rl.parallel import all_reduce, data_parallel_group, device
 from megatron_rl.rollout.base import Completion
 
 
@@ -33,10 +34,8 @@ def sft(policy, pairs: Sequence[tuple[list[int], list[int]]], *, steps: int, bat
         chosen = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)][dp_rank::dp]
         batch = pack_rollouts([p for p, _ in chosen],
                               [[Completion(t, [0.0] * len(t), "stop")] for _, t in chosen],
-                              [0.0] * len(chosen), pad_token_id=0)
-        n_tok = batch.loss_mask.sum()
-        if dist.is_initialized():
-            dist.all_reduce(n_tok, group=ps.get_data_parallel_group())
+                              [0.0] * len(chosen), pad_token_id=0).to(device())
+        n_tok = all_reduce(batch.loss_mask.sum(), data_parallel_group())
         micro = [{"tokens": batch.tokens[i:i + micro_batch_size],
                   "loss_mask": batch.loss_mask[i:i + micro_batch_size]}
                  for i in range(0, len(chosen), micro_batch_size)]
@@ -51,7 +50,7 @@ def sft(policy, pairs: Sequence[tuple[list[int], list[int]]], *, steps: int, bat
         out = policy.forward_backward(micro, loss_fn)
         policy.step()
         if out:  # last pipeline stage: this DP rank's mean NLL per answer token
-            losses.append(sum(float(o["nll_sum"]) for o in out)
-                          / max(float(batch.loss_mask.sum()), 1.0))
+            losses.append(float(sum(o["nll_sum"] for o in out)
+                                / batch.loss_mask.sum().clamp(min=1.0)))
             bar.set_postfix(nll=f"{losses[-1]:.3f}")
     return losses

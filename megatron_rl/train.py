@@ -12,7 +12,6 @@ global (all-reduced) token/sequence counts, so results do not depend on the layo
 from __future__ import annotations
 
 import collections
-import math
 import sys
 import time
 
@@ -24,6 +23,7 @@ from megatron_rl.loss import build_advantages, policy_loss
 from megatron_rl.runtime import Runtime, setup_runtime
 from megatron_rl.batch import RolloutBatch, next_token_targets, pack_rollouts
 from megatron_rl.evaluation import evaluate
+from megatron_rl.parallel import all_reduce, data_parallel_group, device
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.mismatch import logprob_mismatch
 
@@ -42,7 +42,8 @@ def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
     rewards, reasons = rt.scorer.score_batch(texts, expand([r.answer for r in records]),
                                              expand([r.task for r in records]),
                                              expand([r.metadata for r in records]))
-    batch = pack_rollouts(prompt_ids, completions, rewards, rt.pad_id)
+    # the one host -> device boundary: from here on the batch lives where the model does
+    batch = pack_rollouts(prompt_ids, completions, rewards, rt.pad_id).to(device())
     # behaviour policy = the weights that generated the batch (see --old-logprobs)
     metrics = {f"reward_errors/{k}": v for k, v in reasons.items()}
     if cfg.use_rollout_logprobs():
@@ -54,13 +55,10 @@ def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
     return batch, metrics
 
 
-def _global_sum(x: float) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    if dist.is_initialized():
-        from megatron.core import parallel_state as ps
-
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
-    return float(t)
+def _global_sum(x) -> float:
+    """Sum of a number (or a scalar tensor) over the data-parallel ranks."""
+    return float(all_reduce(torch.as_tensor(x, dtype=torch.float64).reshape(1),
+                            data_parallel_group()))
 
 
 def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
@@ -75,6 +73,7 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
     per_mb = n // cfg.ppo_minibatches
     ok_all = True
     grad_norms: list[float] = []
+    step_metrics: list[dict] = []  # the loss function's per-microbatch metrics (device tensors)
     for epoch in range(cfg.ppo_epochs):
         for mb in range(cfg.ppo_minibatches):
             idx = list(range(mb * per_mb, (mb + 1) * per_mb))
@@ -87,29 +86,20 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
 
             loss_fn = make_rl_loss_fn(rt.policy, loss_cfg, norm_tokens, norm_seqs)
             results = rt.policy.forward_backward(micro, loss_fn)
-            finite = _all_finite(rt, results)
+            finite = not bool(all_reduce(nonfinite_flag(results, rt.policy.parameters()),
+                                         op=dist.ReduceOp.MAX))
             if finite:
                 updated, grad_norm = rt.policy.step()
                 grad_norms.append(grad_norm if grad_norm is not None else float("nan"))
             else:
                 updated = False
             ok_all &= updated and finite
-            for r in results:
-                w = float(r["num_tokens"])
-                for k in ("pg_loss", "kl_k1", "kl_k3", "clip_fraction", "entropy", "ratio_mean"):
-                    if k in r:
-                        metrics.setdefault("_acc_" + k, []).append((float(r[k]), w))
+            step_metrics.extend(results)
     if grad_norms:  # mean and max over the optimizer steps of this batch (PPO minibatches)
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["grad_norm_max"] = max(grad_norms)
-    for k in [k for k in metrics if k.startswith("_acc_")]:
-        vals = metrics.pop(k)
-        tot = sum(w for _, w in vals)
-        metrics[k[5:]] = sum(v * w for v, w in vals) / max(tot, 1e-9)
-    # forward KL(pi_ref || pi_theta) per token, estimated on the policy's samples: E[r log r]
-    lr_ = (ref_lp - batch.old_logprobs) * batch.loss_mask
-    metrics["kl_forward"] = float((lr_.exp() * lr_ * batch.loss_mask).sum()
-                                  / batch.loss_mask.sum().clamp(min=1))
+    metrics.update(weighted_means(step_metrics, LOSS_METRICS))
+    metrics["kl_forward"] = float(forward_kl(ref_lp, batch.old_logprobs, batch.loss_mask))
     return ok_all
 
 
@@ -137,24 +127,47 @@ def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs:
 
 
 def _microbatch(batch: RolloutBatch, advantages, ref_lp, idx: list[int]) -> dict:
-    t = torch.as_tensor(idx)
+    t = torch.as_tensor(idx, device=batch.device)
     return {"tokens": batch.tokens[t], "loss_mask": batch.loss_mask[t],
             "old_logprobs": batch.old_logprobs[t], "advantages": advantages[t],
             "ref_logprobs": None if ref_lp is None else ref_lp[t]}
 
 
-def _all_finite(rt: Runtime, results: list) -> bool:
-    """True when every rank's loss and gradients are finite (NaN/inf guard)."""
-    bad = any(not math.isfinite(float(r["loss"])) for r in results)
-    for p in rt.policy.parameters():
+LOSS_METRICS = ("pg_loss", "kl_k1", "kl_k3", "clip_fraction", "entropy", "ratio_mean")
+
+
+def weighted_means(results: list[dict], keys) -> dict[str, float]:
+    """Token-weighted means of the loss function's metrics over microbatches, copied to the host
+    once (not a sync per value)."""
+    keys = [k for k in keys if results and k in results[0]]
+    return dict(zip(keys, weighted_mean_tensor(results, keys).tolist())) if keys else {}
+
+
+def weighted_mean_tensor(results: list[dict], keys: list[str]) -> torch.Tensor:
+    """[len(keys)] tensor on the metrics' device: sum_m num_tokens_m * value_m / sum_m num_tokens_m."""
+    vals = torch.stack([torch.stack([r[k].float() for k in keys]) for r in results])  # [m, k]
+    w = torch.stack([r["num_tokens"].float() for r in results])[:, None]              # [m, 1]
+    return (vals * w).sum(0) / w.sum().clamp(min=1e-9)
+
+
+def forward_kl(ref_lp: torch.Tensor, old_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Forward KL(pi_ref || pi_theta) per response token, estimated on the policy's samples:
+    E[r log r] with r = pi_ref / pi_theta. A 0-dim tensor on the inputs' device."""
+    lr_ = (ref_lp - old_lp) * mask
+    return (lr_.exp() * lr_ * mask).sum() / mask.sum().clamp(min=1)
+
+
+def nonfinite_flag(results: list[dict], params) -> torch.Tensor:
+    """1.0 when a microbatch loss or a gradient is NaN/inf on this rank, else 0.0: a [1] tensor
+    on the device, for a MAX all-reduce (the NaN guard), computed without a host sync."""
+    bad = torch.zeros(1, device=device())
+    for r in results:
+        bad = torch.maximum(bad, (~torch.isfinite(r["loss"].float())).float().reshape(1))
+    for p in params:
         g = getattr(p, "main_grad", None)
-        if g is not None and not bool(torch.isfinite(g).all()):
-            bad = True
-            break
-    flag = torch.tensor([1.0 if bad else 0.0])
-    if dist.is_initialized():
-        dist.all_reduce(flag)
-    return float(flag) == 0.0
+        if g is not None:
+            bad = torch.maximum(bad, (~torch.isfinite(g).all()).float().reshape(1))
+    return bad
 
 
 def train(cfg: TrainConfig) -> dict:

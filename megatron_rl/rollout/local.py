@@ -31,6 +31,7 @@ import os
 import torch
 
 from megatron_rl.models.decode import KVDecoder, unsupported_reason
+from megatron_rl.parallel import device
 from megatron_rl.rollout.base import Completion, SamplingParams
 
 
@@ -47,6 +48,20 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
     return logits
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams,
+                  gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens [B] and their log-probs [B] (under softmax(z / T), before truncation) from
+    full-vocabulary logits [B, V], on the logits' device."""
+    scaled = logits.float() / max(params.temperature, 1e-6)
+    logp = scaled.log_softmax(-1)
+    if params.temperature <= 1e-6:
+        nxt = scaled.argmax(-1)
+    else:
+        probs = _filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+        nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return nxt, logp.gather(-1, nxt[:, None])[:, 0]
 
 
 class LocalEngine:
@@ -90,30 +105,35 @@ class LocalEngine:
             raise ValueError(f"prompt ({P}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"model's max_position_embeddings "
                              f"({self.policy.args.max_position_embeddings})")
+        # every buffer lives on the model's device and sampling draws from a device generator;
+        # only the token ids and log-probs of the finished batch are copied to the host
+        dev = device()
         tokens = torch.full((B, max_len), self.pad_token_id, dtype=torch.long)
         valid = torch.zeros(B, max_len, dtype=torch.bool)
         for i, p in enumerate(seqs):
             tokens[i, P - len(p):P] = torch.tensor(p)
             valid[i, P - len(p):P] = True
+        tokens, valid = tokens.to(dev), valid.to(dev)
         # an explicit seed makes the samples a function of (seed, prompts, weights) alone, so a
         # resumed run draws exactly what the uninterrupted run would have drawn
         seed = params.seed if params.seed is not None else torch.seed() % (2 ** 31)
-        gen = torch.Generator().manual_seed(seed)
-        stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
-        finished = torch.zeros(B, dtype=torch.bool)
-        new_logprobs = torch.zeros(B, params.max_new_tokens)
-        lengths = torch.zeros(B, dtype=torch.long)
-        hit_stop = torch.zeros(B, dtype=torch.bool)
-        eye = torch.eye(max_len, dtype=torch.bool)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=dev)
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        new_logprobs = torch.zeros(B, params.max_new_tokens, device=dev)
+        lengths = torch.zeros(B, dtype=torch.long, device=dev)
+        hit_stop = torch.zeros(B, dtype=torch.bool, device=dev)
+        eye = torch.eye(max_len, dtype=torch.bool, device=dev)
+        causal = torch.ones(max_len, max_len, dtype=torch.bool, device=dev).tril()
         # positions counted from each prompt's first real token (pads left of it: 0, masked)
-        pads = torch.tensor([P - len(p) for p in seqs])
-        pos = (torch.arange(max_len)[None, :] - pads[:, None]).clamp(min=0)
+        pads = torch.tensor([P - len(p) for p in seqs], device=dev)
+        pos = (torch.arange(max_len, device=dev)[None, :] - pads[:, None]).clamp(min=0)
         decoder = KVDecoder(self.policy, len(prompts), max_len) if self.kv_cache else None
         for t in range(params.max_new_tokens):
             s = P + t
             v = valid[:, :s]
             if decoder is None or t == 0:  # the whole prefix: causal, pads hidden
-                allowed = (torch.ones(s, s, dtype=torch.bool).tril() & v[:, None, :]) | eye[:s, :s]
+                allowed = (causal[:s, :s] & v[:, None, :]) | eye[:s, :s]
             if decoder is None:  # full recompute of the prefix
                 logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None],
                                                        pos[:, :s])
@@ -126,34 +146,29 @@ class LocalEngine:
                 allowed[:, s - 1] = True
                 logits = decoder.forward(tokens[:, s - 1:s], pos[:, s - 1:s],
                                          allowed[:, None, None])
-            logits = logits.cpu()
             if self.policy.is_last_stage:
-                scaled = logits / max(params.temperature, 1e-6)
-                logp = scaled.log_softmax(-1)
-                if params.temperature <= 1e-6:
-                    nxt = scaled.argmax(-1)
-                else:
-                    probs = _filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
-                    nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
-                lp = logp.gather(-1, nxt[:, None])[:, 0]
+                nxt, lp = sample_tokens(logits, params, gen)
             else:
-                nxt, lp = torch.zeros(B, dtype=torch.long), torch.zeros(B)
-            nxt = self.policy.broadcast_from_last_stage(nxt, (B,), torch.long).cpu()
-            lp = self.policy.broadcast_from_last_stage(lp, (B,), torch.float32).cpu()
+                nxt = torch.zeros(B, dtype=torch.long, device=dev)
+                lp = torch.zeros(B, device=dev)
+            nxt = self.policy.broadcast_from_last_stage(nxt, (B,), torch.long)
+            lp = self.policy.broadcast_from_last_stage(lp, (B,), torch.float32)
             active = ~finished
-            tokens[active, s] = nxt[active]
-            valid[active, s] = True
-            new_logprobs[active, t] = lp[active]
-            lengths[active] += 1
+            tokens[:, s] = torch.where(active, nxt, tokens[:, s])
+            valid[:, s] |= active
+            new_logprobs[:, t] = torch.where(active, lp, new_logprobs[:, t])
+            lengths += active.long()
             stopped = active & torch.isin(nxt, stop_ids)
             hit_stop |= stopped
             finished |= stopped
-            if bool(finished.all()):
+            if bool(finished.all()):  # the one host sync per decoding step
                 break
+        tokens, new_logprobs = tokens[:, P:].cpu(), new_logprobs.cpu()
+        lengths, hit_stop = lengths.cpu(), hit_stop.cpu()
         out: list[list[Completion]] = []
         for i in range(B):
             n_i = int(lengths[i])
-            c = Completion(token_ids=tokens[i, P:P + n_i].tolist(),
+            c = Completion(token_ids=tokens[i, :n_i].tolist(),
                            rollout_logprobs=new_logprobs[i, :n_i].tolist(),
                            finish_reason="stop" if bool(hit_stop[i]) else "length")
             if i % n == 0:
