@@ -4,10 +4,12 @@ One server (tiny Qwen2, tied embeddings) driven by an engine holding a real mega
 generation shapes and stop ids, server log-probs vs the Policy's, weight sync through
 `/update_weights_from_disk` and `/update_weights_from_tensor` after optimizer steps (the server
 then serves exactly the new weights and reports the new `weight_version`). The NCCL path
-(`/update_weights_from_distributed`) needs GPUs and is skipped here.
+(`/update_weights_from_distributed`, gpu tier) runs on a machine with CUDA and two GPUs, from an
+SGLang venv with CUDA builds ($MEGATRON_RL_SGLANG_PYTHON); skipped with the reason elsewhere.
 Skipped (with the reason) when .venv-sglang is absent: see docs/rollout.md to create it.
 """
 
+import os
 import time
 
 import pytest
@@ -87,7 +89,50 @@ def test_update_weights_serves_new_policy(engine, sync):
     assert m.abs_delta_max < TOL
 
 
+@pytest.fixture(scope="module")
+def nccl_engine(tmp_path_factory):
+    """A server on the second GPU with sync='distributed': trainer rank 0 (cuda:0) and the
+    server's TP worker (cuda:1) form the NCCL weight-update group. NCCL refuses two ranks of one
+    communicator on one device ("Duplicate GPU detected"), so this needs two GPUs."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL weight sync needs 2 GPUs (trainer on cuda:0, server on cuda:1): NCCL "
+                    f"cannot put both ranks on one device; found {torch.cuda.device_count()}")
+    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("sglang_nccl")
+    path = make_tiny_hf_checkpoint(str(root / "hf"), "qwen2", tie_word_embeddings=True, **TINY)
+    # fp32 on both sides (torch_native attention runs fp32 on CUDA), so TOL holds as on CPU
+    cfg = SGLangConfig(work_dir=str(root / "work"), dtype="float32", context_length=256,
+                       max_restarts=0, sync="distributed", mem_fraction_static=0.3,
+                       extra_args=("--base-gpu-id", "1", "--attention-backend", "torch_native",
+                                   "--disable-cuda-graph"))
+    engine = SGLangEngine(path, cfg, policy=make_policy(path))
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.gpu
-def test_update_weights_distributed_nccl():
-    pytest.skip("NCCL weight broadcast needs a GPU for the server and the trainer; run it "
-                "with sync='distributed' on a GPU machine (docs/rollout.md)")
+def test_update_weights_distributed_nccl(nccl_engine):
+    """`/update_weights_from_distributed`: after an optimizer step the trainer broadcasts its
+    weights over NCCL; the server then reports the new weight_version and its log-probs equal the
+    trainer's (< TOL). Twice: the second sync reuses the update group made by the first."""
+    engine = nccl_engine
+    params = SamplingParams(max_new_tokens=16)
+    for _ in range(2):
+        before = engine.generate(PROMPTS, n=2, params=params)
+        train_step(engine.policy, PROMPTS, before)
+        stale = mismatch(engine.policy, before)
+        assert stale.abs_delta_max > 50 * TOL  # the step moved the policy off the server's
+        version = engine.weight_version + 1
+        engine.update_weights(version)
+        print(f"sglang nccl: sync {engine.last_sync_seconds}")
+        assert engine._nccl_group is not None  # the weights went over the NCCL group
+        assert engine.server_weight_version() == version
+        after = engine.generate(PROMPTS, n=2, params=params)
+        m = mismatch(engine.policy, after)
+        print(f"sglang nccl: after sync |dlogp| max {m.abs_delta_max:.2e}")
+        assert m.abs_delta_max < TOL
+    # nothing went through the disk path
+    assert not os.path.isdir(engine.exporter.root) or not os.listdir(engine.exporter.root)

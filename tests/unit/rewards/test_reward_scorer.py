@@ -1,5 +1,10 @@
-"""score_batch on hostile answers: everything scores 0 within the time limit, nothing executes,
-the pool survives stuck and dying workers, and close() leaves no process behind."""
+"""score_batch on hostile answers: everything scores 0, the unbounded ones as timeouts (the time
+limit fired), nothing executes, the honest answers beside them are still scored, the pool
+survives stuck and dying workers, and close() leaves no process behind.
+
+No assert reads the wall clock (they flaked on a loaded machine): that the limit worked is seen
+in what the pool reports (a "timeout" reason, a killed and replaced worker), not in how long the
+batch took."""
 import os
 import signal
 import time
@@ -31,7 +36,7 @@ def test_known_answers_and_stats(scorer):
     assert stats == {"timeout": 0, "error": 0, "too_long": 0, "no_answer": 1, "total": 7}
 
 
-def test_hostile_answers_score_zero_in_time(scorer, tmp_path):
+def test_hostile_answers_score_zero_and_time_out(scorer, tmp_path):
     sentinel = tmp_path / "pwned"
     injection = f"__import__('os').system('touch {sentinel}')"
     hostile = [
@@ -45,14 +50,25 @@ def test_hostile_answers_score_zero_in_time(scorer, tmp_path):
         "x" * 1_000_000,  # 1 MB response, no answer
         "\\boxed{\u202e\u0000\ud800 \U0001F600 ∞ 𝟘}",  # odd unicode, a lone surrogate
     ]
-    start = time.monotonic()
-    rewards, stats = scorer.score_batch(hostile, ["1"] * len(hostile), ["math"] * len(hostile))
-    wall = time.monotonic() - start
-    assert rewards == [0.0] * len(hostile)
-    assert stats["total"] == len(hostile)
+    # honest answers (correct, gold "1") interleaved with the hostile ones: a stuck or killed
+    # worker must not cost its neighbours their score
+    honest = [r"\boxed{1}", r"\boxed{\frac{2}{2}}", "so the answer is \\boxed{1.0}"]
+    batch = []
+    for i, h in enumerate(hostile):
+        batch += [h, honest[i % len(honest)]]
+    is_hostile = [i % 2 == 0 for i in range(len(batch))]
+    restarts = scorer.pool.num_restarts
+    rewards, stats = scorer.score_batch(batch, ["1"] * len(batch), ["math"] * len(batch))
+    assert [r for r, h in zip(rewards, is_hostile) if h] == [0.0] * len(hostile)
+    assert [r for r, h in zip(rewards, is_hostile) if not h] == [1.0] * len(hostile)
+    assert stats["total"] == len(batch)
     assert stats["too_long"] >= 2 and stats["no_answer"] >= 1
-    # Each verified answer costs at most TIMEOUT_S; two workers run side by side, plus respawns.
-    assert wall < len(hostile) * TIMEOUT_S / 2 + 6, wall
+    # 9^(9^(9^9)) and (x+1)^100000 cannot be verified in any time: each one ends as a timeout
+    # (the worker's alarm, or the parent's kill past TIMEOUT_S), never as a hang or a score
+    assert stats["timeout"] >= 2, stats
+    # every job past the hard limit had its worker killed and replaced: the pool is whole again
+    assert len(scorer.pool.alive_pids()) == scorer.pool.num_workers
+    assert scorer.pool.num_restarts - restarts <= stats["timeout"] + stats["error"]
     cd = [f"<answer>{injection}</answer>", "<answer>" + "(" * 5000 + "</answer>", "<answer>9**9**9**9</answer>",
           "<answer>" * 100_000, "<answer>" + "1+" * 500_000 + "1</answer>"]
     rewards, stats = scorer.score_batch(cd, ["24"] * len(cd), ["countdown"] * len(cd), [{"numbers": [1, 9]}] * len(cd))
@@ -76,10 +92,18 @@ def test_pool_kills_stuck_worker_and_survives_dying_one():
         # Block SIGALRM in the worker (as a long C-level computation effectively does): only the
         # parent's kill can end the next job. (The first job "fails": it returns no Scored.)
         pool.run(signal.pthread_sigmask, [(signal.SIG_BLOCK, [signal.SIGALRM])])
-        start = time.monotonic()
+        (stuck,) = pool.alive_pids()
         (result,) = pool.run(time.sleep, [(30,)])
+        # A timeout with the alarm blocked can only be the parent's kill at the hard deadline
+        # (a sleep that ran its 30 s would return None: an error, not a timeout).
         assert result.reason == TIMEOUT and pool.num_restarts == 1
-        assert time.monotonic() - start < 5
+        with pytest.raises(ProcessLookupError):  # killed (and reaped), not left to finish
+            os.kill(stuck, 0)
+        (fresh,) = pool.alive_pids()
+        assert fresh != stuck
+        (result,) = pool.run(time.sleep, [(0,)])  # the replacement works: sleep returns None,
+        assert result.reason == ERROR  # which is no Scored: an error, from a live worker
+        assert pool.alive_pids() == [fresh]
         (result,) = pool.run(os._exit, [(3,)])  # the worker dies mid-job
         assert result.reason == ERROR
         (result,) = pool.run(divmod, [(7, 0)])  # raises: an error, the worker lives on

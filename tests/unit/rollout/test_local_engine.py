@@ -129,11 +129,27 @@ def test_selection(policy, monkeypatch):
 
 
 @pytest.mark.distributed
-def test_train_mode_restored(policy):
+def test_kv_path_matches_full_recompute_in_train_and_eval_mode(policy):
+    """Generation does not depend on the module's train/eval mode, and the default KV path
+    leaves that mode as it found it. In each mode the KV-cached path and the full-recompute path
+    draw the same tokens with log-probs within 1e-5 (same seed), and both modes give the same
+    samples (no dropout or other train-mode behaviour leaks into sampling)."""
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.local import LocalEngine
 
-    for mode in (True, False):
-        policy.model[0].train(mode)
-        LocalEngine(policy).generate([[5, 6, 7]], 2, SamplingParams(max_new_tokens=3, seed=0))
-        assert all(m.training == mode for m in policy.model[0].modules())
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=11)
+    by_mode = {}
+    try:
+        for mode in (True, False):
+            policy.model[0].train(mode)
+            kv = LocalEngine(policy, kv_cache=True).generate(prompts, 3, params)
+            # the KV path reads the weights directly: it must not switch the modules' mode
+            assert all(m.training == mode for m in policy.model[0].modules())
+            full = LocalEngine(policy, kv_cache=False).generate(prompts, 3, params)
+            _assert_same(kv, full)
+            assert len({tuple(c.token_ids) for g in kv for c in g}) > len(prompts)  # sampled
+            by_mode[mode] = kv
+        _assert_same(by_mode[True], by_mode[False])
+    finally:
+        policy.model[0].train(True)
