@@ -17,10 +17,17 @@ from torch.cuda.max_memory_allocated. It includes the grad_logits output (N*V in
 required of every method); "peak excl. grad" subtracts it. The C++ kernels allocate
 nothing outside torch tensors except an 8 KiB stack buffer per thread.
 
+HBM floor (CUDA): the bytes that must move (forward: the logits read once; forward+backward:
+read, read again, write grad_logits, i.e. 3 N V itemsize) divided by the device-to-device copy
+bandwidth measured in the same run (a large torch copy, read + write bytes counted); "% floor"
+= floor time / measured time (100% = as fast as a plain copy of those bytes).
+
 Usage:
   OMP_NUM_THREADS=2 python tools/bench_logprob_kl.py --threads 2            # CPU grid
   python tools/bench_logprob_kl.py --device cuda                             # GPU grid
+  python tools/bench_logprob_kl.py --device cuda --shapes 32768x152064 4096x32000 --json r.json
   ... --out benchmarks/RESULTS.md    appends a markdown section with device, versions, command
+  ... --json FILE                    writes the rows (and the copy bandwidth) as JSON
 """
 from __future__ import annotations
 
@@ -36,9 +43,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_rl.ops import extension_backends, token_logprobs_and_kl  # noqa: E402
 
-# Nominal HBM bandwidth (GB/s) by device-name substring, for the "fraction of bound" column.
-HBM_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0,
-            "H100": 3350.0, "A100": 2039.0}
+# Bytes that must move, as multiples of the logits' size N*V*itemsize: forward reads the logits
+# once; backward reads them again and writes grad_logits (one read + one write).
+FLOOR_PASSES = {"fwd": 1, "fwd_bwd": 3}
 
 
 def naive(logits, targets, ref):
@@ -160,25 +167,131 @@ def memory_of(fn, logits, targets, ref, device):
     return kept, peak
 
 
-def main():
+def copy_bandwidth_gbps(device, nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written), the best of `reps`
+    copies of an `nbytes` buffer, timed with CUDA events."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / best / 1e9
+
+
+def parse_shapes(args, gpu: bool) -> list[tuple[int, int]]:
+    """(N, V) pairs: --shapes NxV ..., else the grid --tokens x --vocab (device defaults)."""
+    if args.shapes:
+        return [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]
+    tokens = args.tokens or ([4096, 8192, 16384, 32768] if gpu else [512, 2048])
+    vocabs = args.vocab or ([32000, 152064] if gpu else [32000, 152064 // 4])
+    return [(n, v) for n in tokens for v in vocabs]
+
+
+def make_inputs(n: int, v: int, dtype, device, seed: int = 0):
+    """logits ~ 2 N(0, 1) in `dtype`, targets, reference log-probs; generated on the device."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = (torch.randn(n, v, generator=gen, device=device) * 2).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=gen, device=device)
+    ref = -torch.rand(n, generator=gen, device=device) * 10
+    return logits, targets, ref
+
+
+def bench_shape(methods, n, v, dtype, device, reps, floor_gbps) -> list[dict]:
+    """One row per method: times, memory, ratios to mcore and (with floor_gbps) % of the floor."""
+    logits, targets, ref = make_inputs(n, v, dtype, device)
+    try:
+        fwd = time_methods(methods, logits, targets, ref, False, device, reps)
+        both = time_methods(methods, logits, targets, ref, True, device, reps)
+    except torch.OutOfMemoryError:
+        fwd = both = None
+        logits.requires_grad_(False)
+        logits.grad = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results = {}
+    for name, fn in methods.items():
+        try:
+            if fwd is None:  # retry alone: some method ran out of memory
+                one = {name: fn}
+                fwd_t = time_methods(one, logits, targets, ref, False, device, reps)[name]
+                both_t = time_methods(one, logits, targets, ref, True, device, reps)[name]
+            else:
+                fwd_t, both_t = fwd[name], both[name]
+            kept, mem = memory_of(fn, logits, targets, ref, device)
+            results[name] = (fwd_t, both_t, kept, mem)
+        except torch.OutOfMemoryError:
+            results[name] = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    grad_bytes = logits.numel() * logits.element_size()
+    del logits, targets, ref
+    base = results.get("mcore")
+    rows = []
+    for name, res in results.items():
+        if res is None:
+            rows.append({"n": n, "v": v, "method": name, "oom": True})
+            continue
+        fwd_t, both_t, kept, mem = res
+        row = {"n": n, "v": v, "method": name, "fwd_ms": fwd_t * 1e3, "fwd_bwd_ms": both_t * 1e3,
+               "kept_mib": kept / 2**20, "peak_extra_mib": mem / 2**20,
+               "grad_mib": grad_bytes / 2**20, "peak_excl_grad_mib": (mem - grad_bytes) / 2**20,
+               "fwd_x_mcore": base[0] / fwd_t if base else None,
+               "fwd_bwd_x_mcore": base[1] / both_t if base else None,
+               "peak_over_mcore": mem / base[3] if base else None}
+        if floor_gbps:
+            for key, t in (("fwd", fwd_t), ("fwd_bwd", both_t)):
+                floor_s = FLOOR_PASSES[key] * grad_bytes / (floor_gbps * 1e9)
+                row[f"{key}_floor_ms"] = floor_s * 1e3
+                row[f"{key}_pct_floor"] = 100 * floor_s / t
+        rows.append(row)
+    return rows
+
+
+def markdown_row(r: dict, gpu: bool) -> str:
+    if r.get("oom"):
+        return f"| {r['n']} | {r['v']} | {r['method']} | OOM |" + " |" * (8 + 2 * gpu)
+    f = lambda x, spec=".2f", suffix="": "" if x is None else f"{x:{spec}}{suffix}"  # noqa: E731
+    base_excl = (r["peak_excl_grad_mib"] / (r["peak_extra_mib"] / r["peak_over_mcore"]
+                                            - r["grad_mib"])
+                 if r["peak_over_mcore"] else None)
+    line = (f"| {r['n']} | {r['v']} | {r['method']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
+            f"{r['kept_mib']:.2f} | {r['peak_extra_mib']:.1f} | {r['peak_excl_grad_mib']:.2f} | "
+            f"{f(r['fwd_x_mcore'], '.2f', 'x')} | {f(r['fwd_bwd_x_mcore'], '.2f', 'x')} | "
+            f"{f(r['peak_over_mcore'], '.3f')} | {f(base_excl, '.4f')} |")
+    if gpu:
+        line += f" {f(r.get('fwd_pct_floor'), '.0f', '%')} | {f(r.get('fwd_bwd_pct_floor'), '.0f', '%')} |"
+    return line
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--tokens", type=int, nargs="+", help="N grid")
-    parser.add_argument("--vocab", type=int, nargs="+", help="V grid")
+    parser.add_argument("--shapes", nargs="+", help="NxV cases, e.g. 32768x152064 4096x32000")
+    parser.add_argument("--tokens", type=int, nargs="+", help="N grid (without --shapes)")
+    parser.add_argument("--vocab", type=int, nargs="+", help="V grid (without --shapes)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--skip", nargs="*", default=[], help="methods to skip, e.g. naive")
-    parser.add_argument("--hbm-gbps", type=float, default=None, help="override HBM bound")
+    parser.add_argument("--hbm-gbps", type=float, default=None,
+                        help="floor bandwidth in GB/s instead of the measured copy bandwidth")
     parser.add_argument("--out", default=None, help="append a markdown section to this file")
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, help="write the rows as JSON to this file")
+    args = parser.parse_args(argv)
 
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     gpu = device.type == "cuda"
-    tokens = args.tokens or ([4096, 8192, 16384, 32768] if gpu else [512, 2048])
-    vocabs = args.vocab or ([32000, 152064] if gpu else [32000, 152064 // 4])
+    shapes = parse_shapes(args, gpu)
     reps = args.reps or (10 if gpu else 3)
     dtype = getattr(torch, args.dtype)
 
@@ -194,68 +307,35 @@ def main():
             methods[f"ours-{b}"] = ours(b)
     methods = {k: v for k, v in methods.items() if k not in args.skip}
 
-    hbm = args.hbm_gbps
-    if gpu and hbm is None:
-        name = torch.cuda.get_device_name()
-        hbm = next((bw for key, bw in HBM_GBPS.items() if key in name), None)
-
+    copy_gbps = copy_bandwidth_gbps(device) if gpu else None
+    floor_gbps = args.hbm_gbps or copy_gbps
+    if gpu:
+        print(f"device-to-device copy bandwidth (read + write): {copy_gbps:.0f} GB/s; floor uses "
+              f"{floor_gbps:.0f} GB/s", flush=True)
     header = ("| N | V | method | fwd ms | fwd+bwd ms | kept fwd->bwd MiB | peak extra MiB | "
               "peak excl. grad MiB | fwd x mcore | fwd+bwd x mcore | peak / mcore | "
-              "peak excl. grad / mcore |"
-              + (" fwd+bwd GB/s | % HBM |" if gpu else ""))
-    rows = [header, "|" + "---|" * (header.count("|") - 1)]
+              "peak excl. grad / mcore |" + (" fwd % floor | fwd+bwd % floor |" if gpu else ""))
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
     print(header, flush=True)
-    gen = torch.Generator().manual_seed(0)
-    for n in tokens:
-        for v in vocabs:
-            logits = (torch.randn(n, v, generator=gen) * 2).to(dtype).to(device)
-            targets = torch.randint(0, v, (n,), generator=gen).to(device)
-            ref = (-torch.rand(n, generator=gen) * 10).to(device)
-            results = {}
-            try:
-                fwd = time_methods(methods, logits, targets, ref, False, device, reps)
-                both = time_methods(methods, logits, targets, ref, True, device, reps)
-            except torch.OutOfMemoryError:
-                fwd = both = None
-            for name, fn in methods.items():
-                try:
-                    if fwd is None:  # retry alone: some method ran out of memory
-                        one = {name: fn}
-                        fwd_t = time_methods(one, logits, targets, ref, False, device, reps)[name]
-                        both_t = time_methods(one, logits, targets, ref, True, device, reps)[name]
-                    else:
-                        fwd_t, both_t = fwd[name], both[name]
-                    kept, mem = memory_of(fn, logits, targets, ref, device)
-                    results[name] = (fwd_t, both_t, kept, mem)
-                except torch.OutOfMemoryError:
-                    results[name] = None
-                    if gpu:
-                        torch.cuda.empty_cache()
-            base = results.get("mcore")
-            grad_bytes = logits.numel() * logits.element_size()
-            for name, res in results.items():
-                if res is None:
-                    line = (f"| {n} | {v} | {name} | OOM | OOM | OOM | OOM | OOM | | | | |"
-                            + (" | |" if gpu else ""))
-                else:
-                    fwd, both, kept, mem = res
-                    speedup = lambda t, t_base: f"{t_base / t:.2f}x"  # noqa: E731
-                    # grad_logits in the logits dtype is an output every method must produce.
-                    beyond = mem - grad_bytes
-                    line = (f"| {n} | {v} | {name} | {fwd * 1e3:.2f} | {both * 1e3:.2f} | "
-                            f"{kept / 2**20:.2f} | {mem / 2**20:.1f} | {beyond / 2**20:.2f} | "
-                            f"{speedup(fwd, base[0]) if base else ''} | "
-                            f"{speedup(both, base[1]) if base else ''} | "
-                            f"{f'{mem / base[3]:.3f}' if base else ''} | "
-                            f"{f'{beyond / (base[3] - grad_bytes):.4f}' if base else ''} |")
-                    if gpu:
-                        # One read in forward, one read + one write in backward.
-                        gbps = 3 * n * v * logits.element_size() / both / 1e9
-                        line += f" {gbps:.0f} | {100 * gbps / hbm:.0f}% |" if hbm else f" {gbps:.0f} | |"
-                print(line, flush=True)
-                rows.append(line)
-            del logits
+    rows = []
+    for n, v in shapes:
+        for r in bench_shape(methods, n, v, dtype, device, reps, floor_gbps if gpu else None):
+            rows.append(r)
+            lines.append(markdown_row(r, gpu))
+            print(lines[-1], flush=True)
 
+    dev = (torch.cuda.get_device_name() if gpu else
+           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    cmd = " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "unset"),
+                    "python"] + sys.argv)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump({"device": dev, "dtype": args.dtype, "torch": torch.__version__,
+                       "cuda": torch.version.cuda, "copy_gbps": copy_gbps,
+                       "floor_gbps": floor_gbps if gpu else None, "reps": reps,
+                       "floor_passes": FLOOR_PASSES, "extension_backends": list(extension_backends()),
+                       "methods": list(methods), "command": cmd, "rows": rows}, f, indent=2)
     if args.out:
         ext = extension_backends()
         isa = ""
@@ -263,15 +343,15 @@ def main():
             from megatron_rl import _C
             isa = f", CPU kernel variant {_C.cpu_isa()}"
         import megatron.core
-        dev = (torch.cuda.get_device_name() if gpu else
-               f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-        cmd = " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "unset"),
-                        "python"] + sys.argv)
         with open(args.out, "a") as f:
             f.write(f"\n## {device.type.upper()} {args.dtype}, {time.strftime('%Y-%m-%d')}\n\n")
             load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
             f.write(f"- device: {dev}; torch threads {torch.get_num_threads()}{isa}; "
                     f"load average at the end {load} (shared machine)\n")
+            if gpu:
+                f.write(f"- measured device-to-device copy bandwidth {copy_gbps:.0f} GB/s "
+                        f"(read + write); % floor = (bytes that must move / {floor_gbps:.0f} "
+                        f"GB/s) / time\n")
             thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
             if thp:
                 f.write(f"- THP_MEM_ALLOC_ENABLE={thp} (c10 CPU allocator uses huge pages)\n")
@@ -281,7 +361,7 @@ def main():
                     f"interleaved round-robin; "
                     f"x mcore = mcore time / method time (higher is faster); "
                     f"mem / mcore = peak extra memory ratio (lower is better)\n\n")
-            f.write("\n".join(rows) + "\n")
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Throughput of full RL steps (rollout + update), megatron-rl vs TRL's GRPOTrainer, on CPU.
+"""Throughput of full RL steps (rollout + update), megatron-rl vs TRL's GRPOTrainer, on CPU or
+one GPU.
 
 Both sides train the same tiny HF Qwen2 with a character tokenizer (megatron_rl.models.tiny, the
 CPU demo's architecture) on the same prompts (reasoning-gym basic_arithmetic, the demo's easy
@@ -25,6 +26,20 @@ completion token ids). The median over timed steps is reported, with a phase bre
     python tools/bench_vs_trl.py --setup                 # once: .venv-trl with pinned TRL
     python tools/bench_vs_trl.py --out outputs/bench_vs_trl --report benchmarks/BENCH_VS_TRL.md
 
+On one GPU (`--device cuda`, what scripts/gpu_check.sh runs): both sides in the current Python
+(TRL and megatron-core from the carried wheels, `--trl-python` to change), bf16 (megatron-rl:
+bf16 weights with fp32 main parameters and gradients, `--bf16`; TRL: the model loaded in bf16,
+its reference model likewise, `bf16=True`), by default a Qwen2.5-0.5B-shaped model
+(`--model-shape qwen2.5-0.5b`: 24 layers, hidden 896, 14 heads / 2 KV heads, FFN 4864, tied
+151936-token vocabulary, random weights, a character tokenizer padded to the vocabulary) and a
+larger batch (16 prompts x 8 samples x 128 new tokens, 1 round of 1 + 3 steps). A random model
+never samples EOS, so every response has exactly max-new-tokens tokens on both sides. Phase
+timers synchronise the device. Without reasoning-gym (not carried to GPU machines) the prompts
+are two-term sums made here.
+
+    python tools/bench_vs_trl.py --device cuda --out /tmp/bench_rl --json summary.json
+    python tools/bench_vs_trl.py --device cuda --dry-run   # print the plan, parse both flag sets
+
 Worker modes (used by the driver): --worker megatron|trl --workdir DIR.
 """
 from __future__ import annotations
@@ -44,6 +59,17 @@ PROMPT_TEMPLATE = "{prompt}="
 TRL_PINS = ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0"]
 TORCH_PIN = "torch==2.13.0"
 CUDA_LINKED = ["torchvision", "torchaudio", "torchcodec"]
+# HF config overrides per --model-shape (qwen2 family, random weights)
+MODEL_SHAPES = {
+    "tiny": {},  # the CPU demo's architecture, sized by --hidden-size / --num-layers
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, initializer_range=0.02),
+}
+# defaults per device for the flags left unset: (prompts, group size, max new tokens, timed
+# steps, warm-up steps, rounds, model shape, threads)
+DEVICE_DEFAULTS = {"cpu": (8, 5, 32, 6, 2, 2, "tiny", 1),
+                   "cuda": (16, 8, 128, 3, 1, 1, "qwen2.5-0.5b", 8)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -84,16 +110,17 @@ def make_inputs(work: str, a) -> dict:
     from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
 
     model = os.path.join(work, "model")
+    shape = model_config(a)
     if not os.path.exists(os.path.join(model, "config.json")):
-        make_tiny_hf_checkpoint(model, "qwen2", vocab_size=128, hidden_size=a.hidden_size,
-                                intermediate_size=3 * a.hidden_size, num_hidden_layers=a.num_layers,
-                                num_attention_heads=4, num_key_value_heads=2,
-                                max_position_embeddings=256, initializer_range=0.02,
-                                tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)
-        make_char_tokenizer(model)
+        make_tiny_hf_checkpoint(model, "qwen2", tie_word_embeddings=True, eos_token_id=1,
+                                pad_token_id=0, **shape)
+        make_char_tokenizer(model, vocab_size=shape["vocab_size"])
     easy = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
                 allow_parentheses=False, allow_negation=False, whitespace="no_space")
-    examples = generate_arithmetic(2000, 0, **easy)
+    try:
+        examples = generate_arithmetic(2000, 0, **easy)
+    except ImportError:  # reasoning-gym is not carried to GPU machines
+        examples = builtin_arithmetic(2000, 0)
     train = os.path.join(work, "train.jsonl")
     write_jsonl(train, examples)
     builder = PromptBuilder(template=PROMPT_TEMPLATE, task_instruction=False)
@@ -102,6 +129,30 @@ def make_inputs(work: str, a) -> dict:
         for ex in examples:
             f.write(json.dumps({"prompt": builder(ex), "answer": ex.answer}) + "\n")
     return {"model": model, "train": train, "trl_train": trl_rows}
+
+
+def model_config(a) -> dict:
+    """make_tiny_hf_checkpoint overrides for --model-shape."""
+    if a.model_shape == "tiny":
+        return dict(vocab_size=128, hidden_size=a.hidden_size, intermediate_size=3 * a.hidden_size,
+                    num_hidden_layers=a.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=256, initializer_range=0.02)
+    return dict(MODEL_SHAPES[a.model_shape])
+
+
+def builtin_arithmetic(size: int, seed: int) -> list:
+    """Two-term sums and differences of 1-2 digit numbers, as reasoning-gym's easy setting."""
+    import random
+
+    from megatron_rl.data.records import TaskExample
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(size):
+        x, y, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+-")
+        out.append(TaskExample(f"Calculate {x}{op}{y}.", str(x + y if op == "+" else x - y),
+                               "arithmetic"))
+    return out
 
 
 def megatron_flags(a, inputs: dict, save: str) -> list[str]:
@@ -116,7 +167,16 @@ def megatron_flags(a, inputs: dict, save: str) -> list[str]:
             "--lr", str(a.lr), "--weight-decay", "0", "--clip-grad", "1.0", "--adam-beta2", "0.999",
             "--temperature", "1.0", "--top-p", "1.0", "--max-new-tokens", str(a.max_new_tokens),
             "--prompt-template", PROMPT_TEMPLATE, "--no-task-instruction",
-            "--rollout-engine", a.engine, "--seed", str(a.seed)]
+            "--rollout-engine", a.engine, "--seed", str(a.seed),
+            *(["--bf16"] if a.device == "cuda" else [])]
+
+
+def _sync() -> None:
+    """Wait for the GPU (if any) so that wall-clock timers include the queued kernels."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,10 +203,12 @@ def run_megatron_worker(argv: list[str]) -> None:
             if depth[0]:
                 return fn(*args, **kw)
             depth[0] += 1
+            _sync()
             t = time.perf_counter()
             try:
                 return fn(*args, **kw)
             finally:
+                _sync()
                 depth[0] -= 1
                 timers[key] = timers.get(key, 0.0) + time.perf_counter() - t
 
@@ -191,7 +253,9 @@ def run_trl_worker(work: str, a) -> None:
     inputs = json.load(open(os.path.join(work, "inputs.json")))
     rows = [json.loads(line) for line in open(inputs["trl_train"])]
     tok = AutoTokenizer.from_pretrained(inputs["model"])
-    model = AutoModelForCausalLM.from_pretrained(inputs["model"], dtype=torch.float32)
+    gpu = a.device == "cuda"
+    model = AutoModelForCausalLM.from_pretrained(
+        inputs["model"], dtype=torch.bfloat16 if gpu else torch.float32)
     state = {"tokens": 0, "generate": 0.0, "reward": 0.0}
 
     def reward(completions, answer, completion_ids, **_):
@@ -204,10 +268,12 @@ def run_trl_worker(work: str, a) -> None:
     generate = model.generate
 
     def timed_generate(*args, **kw):
+        _sync()
         t = time.perf_counter()
         try:
             return generate(*args, **kw)
         finally:
+            _sync()
             state["generate"] += time.perf_counter() - t
 
     model.generate = timed_generate
@@ -215,10 +281,12 @@ def run_trl_worker(work: str, a) -> None:
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, st, control, **kw):
+            _sync()
             state.update(t0=time.perf_counter(), tokens=0, generate=0.0, reward=0.0)
             state["score"] = 0.0
 
         def on_step_end(self, args, st, control, **kw):
+            _sync()
             dt = time.perf_counter() - state["t0"]
             with open(steps_path, "a") as f:
                 f.write(json.dumps({"step": st.global_step, "time": dt, "tokens": state["tokens"],
@@ -236,15 +304,17 @@ def run_trl_worker(work: str, a) -> None:
     class Trainer(GRPOTrainer):
         # generation + rewards + reference log-probs + advantages, for the breakdown
         def _generate_and_score_completions(self, *args, **kw):
+            _sync()
             t = time.perf_counter()
             try:
                 return super()._generate_and_score_completions(*args, **kw)
             finally:
+                _sync()
                 state["score"] += time.perf_counter() - t
 
     batch = a.prompts * a.group_size
     cfg = GRPOConfig(
-        output_dir=os.path.join(work, "trl_out"), use_cpu=True, bf16=False, fp16=False,
+        output_dir=os.path.join(work, "trl_out"), use_cpu=not gpu, bf16=gpu, fp16=False,
         max_steps=a.warmup + a.steps, per_device_train_batch_size=batch,
         gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
         num_generations=a.group_size, max_completion_length=a.max_new_tokens,
@@ -265,7 +335,8 @@ def run_trl_worker(work: str, a) -> None:
 # ------------------------------------------------------------------------------------------------
 def _env(threads: int) -> dict:
     return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO, HF_HUB_OFFLINE="1",
+                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
                 HF_DATASETS_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
 
 
@@ -299,8 +370,7 @@ def run_side(side: str, round_: int, a, inputs: dict) -> dict:
     else:
         with open(os.path.join(work, "inputs.json"), "w") as f:
             json.dump(inputs, f)
-        py = os.path.join(a.trl_venv, "bin", "python")
-        cmd = [py, __file__, "--worker", "trl", "--workdir", work, *_shared_argv(a)]
+        cmd = [trl_python(a), __file__, "--worker", "trl", "--workdir", work, *_shared_argv(a)]
         wall = _run(cmd, env, os.path.join(work, "log.txt"))
         steps = [json.loads(line) for line in open(os.path.join(work, "trl_steps.jsonl"))]
     if len(steps) != a.warmup + a.steps:
@@ -312,7 +382,15 @@ def _shared_argv(a) -> list[str]:
     return ["--prompts", str(a.prompts), "--group-size", str(a.group_size),
             "--max-new-tokens", str(a.max_new_tokens), "--steps", str(a.steps),
             "--warmup", str(a.warmup), "--threads", str(a.threads), "--lr", str(a.lr),
-            "--beta", str(a.beta), "--seed", str(a.seed)]
+            "--beta", str(a.beta), "--seed", str(a.seed), "--device", a.device]
+
+
+def trl_python(a) -> str:
+    """The interpreter of the TRL side: --trl-python, else the TRL venv's on CPU and the current
+    one on GPU (the GPU kit installs TRL beside megatron-core)."""
+    if a.trl_python:
+        return a.trl_python
+    return sys.executable if a.device == "cuda" else os.path.join(a.trl_venv, "bin", "python")
 
 
 def _versions(trl_py: str) -> dict:
@@ -352,8 +430,24 @@ def summarize(results: list[dict], a) -> dict:
     return {"config": {k: getattr(a, k) for k in ("prompts", "group_size", "max_new_tokens",
                                                   "steps", "warmup", "rounds", "threads", "lr",
                                                   "beta", "seed", "hidden_size", "num_layers",
-                                                  "engine")},
+                                                  "engine", "device", "model_shape")},
             "sides": by_side, "ratio_megatron_over_trl": ratio}
+
+
+def dry_run(a) -> int:
+    """Print what would run; parse megatron-rl's flags with its own parser (no model is built)."""
+    from megatron_rl.config import parse_config
+
+    inputs = {"model": os.path.join(a.out, "model"), "train": os.path.join(a.out, "train.jsonl")}
+    flags = megatron_flags(a, inputs, os.path.join(a.out, "megatron_r0"))
+    parse_config(flags)  # raises on a flag megatron-rl does not know
+    print(f"model {a.model_shape}: {model_config(a)}")
+    print(f"batch {a.prompts} prompts x {a.group_size} samples x {a.max_new_tokens} new tokens, "
+          f"{a.rounds} round(s) of {a.warmup} + {a.steps} steps per side, device {a.device}")
+    print(f"megatron-rl: python -m megatron_rl.train {' '.join(flags)}")
+    print("  (these flags parse with megatron_rl.config.parse_config)")
+    print(f"TRL: {trl_python(a)} {__file__} --worker trl {' '.join(_shared_argv(a))}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -361,13 +455,20 @@ def main(argv=None) -> int:
     p.add_argument("--setup", action="store_true", help="create the TRL venv and exit")
     p.add_argument("--trl-venv", default=os.path.join(REPO, ".venv-trl"))
     p.add_argument("--out", default=os.path.join(REPO, "outputs", "bench_vs_trl"))
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    p.add_argument("--group-size", type=int, default=5, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
-    p.add_argument("--rounds", type=int, default=2, help="alternating runs per side")
-    p.add_argument("--threads", type=int, default=1, help="OMP / torch threads, both sides")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES),
+                   help="default: tiny on CPU, qwen2.5-0.5b on CUDA")
+    p.add_argument("--trl-python", help="interpreter of the TRL side (see trl_python)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and check megatron-rl's flags parse; run nothing")
+    p.add_argument("--prompts", type=int, help="prompts per step (CPU 8, CUDA 16)")
+    p.add_argument("--group-size", type=int, help="samples per prompt (CPU 5, CUDA 8)")
+    p.add_argument("--max-new-tokens", type=int, help="CPU 32, CUDA 128")
+    p.add_argument("--steps", type=int, help="timed steps per round (CPU 6, CUDA 3)")
+    p.add_argument("--warmup", type=int, help="untimed steps at the start of each run (CPU 2, "
+                   "CUDA 1)")
+    p.add_argument("--rounds", type=int, help="alternating runs per side (CPU 2, CUDA 1)")
+    p.add_argument("--threads", type=int, help="OMP / torch threads, both sides (CPU 1, CUDA 8)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--beta", type=float, default=0.04, help="KL coefficient (K3 in the loss)")
     p.add_argument("--seed", type=int, default=1)
@@ -380,6 +481,13 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    names = ("prompts", "group_size", "max_new_tokens", "steps", "warmup", "rounds", "model_shape",
+             "threads")
+    for name, default in zip(names, DEVICE_DEFAULTS[a.device]):
+        if getattr(a, name) is None:
+            setattr(a, name, default)
+    if a.dry_run:
+        return dry_run(a)
     if a.worker == "megatron":
         run_megatron_worker([x for x in a.rest if x != "--"])
         return 0
@@ -389,7 +497,7 @@ def main(argv=None) -> int:
     if a.setup:
         setup_trl_venv(a.trl_venv)
         return 0
-    if not os.path.exists(os.path.join(a.trl_venv, "bin", "python")):
+    if not os.path.exists(trl_python(a)):
         raise SystemExit(f"no TRL venv at {a.trl_venv}: run `python {__file__} --setup` first")
     a.out = os.path.abspath(a.out)
     os.makedirs(a.out, exist_ok=True)
@@ -404,8 +512,12 @@ def main(argv=None) -> int:
             results.append(res)
     summary = summarize(results, a)
     summary["commands"] = {res["side"]: " ".join(res["cmd"]) for res in results[:2]}
-    summary["versions"] = _versions(os.path.join(a.trl_venv, "bin", "python"))
+    summary["versions"] = _versions(trl_python(a))
     summary["cpu"] = _cpu()
+    if a.device == "cuda":
+        import torch
+
+        summary["gpu"] = torch.cuda.get_device_name()
     summary["python"] = platform.python_version()
     text = json.dumps(summary, indent=2)
     print(text)

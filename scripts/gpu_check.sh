@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# The one-command GPU verification kit (issue 12): on a bare single-GPU Linux machine with a CUDA
+# PyTorch, nvcc and no network, install the carried wheels, build the CUDA extension, run the
+# gpu test tier and the CPU-tier tests that matter on the device, run the GPU benchmarks, and
+# write OUT_DIR/summary.json and OUT_DIR/summary.md. Aims at < 20 min on one H100.
+#
+#   bash scripts/gather_gpu_wheels.sh                 # here, with PyPI: wheels into .whl/
+#   bash scripts/gpu_check.sh OUT_DIR [--wheels DIR] [--skip-bench] [--only STEP,...] [--dry-run]
+#
+# Steps (each with its own timeout; pytest with 4 workers and 300 s per test where pytest-xdist
+# and pytest-timeout are installed; a failed step does not stop the later ones; steps that would
+# start after GPU_CHECK_BUDGET s, default 1500, are skipped; the exit status is 0 only when every
+# step passed, no test failed and CUDA was available):
+#   install          pip install --no-index --no-deps --target $SITE DIR/*.whl (the machine's
+#                    torch, transformers... are untouched; $SITE goes on PYTHONPATH)
+#   build            python setup.py build_ext --inplace: megatron_rl/_C with the CUDA kernels
+#                    (the build that `pip install --no-build-isolation -e .` runs, without
+#                    writing into the machine's site-packages); fails unless "cuda" is built
+#   env              OUT_DIR/env.json: device, driver, torch / CUDA / nvcc, package versions
+#   gpu-tests        pytest -m gpu tests (tests/gpu and the gpu-marked tests elsewhere)
+#   cpu-tier-on-gpu  CPU-tier test files that run the package's own device choice, run again
+#                    with CUDA visible: they build Policy / LocalEngine / train() through the
+#                    public APIs from host inputs, so the same tests exercise the GPU path (see
+#                    CPU_TIER_ON_GPU below; tests that feed host tensors straight into a module
+#                    are not listed: they would fail for the test's reason, not the code's)
+#   bench-kernel     tools/bench_logprob_kl.py --device cuda at N=32768, V=152064 and 4096 x 32000
+#   bench-rl         tools/bench_vs_trl.py --device cuda: Qwen2.5-0.5B-shaped RL steps vs TRL
+#   summary          tools/gpu_summary.py write OUT_DIR
+# --only runs install, env and the listed steps (for machines that limit one command's time:
+# keep OUT_DIR outside any folder that is emptied between commands; records accumulate).
+# --dry-run (any machine, no CUDA call): wheels present, one version each, dependencies covered
+# and installable into a temporary target for CPython 3.12; the extension's sources and
+# setup.py; pytest collects the gpu tier and the CPU-tier files; the benchmarks import and
+# parse their arguments (the kernel benchmark runs one tiny CPU case); the summary is written.
+set -uo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$REPO"
+
+usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+OUT="" WHEELS="$REPO/.whl" DRY=0 SKIP_BENCH=0 ONLY=""
+while (($#)); do
+    case "$1" in
+        --wheels) WHEELS="$2"; shift 2 ;;
+        --dry-run) DRY=1; shift ;;
+        --skip-bench) SKIP_BENCH=1; shift ;;
+        --only) ONLY=",$2,"; shift 2 ;;
+        -h|--help) usage ;;
+        -*) echo "unknown option $1" >&2; usage ;;
+        *) [ -z "$OUT" ] || usage; OUT="$1"; shift ;;
+    esac
+done
+[ -n "$OUT" ] || usage
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
+WHEELS="$(cd "$WHEELS" 2>/dev/null && pwd || echo "$WHEELS")"
+SITE="${GPU_CHECK_SITE:-/tmp/megatron_rl_gpu_site}"   # the carried packages
+WORK="${GPU_CHECK_WORK:-/tmp/megatron_rl_gpu_work}"   # large scratch (benchmark models)
+PYTHON="${PYTHON:-python3}"
+BUDGET="${GPU_CHECK_BUDGET:-1500}"
+if ! "$PYTHON" -c "import torch" 2>/dev/null && [ -x "$REPO/.venv/bin/python" ]; then
+    PYTHON="$REPO/.venv/bin/python"                   # a development checkout without torch
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+if ((DRY)); then
+    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# CPU-tier tests that run again on the device (see cpu-tier-on-gpu above)
+CPU_TIER_ON_GPU=(tests/unit/rollout/test_local_engine.py tests/unit/models/test_decode.py
+                 tests/e2e/test_train.py)
+PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64
+           manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
+T0=$(date +%s)
+if [ -z "$ONLY" ]; then  # a fresh report (--only adds to the one in OUT_DIR)
+    rm -f "$OUT"/steps.jsonl "$OUT"/env.json "$OUT"/junit_*.xml "$OUT"/bench_*.json "$OUT"/*.log
+fi
+
+selected() {  # selected NAME: whether --only (if given) asks for this step
+    case "$1" in install|env|dry-*) return 0 ;; esac
+    [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]]
+}
+# step NAME TIMEOUT_S CMD...: run CMD under a timeout, log to OUT/NAME.log, record the outcome
+step() {
+    local name="$1" limit="$2"; shift 2
+    selected "$name" || return 0
+    local log="$OUT/$name.log" start end rc
+    if (( $(date +%s) - T0 >= BUDGET )); then
+        skip "$name" "not started: ${BUDGET} s budget spent (GPU_CHECK_BUDGET)"; return 0
+    fi
+    echo "== [$name] (limit ${limit}s, $(( $(date +%s) - T0 ))s elapsed): $*"
+    start=$(date +%s.%N)
+    timeout -k 15 "$limit" "$@" >"$log" 2>&1
+    rc=$?
+    end=$(date +%s.%N)
+    tail -n 4 "$log" | sed 's/^/   | /'
+    "$PYTHON" tools/gpu_summary.py record "$OUT" --name "$name" --rc "$rc" --timeout "$limit" \
+        --seconds "$(awk "BEGIN {print $end - $start}")" --log "$log"
+}
+skip() {  # skip NAME REASON
+    selected "$1" || return 0
+    "$PYTHON" tools/gpu_summary.py record "$OUT" --name "$1" --rc=-1 --seconds 0 --note="$2"
+}
+
+if ((DRY)); then
+    tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
+    platform_args=(); for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
+    echo "dry run with $PYTHON; a real run does, in order:"
+    echo "  install: $PYTHON -m pip install --no-index --no-deps --target $SITE $WHEELS/*.whl"
+    echo "  build:   $PYTHON setup.py build_ext --inplace (MAX_JOBS=$MAX_JOBS), check 'cuda' built"
+    echo "  env, gpu-tests: $PYTHON -m pytest -m gpu tests --junitxml $OUT/junit_gpu.xml"
+    echo "  cpu-tier-on-gpu: $PYTHON -m pytest ${CPU_TIER_ON_GPU[*]}"
+    echo "  bench-kernel, bench-rl, summary (OUT_DIR $OUT, scratch $WORK)"
+    step dry-wheels 300 bash -c "ls '$WHEELS'/*.whl >/dev/null && \
+        '$PYTHON' tools/gpu_summary.py check-wheels '$WHEELS' && \
+        '$PYTHON' -m pip install -q --no-index --no-deps --no-compile --target '$tmp/site' \
+            --python-version 3.12 --implementation cp --only-binary=:all: ${platform_args[*]} \
+            '$WHEELS'/*.whl && echo installed into a temporary target: \$(ls '$tmp/site')"
+    step dry-extension 120 bash -c "ls csrc/*.cu csrc/*.cpp && '$PYTHON' setup.py --name && \
+        '$PYTHON' -c 'import shutil, torch; print(\"nvcc:\", shutil.which(\"nvcc\"), \
+\"| torch CUDA:\", torch.version.cuda, \"| a real run needs both to build the CUDA kernels\")'"
+    step dry-gpu-tests 600 bash -c "'$PYTHON' -m pytest --collect-only -q -m gpu tests \
+        -p no:cacheprovider | tee '$tmp/collected' | tail -n 3 && \
+        grep -q '^tests/gpu/' '$tmp/collected' && \
+        echo gpu tests under tests/gpu: \$(grep -c '^tests/gpu/' '$tmp/collected')"
+    step dry-cpu-tier-on-gpu 300 "$PYTHON" -m pytest --collect-only -q -p no:cacheprovider \
+        -m "not server and not network" "${CPU_TIER_ON_GPU[@]}"
+    step dry-bench-kernel 300 "$PYTHON" tools/bench_logprob_kl.py --shapes 64x1000 --reps 1 \
+        --json "$OUT/bench_logprob_kl.json"
+    step dry-bench-rl 300 "$PYTHON" tools/bench_vs_trl.py --device cuda --dry-run \
+        --out "$WORK/bench_vs_trl"
+    step dry-env 60 "$PYTHON" tools/gpu_summary.py env "$OUT"
+else
+    # where the plugins are installed (they are on the lent H100/H200 image): 300 s per test, so
+    # that one hang does not cost the step's junit report; 4 pytest workers sharing the GPU
+    PYTEST_OPTS=()
+    "$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST_OPTS+=(--timeout 300)
+    "$PYTHON" -c "import xdist" 2>/dev/null && PYTEST_OPTS+=(-n 4)
+    step install 120 bash -c "ls '$WHEELS'/*.whl >/dev/null && mkdir -p '$SITE' && \
+        '$PYTHON' -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target '$SITE' '$WHEELS'/*.whl && \
+        '$PYTHON' -c 'import megatron.core, trl, datasets, math_verify, torch; \
+print(\"megatron-core\", megatron.core.__version__, \"trl\", trl.__version__, \
+\"torch\", torch.__version__, \"cuda\", torch.cuda.is_available())'"
+    step build 600 bash -c "command -v nvcc && '$PYTHON' setup.py build_ext --inplace && \
+        '$PYTHON' -c 'from megatron_rl.ops import extension_backends as e; b = e(); print(b); \
+assert \"cuda\" in b, \"megatron_rl._C was built without the CUDA kernels\"'"
+    step env 60 "$PYTHON" tools/gpu_summary.py env "$OUT" --require-cuda
+    step gpu-tests 720 "$PYTHON" -m pytest -m gpu tests -p no:cacheprovider -q -rs \
+        "${PYTEST_OPTS[@]}" --junitxml "$OUT/junit_gpu.xml"
+    step cpu-tier-on-gpu 480 "$PYTHON" -m pytest -p no:cacheprovider -q -rs "${PYTEST_OPTS[@]}" \
+        -m "not server and not network" --junitxml "$OUT/junit_cpu_tier_on_gpu.xml" \
+        "${CPU_TIER_ON_GPU[@]}"
+    if ((SKIP_BENCH)); then
+        skip bench-kernel "--skip-bench"; skip bench-rl "--skip-bench"
+    else
+        step bench-kernel 300 "$PYTHON" tools/bench_logprob_kl.py --device cuda \
+            --shapes 32768x152064 4096x32000 --json "$OUT/bench_logprob_kl.json"
+        step bench-rl 600 "$PYTHON" tools/bench_vs_trl.py --device cuda \
+            --out "$WORK/bench_vs_trl" --json "$OUT/bench_vs_trl.json"
+    fi
+fi
+"$PYTHON" tools/gpu_summary.py write "$OUT"
+rc=$?
+echo "== done in $(( $(date +%s) - T0 )) s (goal for a real run: < 1200 s on one H100)"
+cat "$OUT/summary.md"
+"$PYTHON" -c "import json, sys; sys.exit(0 if json.load(open('$OUT/summary.json'))['ok'] else 1)" \
+    && exit "$rc"
+exit 1
