@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel import use_cuda
+
 LATEST = "latest"
 
 
@@ -42,7 +44,7 @@ def rng_state() -> dict:
     """Python, numpy and torch RNG states of this rank."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if use_cuda():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -51,8 +53,53 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
+    if use_cuda() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _allocate_adam_state(opt) -> None:
+    """Give a fresh DistributedOptimizer its (lazily created) Adam state before a load.
+
+    Without apex or TransformerEngine (CPU, and GPU machines without them), megatron-core
+    0.16.1's DistributedOptimizer.state_dict() (distrib_optimizer.py:640-642) asserts that the
+    torch Adam state holds one step count, which a never-stepped optimizer does not. One Adam
+    step with zero gradients, lr 0 and weight decay 0 allocates that state and changes no
+    parameter; the load then overwrites it."""
+    if len(opt.optimizer.state):
+        return
+    groups = opt.optimizer.param_groups
+    saved = [(g["lr"], g["weight_decay"]) for g in groups]
+    for g in groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    try:
+        opt._init_optimizer_states_with_dummy_values()
+    finally:
+        for g, (lr, wd) in zip(groups, saved):
+            g["lr"], g["weight_decay"] = lr, wd
+
+
+def _restore_adam_steps(opt, state: dict) -> None:
+    """Give each parameter of a DistributedOptimizer its own Adam step count, the checkpoint's.
+
+    With torch's Adam (no apex / TransformerEngine), megatron-core 0.16.1 restores the step
+    count from the param groups into one tensor shared by every parameter
+    (distrib_optimizer.py:817-824; Adam then advances it once per parameter), and the
+    dp_reshardable load copies each parameter's pre-load count over it (the per-parameter
+    "step" is a LocalNonpersistentObject, :1664-1667, copied at :940)."""
+    groups = (state.get("optimizer") or {}).get("param_groups") or []
+    steps = {g["step"] for g in groups if g.get("step") is not None}
+    if len(steps) != 1:
+        return
+    step = float(steps.pop())
+    for s in opt.optimizer.state.values():
+        if isinstance(s.get("step"), torch.Tensor):
+            s["step"] = torch.tensor(step, dtype=s["step"].dtype, device=s["step"].device)
+
+
+def _distributed_optimizers(policy) -> list:
+    opt = policy.optimizer
+    return [o for o in getattr(opt, "chained_optimizers", [opt])
+            if type(o).__name__ == "DistributedOptimizer"]
 
 
 def _sharded_state_dict(policy, with_optimizer: bool, is_loading: bool = False) -> dict:
@@ -61,7 +108,23 @@ def _sharded_state_dict(policy, with_optimizer: bool, is_loading: bool = False) 
     if with_optimizer and policy.optimizer is not None:
         # is_loading makes megatron initialise the (lazily created) Adam state first, so that
         # there is something to load into; without it the moments and step count are dropped
-        sd["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        kwargs = {}
+        distributed = _distributed_optimizers(policy)
+        if distributed:
+            # megatron-LM's default format: each DP rank writes its own shard of the flat
+            # buffers (no gather). It reloads at any DP size but the same TP x PP layout (the
+            # model weights alone, with_optimizer=False, still load at any layout). The
+            # "fully_reshardable" format fails to load with torch's Adam in megatron-core
+            # 0.16.1 (distrib_optimizer.py:2101 drops the per-parameter "step" that :940 reads).
+            kwargs["metadata"] = {"distrib_optim_sharding_type": "dp_reshardable"}
+            if is_loading:
+                for opt in distributed:
+                    _allocate_adam_state(opt)
+        sd["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                              **kwargs)
+        scheduler = getattr(policy, "scheduler", None)
+        if scheduler is not None:  # the LR schedule's step count etc. (common state, as megatron)
+            sd["opt_param_scheduler"] = scheduler.state_dict()
     return sd
 
 
@@ -129,7 +192,26 @@ def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True) -> dict:
     if missing:
         raise ValueError(f"{ckpt_dir}: checkpoint lacks tensors {missing}")
     if with_optimizer and policy.optimizer is not None and "optimizer" in loaded:
-        policy.optimizer.load_state_dict(loaded["optimizer"])
+        # no_grad: the distributed optimizer's fp32 main parameters are views of the model's
+        # (leaf) parameters, copied into in place (distrib_optimizer.py:940)
+        with torch.no_grad():
+            policy.optimizer.load_state_dict(loaded["optimizer"])
+        distributed = _distributed_optimizers(policy)
+        if len(distributed) == 1:
+            _restore_adam_steps(distributed[0], loaded["optimizer"])
+        scheduler = getattr(policy, "scheduler", None)
+        if scheduler is not None and "opt_param_scheduler" in loaded:
+            scheduler.num_steps = 0  # load_state_dict steps forward by the saved count
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        elif scheduler is not None:  # a checkpoint from before LR schedules: the schedule's
+            scheduler.step(increment=0)  # learning rate, not the loaded param groups'
     own = os.path.join(ckpt_dir, f"extra_rank{_rank()}.pt")
     path = own if os.path.exists(own) else os.path.join(ckpt_dir, "extra_rank0.pt")
     return torch.load(path, weights_only=False) if os.path.exists(path) else {"step": 0}
+
+
+def is_run_checkpoint(ckpt_dir: str) -> bool:
+    """True for a training run's checkpoint (RNG and data position saved beside the weights),
+    False for a weights-only one (tools/convert_checkpoint.py)."""
+    path = os.path.join(ckpt_dir, "extra_rank0.pt")
+    return os.path.exists(path) and "rng" in torch.load(path, weights_only=False)

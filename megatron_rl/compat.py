@@ -111,6 +111,8 @@ _PROXIED_MODULES = {
     "megatron.core.tensor_parallel.data": "L86 current_device()",
     # exchange_utils.py:104/110/326 checkpoint-load exchange buffers on device="cuda".
     "megatron.core.dist_checkpointing.exchange_utils": "L104,110,326 device='cuda'",
+    # distrib_optimizer.py:791 (distributed optimizer) Adam state allocated on current_device().
+    "megatron.core.optimizer.distrib_optimizer": "L791 current_device()",
 }
 
 
@@ -160,6 +162,80 @@ _TENSOR_CUDA_METHODS = [
      "setup_embeddings_and_output_layer"),
 ]
 
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def _tensor_type_reports_cuda():
+    """Within the block, `t.type()` (no argument) of a CPU float tensor names its CUDA
+    counterpart ("torch.FloatTensor" -> "torch.cuda.FloatTensor"): megatron-core's optimizers
+    dispatch on those strings to sort parameters into fp32 and fp16/bf16 groups. `t.type(dtype)`
+    (a conversion) is untouched."""
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs:
+            return name
+        return _CUDA_TYPE_NAMES.get(name, name)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _tensor_type_reports_cuda():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+# (module, class, method) that sort parameters by `param.type()` against CUDA tensor type names
+# and raise TypeError for anything else; wrapped with _with_cuda_type_names.
+_CUDA_TYPE_METHODS = [
+    # optimizer.py:671/690/695 Float16OptimizerWithFloat16Params (bf16/fp16 + fp32 main params).
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
+    # distrib_optimizer.py:361/420/431 (_build_model_and_main_param_groups, called from here)
+    # and :582, DistributedOptimizer.
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
+]
+
+
+def _get_cuda_rng_state_cpu(device="cuda", clone=False, graph_safe=False):
+    """CPU version of tensor_parallel/random.py:41 `_get_cuda_rng_state` (L55 calls
+    torch.cuda.random.get_rng_state()): there is no CUDA generator to save. Activation
+    recompute (`CheckpointFunction`, random.py:514) still saves and restores the CPU generator
+    (`_get_all_rng_states`, random.py:444, reads torch.get_rng_state() as well)."""
+    return None
+
+
+def _set_cuda_rng_state_cpu(new_state, device=-1, graph_safe=False):
+    """CPU version of tensor_parallel/random.py:72 `_set_cuda_rng_state`: nothing to restore."""
+    return None
+
+
+def _fork_without_cuda_states(fork, default_name):
+    """CPU version of tensor_parallel/random.py:243 CudaRNGStatesTracker.fork, which raises
+    (:247-248) for a state that `model_parallel_cuda_manual_seed` never added (it seeds CUDA
+    generators). Without CUDA an empty placeholder is added and the upstream fork runs as is,
+    with the CUDA get/set above as no-ops: the block draws from the CPU generator.
+    megatron-core forks around dropout (the embedding under sequence parallelism,
+    language_model_embedding.py:145); megatron_rl's models have dropout 0."""
+
+    @functools.wraps(fork)
+    def wrapper(self, name=default_name):
+        self.states_.setdefault(name, None)
+        return fork(self, name)
+
+    return wrapper
+
 
 def apply_cpu_compat(force: bool = False) -> bool:
     """Patch megatron-core for CPU execution when CUDA is absent. Idempotent.
@@ -180,6 +256,16 @@ def apply_cpu_compat(force: bool = False) -> bool:
     for mod_name, cls_name, method in _TENSOR_CUDA_METHODS:
         cls = getattr(importlib.import_module(mod_name), cls_name)
         setattr(cls, method, _without_tensor_cuda(getattr(cls, method)))
+    for mod_name, cls_name, method in _CUDA_TYPE_METHODS:
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+        setattr(cls, method, _with_cuda_type_names(getattr(cls, method)))
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = _get_cuda_rng_state_cpu
+    tp_random._set_cuda_rng_state = _set_cuda_rng_state_cpu
+    tracker = tp_random.CudaRNGStatesTracker
+    tracker.fork = _fork_without_cuda_states(tracker.fork,
+                                             tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME)
     from megatron.core.optimizer import clip_grads, optimizer
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu

@@ -1,8 +1,26 @@
-"""Training configuration: one typed dataclass, filled from Megatron-style flags and/or YAML.
+"""Training configuration: grouped dataclasses, filled from flat Megatron-style flags and/or YAML.
 
-Precedence: defaults < `--config FILE.yaml` < command-line flags. YAML keys are the dataclass
-field names (the flag names with '-' -> '_'). The KL switch defaults to the paper's recommended
-configuration: K1 in the reward, beta 0.05, RLOO, loss normalized by the batch's token count.
+    TrainConfig
+      model       ModelConfig      hf/ref checkpoints, bf16, options: ModelOptions (recompute, fusions)
+      parallel    ParallelConfig   TP, PP, sequence parallelism, distributed optimizer
+      data        DataConfig       prompt files and how prompts are built
+      rollout     RolloutConfig    engine and sampling
+      algorithm   AlgorithmConfig  batch shape, PPO minibatches, loss: LossConfig (with its KLConfig)
+      optimizer   OptimConfig      Adam and the learning-rate schedule
+      eval        EvalConfig       periodic evaluation
+      checkpoint  CheckpointConfig save / load / finetune
+      train_iters, seed, log_interval
+
+Each setting is declared once, in the dataclass of the module that consumes it (ParallelConfig in
+parallel.py, ModelOptions in models/config.py, OptimConfig in models/policy.py, LossConfig in
+loss.py, KLConfig in kl.py). The command line and YAML keep one flat namespace: a field's flag is
+`--<field-name>` with '_' -> '-', prefixed by its group's `prefix` metadata where a name would be
+ambiguous (KLConfig's fields are `--kl-*`) or renamed by its `flag` metadata (`--loss-aggregation`).
+YAML keys are those flag names with '-' -> '_'.
+
+Precedence: defaults < `--config FILE.yaml` < command-line flags. The KL switch defaults to the
+paper's recommended configuration: K1 in the reward, beta 0.05, RLOO, loss normalised by the
+batch's token count.
 """
 
 from __future__ import annotations
@@ -10,105 +28,136 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import typing
 from typing import Any
 
 import yaml
 
-from megatron_rl.kl import ESTIMATORS, OFF_POLICY_CORRECTIONS, PLACEMENTS, KLConfig
-from megatron_rl.loss import AGGREGATIONS, LossConfig
 from megatron_rl.advantages import ADVANTAGE_ESTIMATORS
+from megatron_rl.kl import ESTIMATORS, OFF_POLICY_CORRECTIONS, PLACEMENTS
+from megatron_rl.loss import AGGREGATIONS, LossConfig
+from megatron_rl.models.config import (ATTENTION_BACKENDS, RECOMPUTE_GRANULARITIES,
+                                       RECOMPUTE_METHODS, ModelOptions)
+from megatron_rl.models.policy import LR_DECAY_STYLES, OptimConfig
+from megatron_rl.parallel import ParallelConfig
+
+_field = dataclasses.field
 
 
 @dataclasses.dataclass
-class TrainConfig:
-    # model and parallelism
+class ModelConfig:
     hf_checkpoint: str = ""               # initial weights and tokenizer (HF dir)
-    ref_checkpoint: str | None = None     # reference policy weights (HF dir; default: hf_checkpoint)
-    load: str | None = None               # resume from this checkpoint root (default: save dir)
-    save: str = "outputs/run"             # checkpoints, logs, plots
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    ref_checkpoint: str | None = None     # reference policy weights (HF dir; default: the initial weights)
     bf16: bool = False
-    # data and task
-    train_data: list[str] = dataclasses.field(default_factory=list)  # prepared JSONL files
-    eval_data: list[str] = dataclasses.field(default_factory=list)
+    options: ModelOptions = _field(default_factory=ModelOptions)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train_data: list[str] = _field(default_factory=list)  # prepared JSONL files
+    eval_data: list[str] = _field(default_factory=list)
     chat_template: bool = False
     prompt_template: str = "{prompt}"
     task_instruction: bool = True         # append the task's answer-format instruction
-    # RL
-    train_iters: int = 100
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    rollout_engine: str = "local"         # local | vllm | sglang
+    rollout_url: str | None = None        # attach to a running server instead of starting one
+    # GPU memory share of a vLLM/SGLang server started on the trainer's GPUs (vLLM's
+    # --gpu-memory-utilization, SGLang's --mem-fraction-static); None: the server's default
+    rollout_gpu_memory_utilization: float | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
     num_prompts_per_step: int = 8         # per global batch
     group_size: int = 5                   # samples per prompt (the paper: 5)
     ppo_minibatches: int = 1              # optimizer steps per rollout batch (1 = on-policy)
     ppo_epochs: int = 1
     micro_batch_size: int = 8
-    advantage_estimator: str = "rloo"
-    loss_aggregation: str = "token-sum-over-batch-tokens"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    kl_estimator: str = "k1"
-    kl_placement: str = "reward"
-    kl_coef: float = 0.05
-    kl_reward_to_go: bool = False
-    kl_off_policy_correction: str = "none"
-    kl_is_truncation: float | None = None
+    loss: LossConfig = _field(default_factory=LossConfig)
     ref_reset_interval: int = 0           # reset the reference to the policy every N steps (0: never)
     async_level: int = 0                  # rollouts may come from a policy up to k steps stale
     # behaviour-policy log-probs for the ratio and the KL: "recompute" = one forward of the
     # trainer over the batch; "rollout" = the engine's; "auto" = the engine's where they are the
     # policy's own (local engine, fp32, temperature 1, top-p 1), else recompute
     old_logprobs: str = "auto"
-    # optimizer
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    adam_beta2: float = 0.999
-    # sampling
-    rollout_engine: str = "local"         # local | vllm | sglang
-    rollout_url: str | None = None        # attach to a running server instead of starting one
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
-    # evaluation, checkpoints, logging
+    max_nonfinite_steps: int = 3          # stop after this many consecutive NaN/inf updates
+
+
+@dataclasses.dataclass
+class EvalConfig:
     eval_interval: int = 0
     eval_samples: int = 4                 # k of mean@k / pass@k
     eval_max_prompts: int = 0             # 0: all
-    save_interval: int = 0
-    log_interval: int = 1
-    max_nonfinite_steps: int = 3          # stop after this many consecutive NaN/inf updates
-    seed: int = 1234
 
-    def loss_config(self) -> LossConfig:
-        return LossConfig(
-            clip_low=self.clip_low, clip_high=self.clip_high, aggregation=self.loss_aggregation,
-            advantage_estimator=self.advantage_estimator,
-            kl=KLConfig(estimator=self.kl_estimator, placement=self.kl_placement,
-                        coef=self.kl_coef, reward_to_go=self.kl_reward_to_go,
-                        off_policy_correction=self.kl_off_policy_correction,
-                        is_truncation=self.kl_is_truncation))
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """save: where checkpoints and logs go; a run restarted with the same --save resumes from its
+    newest checkpoint there (exactly: optimizer, RNG, data position). load: a checkpoint to start
+    from when --save has none: a run's checkpoint resumes it (into --save); a weights-only one
+    (tools/convert_checkpoint.py) starts at step 0 with a fresh optimizer, and becomes the
+    reference unless --ref-checkpoint is given. finetune: treat even a run's checkpoint under
+    --load as weights only (megatron's --finetune)."""
+    save: str = "outputs/run"
+    load: str | None = None
+    finetune: bool = False
+    save_interval: int = 0
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: ModelConfig = _field(default_factory=ModelConfig)
+    parallel: ParallelConfig = _field(default_factory=ParallelConfig)
+    data: DataConfig = _field(default_factory=DataConfig)
+    rollout: RolloutConfig = _field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = _field(default_factory=AlgorithmConfig)
+    optimizer: OptimConfig = _field(default_factory=OptimConfig)
+    eval: EvalConfig = _field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = _field(default_factory=CheckpointConfig)
+    train_iters: int = 100
+    seed: int = 1234
+    log_interval: int = 1
+
+    @property
+    def loss(self) -> LossConfig:
+        return self.algorithm.loss
 
     def use_rollout_logprobs(self) -> bool:
         """Whether the engine's log-probs serve as the behaviour policy's (see old_logprobs).
         The local engine samples from the live fp32 weights, so at temperature 1 without
         truncation its log-probs are the policy's up to float rounding (~1e-6) and the trainer's
         recompute forward would only repeat them."""
-        if self.old_logprobs != "auto":
-            return self.old_logprobs == "rollout"
-        return (self.rollout_engine == "local" and not self.bf16 and self.temperature == 1.0
-                and self.top_p == 1.0)
+        mode = self.algorithm.old_logprobs
+        if mode != "auto":
+            return mode == "rollout"
+        r = self.rollout
+        return (r.rollout_engine == "local" and not self.model.bf16 and r.temperature == 1.0
+                and r.top_p == 1.0)
 
     def validate(self) -> None:
-        self.loss_config()  # raises ValueError listing valid names
-        for name in ("rollout_engine", "old_logprobs"):  # YAML values bypass argparse's choices
-            if getattr(self, name) not in _CHOICES[name]:
-                raise ValueError(f"{_flag(name)} {getattr(self, name)!r}; valid: "
-                                 + ", ".join(_CHOICES[name]))
-        if self.num_prompts_per_step % self.ppo_minibatches:
+        for name, (path, _) in flag_fields().items():  # YAML values bypass argparse's choices
+            value = _get(self, path)
+            if name in _CHOICES and value is not None and value not in _CHOICES[name]:
+                raise ValueError(f"{_flag(name)} {value!r}; valid: " + ", ".join(_CHOICES[name]))
+        a = self.algorithm
+        if a.num_prompts_per_step % a.ppo_minibatches:
             raise ValueError("--ppo-minibatches must divide --num-prompts-per-step")
-        if not self.hf_checkpoint:
-            raise ValueError("--hf-checkpoint is required (initial weights and tokenizer)")
-        if not self.train_data:
+        if not self.model.hf_checkpoint:
+            raise ValueError("--hf-checkpoint is required (model config and tokenizer; initial "
+                             "weights unless --load gives them)")
+        if not self.data.train_data:
             raise ValueError("--train-data is required (JSONL files from tools/prepare_data.py)")
+        if self.checkpoint.finetune and not self.checkpoint.load:
+            raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
+        self.model.options.validate()
+        self.optimizer.validate()
 
 
 _CHOICES = {
@@ -116,53 +165,112 @@ _CHOICES = {
     "kl_off_policy_correction": list(OFF_POLICY_CORRECTIONS),
     "loss_aggregation": sorted(AGGREGATIONS), "advantage_estimator": sorted(ADVANTAGE_ESTIMATORS),
     "rollout_engine": ["local", "vllm", "sglang"], "old_logprobs": ["auto", "recompute", "rollout"],
+    "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
+    "recompute_method": list(RECOMPUTE_METHODS), "attention_backend": list(ATTENTION_BACKENDS),
+    "lr_decay_style": list(LR_DECAY_STYLES),
 }
+
+
+# -- the flat namespace over the groups -------------------------------------------------------
+
+def _walk(cls, path: tuple = (), prefix: str = ""):
+    """(flat name, field path, type) for every leaf field under dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from _walk(kind, path + (f.name,), prefix + f.metadata.get("prefix", ""))
+        else:
+            yield f.metadata.get("flag", prefix + f.name), path + (f.name,), kind
+
+
+def flag_fields() -> dict[str, tuple[tuple[str, ...], Any]]:
+    """{flat name (YAML key; flag with '_' -> '-'): (path of attributes in TrainConfig, type)}."""
+    out = {}
+    for name, path, kind in _walk(TrainConfig):
+        if name in out:
+            raise TypeError(f"flag --{name} declared twice: {out[name][0]} and {path}")
+        out[name] = (path, kind)
+    return out
+
+
+def _get(obj, path):
+    for p in path:
+        obj = getattr(obj, p)
+    return obj
+
+
+def _build(cls, values: dict[tuple, Any], path: tuple = ()):
+    """An instance of dataclass `cls` from {field path: value} (absent: the field's default)."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        p = path + (f.name,)
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], values, p)
+        elif p in values:
+            kwargs[f.name] = values[p]
+    return cls(**kwargs)
+
+
+def to_flat_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """{flat name: value}: the YAML form of `cfg`."""
+    return {name: _get(cfg, path) for name, (path, _) in flag_fields().items()}
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _argparse_kwargs(name: str, kind) -> dict[str, Any]:
+    kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    base = args[0] if args and typing.get_origin(kind) is not list else kind
+    if base is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(kind) is list:
+        kw["nargs"] = "+"
+    elif base in (int, float):
+        kw["type"] = base
+    if name in _CHOICES:
+        kw["choices"] = _CHOICES[name]
+    return kw
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-rl train", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", help="YAML file with TrainConfig fields (flags override it)")
-    for f in dataclasses.fields(TrainConfig):
-        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
-        if f.type in ("bool",):
-            kw["action"] = argparse.BooleanOptionalAction
-        elif f.type.startswith("list"):
-            kw["nargs"] = "+"
-        elif f.type in ("int",):
-            kw["type"] = int
-        elif f.type in ("float",):
-            kw["type"] = float
-        elif f.type == "float | None":
-            kw["type"] = float
-        if f.name in _CHOICES:
-            kw["choices"] = _CHOICES[f.name]
-        p.add_argument(_flag(f.name), **kw)
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file with the flags' names as keys (flags override it)")
+    groups: dict[str, Any] = {}
+    defaults = TrainConfig()
+    for name, (path, kind) in flag_fields().items():
+        group = path[0] if len(path) > 1 else "run"
+        if group not in groups:
+            groups[group] = p.add_argument_group(group)
+        groups[group].add_argument(_flag(name), help=f"default: {_get(defaults, path)}",
+                                   **_argparse_kwargs(name, kind))
     return p
 
 
 def parse_config(argv=None) -> TrainConfig:
     """TrainConfig from defaults, an optional YAML file and flags; validated."""
     ns = vars(build_parser().parse_args(argv))
-    values: dict[str, Any] = {}
-    if ns.get("config"):
-        path = ns.pop("config")
+    fields = flag_fields()
+    flat: dict[str, Any] = {}
+    path = ns.pop("config", None)
+    if path:
         with open(path) as fh:
             loaded = yaml.safe_load(fh) or {}
-        known = {f.name for f in dataclasses.fields(TrainConfig)}
-        unknown = sorted(set(loaded) - known)
+        unknown = sorted(set(loaded) - set(fields))
         if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; valid: {sorted(known)}")
-        values.update(loaded)
-    ns.pop("config", None)
-    values.update(ns)
-    cfg = TrainConfig(**values)
-    if cfg.load is None:
-        cfg.load = cfg.save
-    cfg.save = os.path.abspath(cfg.save)
+            raise ValueError(f"{path}: unknown keys {unknown}; valid: {sorted(fields)}")
+        flat.update(loaded)
+    flat.update(ns)
+    cfg = _build(TrainConfig, {fields[k][0]: v for k, v in flat.items()})
+    cfg.checkpoint.save = os.path.abspath(cfg.checkpoint.save)
+    if cfg.optimizer.lr_decay_iters is None and cfg.optimizer.lr_decay_style != "constant":
+        # the schedule counts optimizer steps: ppo_minibatches x ppo_epochs per RL iteration
+        a = cfg.algorithm
+        cfg.optimizer.lr_decay_iters = cfg.train_iters * a.ppo_minibatches * a.ppo_epochs
     cfg.validate()
     return cfg

@@ -60,12 +60,10 @@ def evaluate(rt, step: int) -> dict:
     if rt.eval_data is None:
         return {}
     cfg = rt.cfg
-    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                            max_new_tokens=cfg.max_new_tokens, stop_token_ids=rt.stop_ids,
-                            seed=cfg.seed + 104729 + rt.dp_rank)
-    records, tasks = _eval_records(rt, cfg.eval_max_prompts)
+    params = rt.sampling_params(seed=cfg.seed + 104729 + rt.dp_rank)
+    records, tasks = _eval_records(rt, cfg.eval.eval_max_prompts)
     res = evaluate_engine(rt.engine, records, rt.encode_prompt, rt.decode, rt.scorer,
-                          cfg.eval_samples, params)
+                          cfg.eval.eval_samples, params)
     return reduce_eval_results(res, tasks)
 
 

@@ -81,8 +81,9 @@ class LossConfig:
 
     clip_low: float = 0.2
     clip_high: float = 0.2
-    aggregation: str = "token-sum-over-batch-tokens"
-    kl: KLConfig = field(default_factory=KLConfig)
+    aggregation: str = field(default="token-sum-over-batch-tokens",
+                             metadata={"flag": "loss_aggregation"})  # --loss-aggregation
+    kl: KLConfig = field(default_factory=KLConfig, metadata={"prefix": "kl_"})  # --kl-*
     advantage_estimator: str = "rloo"
 
     def __post_init__(self):

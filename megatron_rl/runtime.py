@@ -15,15 +15,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import checkpoint
-from megatron_rl.config import TrainConfig
-from megatron_rl.loss import LossConfig
+from megatron_rl.config import TrainConfig, to_flat_dict
 from megatron_rl.parallel import use_cuda
+from megatron_rl.rollout.base import SamplingParams
 
 
 @dataclasses.dataclass
 class Runtime:
     cfg: TrainConfig
-    loss_cfg: LossConfig
     policy: Any
     reference: Any
     engine: Any
@@ -44,10 +43,16 @@ class Runtime:
 
     # -- text <-> tokens ----------------------------------------------------------------------
     def encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=not self.cfg.chat_template)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=not self.cfg.data.chat_template)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def sampling_params(self, seed: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids,
+                              seed=seed)
 
     # -- metrics ------------------------------------------------------------------------------
     def batch_metrics(self, batch) -> dict:
@@ -69,7 +74,7 @@ class Runtime:
             for k, v in clean.items():
                 self.writer.add_scalar(k, v, step)
             self.writer.flush()
-        with open(os.path.join(self.cfg.save, "metrics.jsonl"), "a") as f:
+        with open(os.path.join(self.cfg.checkpoint.save, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
         if hasattr(self, "_bar") and self._bar is not None:
             self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.3g}" for k in
@@ -84,15 +89,13 @@ class Runtime:
 
     # -- reference and checkpoints ------------------------------------------------------------
     def reset_reference(self) -> None:
-        with torch.no_grad():
-            for p_ref, p in zip(self.reference.module.parameters(), self.policy.module.parameters()):
-                p_ref.copy_(p)
+        _copy_weights(self.policy, self.reference)
 
     def save(self, step: int, data_state: dict | None = None) -> None:
         extra = {"rng": checkpoint.rng_state(),
                  "data": data_state or self.train_data.state_dict(),
                  "engine_version": self.engine.weight_version}
-        checkpoint.save_checkpoint(self.cfg.save, step, self.policy, extra,
+        checkpoint.save_checkpoint(self.cfg.checkpoint.save, step, self.policy, extra,
                                    hf_config=self.policy.args.to_hf_config())
         _save_reference(self, step)
 
@@ -105,8 +108,9 @@ class Runtime:
 
 def _save_reference(rt: Runtime, step: int) -> None:
     """The reference differs from the initial weights only after a reset: save it then."""
-    if rt.cfg.ref_reset_interval:
-        checkpoint.save_checkpoint(os.path.join(rt.cfg.save, "reference"), step, rt.reference,
+    if rt.cfg.algorithm.ref_reset_interval:
+        checkpoint.save_checkpoint(os.path.join(rt.cfg.checkpoint.save, "reference"), step,
+                                   rt.reference,
                                    with_optimizer=False)
 
 
@@ -116,30 +120,89 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _copy_weights(src, dst) -> None:
+    """dst's parameters := src's (same model, same layout)."""
+    with torch.no_grad():
+        for p_dst, p_src in zip(dst.module.parameters(), src.module.parameters()):
+            p_dst.copy_(p_src)
+
+
 def _make_engine(cfg: TrainConfig, policy, pad_id: int):
-    if cfg.rollout_engine == "local":
+    engine = cfg.rollout.rollout_engine
+    if engine == "local":
         from megatron_rl.rollout.local import LocalEngine
 
         return LocalEngine(policy, pad_token_id=pad_id)
     # servers start from the initial HF weights and are synced after every step
-    work_dir = os.path.join(cfg.save, cfg.rollout_engine)
-    dtype = "bfloat16" if cfg.bf16 else "float32"
+    work_dir = os.path.join(cfg.checkpoint.save, engine)
+    dtype = "bfloat16" if cfg.model.bf16 else "float32"
     max_len = policy.args.max_position_embeddings  # servers refuse a longer context
-    if cfg.rollout_engine == "vllm":
+    hf, url = cfg.model.hf_checkpoint, cfg.rollout.rollout_url
+    mem = cfg.rollout.rollout_gpu_memory_utilization if use_cuda() else None
+    if engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
 
         # on CPU vLLM reserves most of the RAM for its KV cache unless told otherwise
         kv_bytes = None if use_cuda() else 2 << 30
-        return VLLMEngine(cfg.hf_checkpoint, VLLMConfig(work_dir=work_dir, url=cfg.rollout_url,
-                                                        dtype=dtype, seed=cfg.seed,
-                                                        kv_cache_memory_bytes=kv_bytes,
-                                                        max_model_len=max_len),
+        return VLLMEngine(hf, VLLMConfig(work_dir=work_dir, url=url, dtype=dtype, seed=cfg.seed,
+                                         kv_cache_memory_bytes=kv_bytes, max_model_len=max_len,
+                                         gpu_memory_utilization=mem),
                           policy=policy)
     from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
 
-    return SGLangEngine(cfg.hf_checkpoint, SGLangConfig(work_dir=work_dir, url=cfg.rollout_url,
-                                                        dtype=dtype, seed=cfg.seed,
-                                                        context_length=max_len), policy=policy)
+    return SGLangEngine(hf, SGLangConfig(work_dir=work_dir, url=url, dtype=dtype, seed=cfg.seed,
+                                         context_length=max_len, mem_fraction_static=mem),
+                        policy=policy)
+
+
+def checkpoints_to_load(cfg: TrainConfig) -> tuple[str | None, str | None]:
+    """(run checkpoint to resume exactly, weights-only checkpoint to start from); either None.
+
+    The newest checkpoint under --save resumes the run. Else --load: a run's checkpoint
+    resumes (optimizer, RNG, data position, step), a weights-only one (tools/convert_checkpoint.py,
+    or any with --finetune) gives the initial weights at step 0. A run resumed under --save that
+    started from weights-only --load keeps that checkpoint as its reference.
+    """
+    from megatron_rl.convert import resolve_checkpoint
+
+    ck = cfg.checkpoint
+    given = (resolve_checkpoint(ck.load)
+             if ck.load and os.path.abspath(ck.load) != ck.save else None)
+    weights_only = given is not None and (ck.finetune or not checkpoint.is_run_checkpoint(given))
+    own = checkpoint.latest_checkpoint(ck.save)
+    if own is not None:
+        return own, given if weights_only else None
+    if given is not None and not weights_only:
+        return given, None
+    return None, given
+
+
+def _load_weights(cfg: TrainConfig, rt: Runtime, resume: str | None, weights: str | None) -> None:
+    """Policy and reference weights, each source read once: the reference copies the policy's
+    initial weights instead of reading them again. The reference is --ref-checkpoint, else the
+    weights-only checkpoint, else --hf-checkpoint (the initial weights of the run)."""
+    policy, reference, hf = rt.policy, rt.reference, cfg.model.hf_checkpoint
+    if resume is not None:
+        extra = checkpoint.load_checkpoint(resume, policy)
+        rt.start_step = int(extra["step"])
+        checkpoint.set_rng_state(extra["rng"])
+        rt.train_data.load_state_dict(extra["data"])
+    elif weights is not None:
+        checkpoint.load_checkpoint(weights, policy, with_optimizer=False)
+    else:
+        policy.load_hf(hf)
+    if cfg.model.ref_checkpoint:
+        reference.load_hf(cfg.model.ref_checkpoint)
+    elif resume is None:
+        _copy_weights(policy, reference)
+    elif weights is not None:
+        checkpoint.load_checkpoint(weights, reference, with_optimizer=False)
+    else:
+        reference.load_hf(hf)
+    if resume is not None and cfg.algorithm.ref_reset_interval:
+        ref_ckpt = checkpoint.latest_checkpoint(os.path.join(os.path.dirname(resume), "reference"))
+        if ref_ckpt is not None:
+            checkpoint.load_checkpoint(ref_ckpt, reference, with_optimizer=False)
 
 
 def setup_runtime(cfg: TrainConfig) -> Runtime:
@@ -147,64 +210,55 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
 
     from megatron_rl.data.prompts import PromptBuilder, PromptDataset, load_tokenizer
     from megatron_rl.models import ModelArgs
-    from megatron_rl.models.policy import OptimConfig, Policy
-    from megatron_rl.parallel import ParallelConfig, init_distributed
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import init_distributed
     from megatron_rl.rewards import RewardScorer
 
-    dp = init_distributed(ParallelConfig(cfg.tensor_model_parallel_size,
-                                         cfg.pipeline_model_parallel_size), seed=cfg.seed)
-    if cfg.num_prompts_per_step % (dp * cfg.ppo_minibatches):
-        raise ValueError(f"--num-prompts-per-step {cfg.num_prompts_per_step} must be divisible by "
-                         f"data-parallel size {dp} x --ppo-minibatches {cfg.ppo_minibatches}")
-    per_minibatch = cfg.num_prompts_per_step // (dp * cfg.ppo_minibatches) * cfg.group_size
-    if per_minibatch % cfg.micro_batch_size and cfg.pipeline_model_parallel_size > 1:
-        raise ValueError(f"--micro-batch-size {cfg.micro_batch_size} must divide the {per_minibatch} "
-                         "sequences of a minibatch per data-parallel rank under pipeline "
-                         "parallelism (all microbatches need one shape)")
-    os.makedirs(cfg.save, exist_ok=True)
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    args = ModelArgs.from_pretrained(cfg.hf_checkpoint)
-    policy = Policy(args, trainable=True, params_dtype=dtype,
-                    optim=OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                      clip_grad=cfg.clip_grad, adam_beta2=cfg.adam_beta2))
-    reference = Policy(args, trainable=False, params_dtype=dtype)
-    policy.load_hf(cfg.hf_checkpoint)
-    reference.load_hf(cfg.ref_checkpoint or cfg.hf_checkpoint)
-    tokenizer = load_tokenizer(cfg.hf_checkpoint)
+    algo, save = cfg.algorithm, cfg.checkpoint.save
+    dp = init_distributed(cfg.parallel, seed=cfg.seed)
+    if algo.num_prompts_per_step % (dp * algo.ppo_minibatches):
+        raise ValueError(f"--num-prompts-per-step {algo.num_prompts_per_step} must be divisible by "
+                         f"data-parallel size {dp} x --ppo-minibatches {algo.ppo_minibatches}")
+    per_minibatch = algo.num_prompts_per_step // (dp * algo.ppo_minibatches) * algo.group_size
+    if per_minibatch % algo.micro_batch_size and cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ValueError(f"--micro-batch-size {algo.micro_batch_size} must divide the "
+                         f"{per_minibatch} sequences of a minibatch per data-parallel rank under "
+                         "pipeline parallelism (all microbatches need one shape)")
+    os.makedirs(save, exist_ok=True)
+    dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32
+    args = ModelArgs.from_pretrained(cfg.model.hf_checkpoint)
+    policy = Policy(args, trainable=True, params_dtype=dtype, optim=cfg.optimizer,
+                    parallel=cfg.parallel, options=cfg.model.options)
+    reference = Policy(args, trainable=False, params_dtype=dtype, parallel=cfg.parallel,
+                       options=cfg.model.options)
+    tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = tokenizer.eos_token_id
     stop_ids = tuple(sorted({eos} if isinstance(eos, int) else set(eos or [])))
-    builder = PromptBuilder(tokenizer=tokenizer if cfg.chat_template else None,
-                            template=cfg.prompt_template, use_chat_template=cfg.chat_template,
-                            task_instruction=cfg.task_instruction)
-    train_data = PromptDataset.from_jsonl(cfg.train_data, builder, seed=cfg.seed)
-    eval_data = (PromptDataset.from_jsonl(cfg.eval_data, builder, shuffle=False)
-                 if cfg.eval_data else None)
-    rt = Runtime(cfg=cfg, loss_cfg=cfg.loss_config(), policy=policy, reference=reference,
-                 engine=None, tokenizer=tokenizer, train_data=train_data, eval_data=eval_data,
-                 scorer=RewardScorer(num_workers=2), dp_rank=ps.get_data_parallel_rank(),
-                 dp_size=dp, pad_id=pad_id, stop_ids=stop_ids)
-    ckpt = checkpoint.latest_checkpoint(cfg.load) if cfg.load else None
-    if ckpt is not None:
-        extra = checkpoint.load_checkpoint(ckpt, policy)
-        rt.start_step = int(extra["step"])
-        checkpoint.set_rng_state(extra["rng"])
-        train_data.load_state_dict(extra["data"])
-        if cfg.ref_reset_interval:
-            ref_ckpt = checkpoint.latest_checkpoint(os.path.join(cfg.load, "reference"))
-            if ref_ckpt is not None:
-                checkpoint.load_checkpoint(ref_ckpt, reference, with_optimizer=False)
+    d = cfg.data
+    builder = PromptBuilder(tokenizer=tokenizer if d.chat_template else None,
+                            template=d.prompt_template, use_chat_template=d.chat_template,
+                            task_instruction=d.task_instruction)
+    train_data = PromptDataset.from_jsonl(d.train_data, builder, seed=cfg.seed)
+    eval_data = (PromptDataset.from_jsonl(d.eval_data, builder, shuffle=False)
+                 if d.eval_data else None)
+    rt = Runtime(cfg=cfg, policy=policy, reference=reference, engine=None, tokenizer=tokenizer,
+                 train_data=train_data, eval_data=eval_data, scorer=RewardScorer(num_workers=2),
+                 dp_rank=ps.get_data_parallel_rank(), dp_size=dp, pad_id=pad_id,
+                 stop_ids=stop_ids)
+    resume, weights = checkpoints_to_load(cfg)
+    _load_weights(cfg, rt, resume, weights)
     rt.engine = _make_engine(cfg, policy, pad_id)
-    if ckpt is not None or cfg.rollout_engine == "local":
-        rt.engine.update_weights(rt.start_step)  # a resumed server must serve the resumed weights
+    if resume is not None or weights is not None or cfg.rollout.rollout_engine == "local":
+        rt.engine.update_weights(rt.start_step)  # a server must serve the loaded weights
     if rt.is_logger:
         from torch.utils.tensorboard import SummaryWriter
 
-        rt.writer = SummaryWriter(os.path.join(cfg.save, "tensorboard"))
-        with open(os.path.join(cfg.save, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
-        if ckpt is not None:
-            _truncate_metrics(os.path.join(cfg.save, "metrics.jsonl"), rt.start_step)
+        rt.writer = SummaryWriter(os.path.join(save, "tensorboard"))
+        with open(os.path.join(save, "config.json"), "w") as f:  # usable as --config
+            json.dump(to_flat_dict(cfg), f, indent=2)
+        if resume is not None:
+            _truncate_metrics(os.path.join(save, "metrics.jsonl"), rt.start_step)
     return rt
 
 

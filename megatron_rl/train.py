@@ -24,21 +24,18 @@ from megatron_rl.runtime import Runtime, setup_runtime
 from megatron_rl.batch import RolloutBatch, next_token_targets, pack_rollouts
 from megatron_rl.evaluation import evaluate
 from megatron_rl.parallel import all_reduce, data_parallel_group, device
-from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.mismatch import logprob_mismatch
 
 
 def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
     """Sample group_size responses for this DP rank's prompts of `step` and score them."""
-    cfg = rt.cfg
-    records = rt.train_data.next_batch(cfg.num_prompts_per_step)[rt.dp_rank::rt.dp_size]
+    cfg, algo = rt.cfg, rt.cfg.algorithm
+    records = rt.train_data.next_batch(algo.num_prompts_per_step)[rt.dp_rank::rt.dp_size]
     prompt_ids = [rt.encode_prompt(r.text) for r in records]
-    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                            max_new_tokens=cfg.max_new_tokens, stop_token_ids=rt.stop_ids,
-                            seed=cfg.seed + 7919 * step + rt.dp_rank)
-    completions = rt.engine.generate(prompt_ids, cfg.group_size, params)
+    params = rt.sampling_params(seed=cfg.seed + 7919 * step + rt.dp_rank)
+    completions = rt.engine.generate(prompt_ids, algo.group_size, params)
     texts = [rt.decode(c.token_ids) for group in completions for c in group]
-    expand = lambda xs: [x for x in xs for _ in range(cfg.group_size)]  # noqa: E731
+    expand = lambda xs: [x for x in xs for _ in range(algo.group_size)]  # noqa: E731
     rewards, reasons = rt.scorer.score_batch(texts, expand([r.answer for r in records]),
                                              expand([r.task for r in records]),
                                              expand([r.metadata for r in records]))
@@ -49,7 +46,7 @@ def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
     if cfg.use_rollout_logprobs():
         batch.old_logprobs = batch.rollout_logprobs.clone()
     else:
-        batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, cfg.micro_batch_size)
+        batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, algo.micro_batch_size)
         metrics.update(logprob_mismatch(batch.rollout_logprobs, batch.old_logprobs,
                                         batch.loss_mask).as_dict())
     return batch, metrics
@@ -63,32 +60,33 @@ def _global_sum(x) -> float:
 
 def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
     """Advantages and PPO epochs over minibatches. Returns False when an update was skipped."""
-    cfg, loss_cfg = rt.cfg, rt.loss_cfg
+    algo, loss_cfg = rt.cfg.algorithm, rt.cfg.loss
     # the reference is scored even with --kl-placement none: its KL is always logged
-    ref_lp = rt.reference.token_logprobs(batch.tokens, cfg.micro_batch_size)
+    ref_lp = rt.reference.token_logprobs(batch.tokens, algo.micro_batch_size)
     advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, batch.loss_mask,
                                   loss_cfg, batch.group_size)
     rollout_tokens = _global_sum(batch.loss_mask.sum())
     n = batch.num_sequences
-    per_mb = n // cfg.ppo_minibatches
+    per_mb = n // algo.ppo_minibatches
     ok_all = True
     grad_norms: list[float] = []
     step_metrics: list[dict] = []  # the loss function's per-microbatch metrics (device tensors)
-    for epoch in range(cfg.ppo_epochs):
-        for mb in range(cfg.ppo_minibatches):
+    for epoch in range(algo.ppo_epochs):
+        for mb in range(algo.ppo_minibatches):
             idx = list(range(mb * per_mb, (mb + 1) * per_mb))
             mbatch = batch.select(idx)
             norm_tokens = (rollout_tokens if loss_cfg.aggregation == "token-sum-over-batch-tokens"
                            else _global_sum(mbatch.loss_mask.sum()))
             norm_seqs = _global_sum(len(idx))
-            micro = [_microbatch(batch, advantages, ref_lp, idx[i:i + cfg.micro_batch_size])
-                     for i in range(0, len(idx), cfg.micro_batch_size)]
+            micro = [_microbatch(batch, advantages, ref_lp, idx[i:i + algo.micro_batch_size])
+                     for i in range(0, len(idx), algo.micro_batch_size)]
 
             loss_fn = make_rl_loss_fn(rt.policy, loss_cfg, norm_tokens, norm_seqs)
             results = rt.policy.forward_backward(micro, loss_fn)
             finite = not bool(all_reduce(nonfinite_flag(results, rt.policy.parameters()),
                                          op=dist.ReduceOp.MAX))
             if finite:
+                metrics["lr"] = rt.policy.lr  # the rate this update uses (--lr-decay-style)
                 updated, grad_norm = rt.policy.step()
                 grad_norms.append(grad_norm if grad_norm is not None else float("nan"))
             else:
@@ -177,7 +175,7 @@ def train(cfg: TrainConfig) -> dict:
     last = {}
     for step in rt.progress(range(rt.start_step, cfg.train_iters)):
         t0 = time.perf_counter()
-        while len(pending) <= cfg.async_level:
+        while len(pending) <= cfg.algorithm.async_level:
             data_state = rt.train_data.state_dict()
             pending.append((data_state, *generate_batch(rt, step + len(pending))))
         _, batch, metrics = pending.popleft()
@@ -187,22 +185,23 @@ def train(cfg: TrainConfig) -> dict:
         ok = train_on_batch(rt, batch, metrics)
         nonfinite_in_row = 0 if ok else nonfinite_in_row + 1
         metrics["skipped_update"] = float(not ok)
-        if nonfinite_in_row >= cfg.max_nonfinite_steps:
+        if nonfinite_in_row >= cfg.algorithm.max_nonfinite_steps:
             rt.log(step + 1, metrics)
             raise FloatingPointError(f"{nonfinite_in_row} consecutive non-finite updates at step "
                                      f"{step}: stopping (--max-nonfinite-steps)")
         t_train = time.perf_counter() - t1
         rt.engine.update_weights(step + 1)
-        if cfg.ref_reset_interval and (step + 1) % cfg.ref_reset_interval == 0:
+        reset = cfg.algorithm.ref_reset_interval
+        if reset and (step + 1) % reset == 0:
             rt.reset_reference()
         metrics.update({"time/rollout": t_rollout, "time/train": t_train,
                         "throughput/tokens_per_s": _global_sum(batch.loss_mask.sum())
                         / max(time.perf_counter() - t0, 1e-9)})
-        if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
+        if cfg.eval.eval_interval and (step + 1) % cfg.eval.eval_interval == 0:
             metrics.update(evaluate(rt, step + 1))
         rt.log(step + 1, metrics)
         last = metrics
-        if cfg.save_interval and (step + 1) % cfg.save_interval == 0:
+        if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0:
             # resume re-generates the pending (async) batches: record the data position before them
             rt.save(step + 1, data_state=pending[0][0] if pending else None)
     rt.close()

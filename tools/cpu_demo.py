@@ -120,7 +120,7 @@ def main() -> int:
     train(cfg)
     rows = [json.loads(line) for line in open(os.path.join(rl_dir, "metrics.jsonl"))]
     final = [r for r in rows if "eval/mean_at_k" in r][-1]
-    print(f"\nheld-out accuracy (mean@{cfg.eval_samples}, {a.eval_prompts} problems): "
+    print(f"\nheld-out accuracy (mean@{cfg.eval.eval_samples}, {a.eval_prompts} problems): "
           f"base {base_metrics['eval/mean_at_k']:.3f} -> after {final['step']} RL steps "
           f"{final['eval/mean_at_k']:.3f}   (total time {time.time() - t_start:.0f} s)")
     from megatron_rl.plots import plot_run
@@ -133,7 +133,7 @@ def main() -> int:
 
 def _evaluate_weights(cfg) -> dict:
     """Evaluate the initial weights (step 0) once; cached in <save>/base_eval.json."""
-    path = os.path.join(cfg.save, "base_eval.json")
+    path = os.path.join(cfg.checkpoint.save, "base_eval.json")
     if os.path.exists(path):
         return json.load(open(path))
     from megatron_rl.evaluation import evaluate

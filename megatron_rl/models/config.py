@@ -158,12 +158,130 @@ class ModelArgs:
         return cfg
 
 
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+ATTENTION_BACKENDS = ("auto", "local", "flash", "fused", "unfused")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """Model-level execution options, with megatron's flag names and semantics.
+
+    recompute_granularity / recompute_method / recompute_num_layers: --recompute-granularity
+    {full,selective}, --recompute-method {uniform,block}, --recompute-num-layers N (activation
+    recomputation; "full" needs a method and a layer count, "selective" recomputes the core
+    attention and takes neither).
+    bias_swiglu_fusion / rope_fusion / gradient_accumulation_fusion: None = on where CUDA is
+    present and the kernel is available, off elsewhere (no error); False = off
+    (--no-bias-swiglu-fusion, --no-rope-fusion, --no-gradient-accumulation-fusion); True = on,
+    and an error where it cannot run.
+    attention_backend: --attention-backend. "auto": TransformerEngine's attention where TE is
+    installed on a CUDA machine, else megatron-core's local layers with a
+    `scaled_dot_product_attention` core (flash / memory-efficient kernels on CUDA); "local": that
+    SDPA path even where TE is installed; "flash" / "fused" / "unfused": TE's backend of that
+    name (needs TE on CUDA).
+    """
+
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    bias_swiglu_fusion: bool | None = None
+    rope_fusion: bool | None = None
+    gradient_accumulation_fusion: bool | None = None
+    attention_backend: str = "auto"
+
+    def validate(self, layers_per_stage: int | None = None) -> None:
+        """Raise ValueError naming the flag for an inconsistent choice."""
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if g is not None and g not in RECOMPUTE_GRANULARITIES:
+            raise ValueError("--recompute-granularity must be one of "
+                             f"{list(RECOMPUTE_GRANULARITIES)}, got {g!r}")
+        if m is not None and m not in RECOMPUTE_METHODS:
+            raise ValueError(f"--recompute-method must be one of {list(RECOMPUTE_METHODS)}, "
+                             f"got {m!r}")
+        if m is not None and g != "full":
+            raise ValueError("--recompute-method needs --recompute-granularity full "
+                             f"(got --recompute-granularity {g})")
+        if n is not None and g != "full":
+            raise ValueError("--recompute-num-layers needs --recompute-granularity full "
+                             f"(got --recompute-granularity {g})")
+        if g == "full" and (m is None or n is None):
+            raise ValueError("--recompute-granularity full needs --recompute-method "
+                             "{uniform,block} and --recompute-num-layers N")
+        if n is not None and (n < 1 or (layers_per_stage is not None and n > layers_per_stage)):
+            hi = "" if layers_per_stage is None else f" and the {layers_per_stage} layers per stage"
+            raise ValueError(f"--recompute-num-layers must be between 1{hi}, got {n}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        for name in ("bias_swiglu_fusion", "rope_fusion", "gradient_accumulation_fusion"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"ModelOptions.{name} must be None (auto), True or False")
+
+
+def cuda_present() -> bool:
+    """Whether this rank computes on a CUDA device (decided by megatron_rl.parallel.device())."""
+    from megatron_rl.parallel import device
+
+    return device().type == "cuda"
+
+
+def te_available() -> bool:
+    """TransformerEngine importable on a CUDA machine."""
+    if not cuda_present():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fusion_availability(use_te: bool) -> dict[str, str | None]:
+    """For each fusion, None when it can run here, else why not."""
+    if not cuda_present():
+        reason = "needs CUDA (this rank computes on the CPU)"
+        return dict(bias_swiglu_fusion=reason, rope_fusion=reason,
+                    gradient_accumulation_fusion=reason)
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+
+    return dict(
+        # megatron's bias_swiglu_impl: a torch.compile'd (jit_fuser) SwiGLU, any CUDA machine
+        bias_swiglu_fusion=None,
+        rope_fusion=None if rope_utils.fused_apply_rotary_pos_emb is not None else
+        "needs TransformerEngine's fused RoPE kernel (not installed)",
+        # megatron's ColumnParallelLinear (the output layer in every spec) needs apex's kernel
+        gradient_accumulation_fusion=None if layers._grad_accum_fusion_available else
+        "needs the fused_weight_gradient_mlp_cuda kernel (apex), not importable",
+    )
+
+
+def resolve_fusions(options: "ModelOptions", use_te: bool) -> dict[str, bool]:
+    """TransformerConfig fusion fields for `options`: auto (None) follows availability,
+    True where unavailable raises ValueError naming the flag."""
+    why_not = fusion_availability(use_te)
+    on = {}
+    for name in ("bias_swiglu_fusion", "rope_fusion", "gradient_accumulation_fusion"):
+        want = getattr(options, name)
+        if want and why_not[name]:
+            flag = name.replace("_", "-")
+            raise ValueError(f"{name}=True, but {flag} {why_not[name]}: leave it unset (on where "
+                             f"available) or pass --no-{flag}")
+        on[name] = why_not[name] is None if want is None else want
+    return dict(bias_activation_fusion=on["bias_swiglu_fusion"],
+                apply_rope_fusion=on["rope_fusion"],
+                gradient_accumulation_fusion=on["gradient_accumulation_fusion"])
+
+
 def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                        params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
-                       **overrides):
-    """Build megatron-core's TransformerConfig for `args` and the given parallel layout."""
+                       options: ModelOptions | None = None, use_te: bool = False, **overrides):
+    """Build megatron-core's TransformerConfig for `args`, the parallel layout and `options`."""
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    options = options or ModelOptions()
     if args.num_attention_heads % tensor_parallel or args.num_key_value_heads % tensor_parallel:
         raise ValueError(
             f"--tensor-model-parallel-size {tensor_parallel} must divide num_attention_heads "
@@ -176,7 +294,11 @@ def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_pa
         raise ValueError(
             f"--pipeline-model-parallel-size {pipeline_parallel} must divide num_hidden_layers "
             f"({args.num_hidden_layers})")
-    on_gpu = torch.cuda.is_available()
+    if sequence_parallel and tensor_parallel == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits "
+                         "the sequence over the tensor-parallel ranks)")
+    options.validate(args.num_hidden_layers // pipeline_parallel)
+    on_gpu = cuda_present()
     kwargs = dict(
         num_layers=args.num_hidden_layers,
         hidden_size=args.hidden_size,
@@ -193,15 +315,18 @@ def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_pa
         qk_layernorm=args.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **resolve_fusions(options, use_te),
+        recompute_granularity=options.recompute_granularity,
+        recompute_method=options.recompute_method,
+        recompute_num_layers=options.recompute_num_layers,
+        # TE reads its backend from this (NVTE_* variables); the local SDPA path ignores it
+        attention_backend=(AttnBackend[options.attention_backend] if use_te else AttnBackend.auto),
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
-        sequence_parallel=sequence_parallel and tensor_parallel > 1,
+        sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -150,16 +150,46 @@ def _qkv_split(qkv, args: ModelArgs):
     return q, k, v
 
 
+_ANY_LAYER_RE = re.compile(r"(?:model|decoder)\.layers\.(\d+)\.")
+_FIRST_STAGE = ("model.embed_tokens.weight", "embedding.word_embeddings.weight")
+_LAST_STAGE = ("model.norm.weight", "decoder.final_layernorm.weight", "lm_head.weight",
+               "output_layer.weight")
+
+
+def stage_names(names, args: ModelArgs, pp_size: int = 1, pp_rank: int = 0) -> set[str]:
+    """The HF or megatron tensor names (global layer numbers) that pipeline stage `pp_rank`
+    needs: its layers, the embedding on the first stage (and on the last with tied
+    embeddings), the final norm and output layer on the last."""
+    layers = pp_layer_range(args, pp_size, pp_rank)
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    keep = set()
+    for n in names:
+        m = _ANY_LAYER_RE.match(n)
+        if m:
+            ok = int(m.group(1)) in layers
+        elif n in _FIRST_STAGE:
+            ok = first or (last and args.tie_word_embeddings)
+        else:
+            ok = last if n in _LAST_STAGE else True
+        if ok:
+            keep.add(n)
+    return keep
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs,
-                   source: str = "HF checkpoint") -> dict[str, torch.Tensor]:
-    """Full HF state dict -> full megatron state dict (global layer numbers)."""
+                   source: str = "HF checkpoint", pp_size: int = 1,
+                   pp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """HF state dict -> megatron state dict (global layer numbers): the full model, or with
+    pp_size > 1 only what pipeline stage pp_rank needs (see stage_names; `hf` may hold only that)."""
     expected = hf_expected_shapes(args)
-    check_state_dict(hf, expected, source)
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    wanted = stage_names(expected, args, pp_size, pp_rank)
+    check_state_dict(hf, {n: s for n, s in expected.items() if n in wanted}, source)
+    names = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+             "decoder.final_layernorm.weight": "model.norm.weight"}
     if not args.tie_word_embeddings:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    for i in range(args.num_hidden_layers):
+        names["output_layer.weight"] = "lm_head.weight"
+    out = {mg: hf[h] for mg, h in names.items() if h in wanted}
+    for i in pp_layer_range(args, pp_size, pp_rank):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
         for mg_suffix, (hf_suffix, _) in _layer_params(args).items():
             if hf_suffix is not None:
@@ -319,25 +349,31 @@ def from_te_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # HF safetensors I/O
 # ---------------------------------------------------------------------------------------------
 
-def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Load `model.safetensors` or the shards listed in `model.safetensors.index.json`."""
-    from safetensors.torch import load_file
+def load_hf_state_dict(path: str, names=None) -> dict[str, torch.Tensor]:
+    """Load `model.safetensors` or the shards listed in `model.safetensors.index.json`; with
+    `names` only those tensors (the others are never read: safetensors maps the files and
+    copies out just the tensors asked for, so ranks on one node share the page cache)."""
+    from safetensors import safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
-        sd = {}
-        for fn in files:
-            full = os.path.join(path, fn)
-            if not os.path.exists(full):
-                raise FileNotFoundError(f"{index}: lists shard {fn!r}, which does not exist")
-            sd.update(load_file(full))
-        return sd
-    if os.path.exists(single):
-        return load_file(single)
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    elif os.path.exists(single):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    sd = {}
+    for fn in files:
+        full = os.path.join(path, fn)
+        if not os.path.exists(full):
+            raise FileNotFoundError(f"{index}: lists shard {fn!r}, which does not exist")
+        with safe_open(full, framework="pt") as f:
+            for name in f.keys():
+                if names is None or name in names:
+                    sd[name] = f.get_tensor(name)
+    return sd
 
 
 def save_hf_checkpoint(sd: dict[str, torch.Tensor], args: ModelArgs, path: str,

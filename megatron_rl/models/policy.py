@@ -22,13 +22,28 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.config import ModelArgs
+from megatron_rl.models.config import ModelArgs, ModelOptions
 from megatron_rl.models.gpt import build_gpt_model
 from megatron_rl.models import hf_mapping
+from megatron_rl.parallel import ParallelConfig
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclasses.dataclass
 class OptimConfig:
+    """Adam and its learning-rate schedule, with megatron's flag names and semantics.
+
+    The schedule is megatron-core's `OptimizerParamScheduler`, counted in optimizer steps that
+    applied an update (megatron's iterations): the update of step k (k = 0, 1, ...) uses
+    lr(k) = lr_warmup_init + (lr - lr_warmup_init) * k / lr_warmup_iters for k <= lr_warmup_iters,
+    then, with r = (k - lr_warmup_iters) / (lr_decay_iters - lr_warmup_iters):
+    constant: lr; linear: min_lr + (lr - min_lr) * (1 - r); cosine: min_lr + (lr - min_lr) *
+    (1 + cos(pi r)) / 2; min_lr after lr_decay_iters. lr_decay_iters None: the trainer passes
+    --train-iters (needed for linear/cosine; unused by constant).
+    Weight decay skips biases and 1-D parameters (norm weights), as megatron does.
+    """
+
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.0
@@ -36,6 +51,47 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_iters: int | None = None
+    lr_warmup_init: float = 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag for an inconsistent schedule."""
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style must be one of {list(LR_DECAY_STYLES)}, "
+                             f"got {self.lr_decay_style!r}")
+        if self.lr < 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        if not 0 <= self.lr_warmup_init <= self.lr:
+            raise ValueError(f"need 0 <= --lr-warmup-init ({self.lr_warmup_init}) <= --lr "
+                             f"({self.lr})")
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_decay_iters is None:
+            if self.lr_decay_style != "constant":
+                raise ValueError(f"--lr-decay-style {self.lr_decay_style} needs --lr-decay-iters "
+                                 "(the trainer defaults it to --train-iters x --ppo-minibatches x --ppo-epochs)")
+        elif self.lr_decay_iters <= self.lr_warmup_iters:
+            raise ValueError(f"--lr-decay-iters ({self.lr_decay_iters}) must be larger than "
+                             f"--lr-warmup-iters ({self.lr_warmup_iters})")
+
+    def scheduler(self, optimizer):
+        """megatron-core's OptimizerParamScheduler for `optimizer` (already at step 0).
+
+        On resume the checkpoint restores the step count; the other values come from this
+        config (megatron's --override-opt_param-scheduler), so an unchanged command line resumes
+        exactly and a changed one (say a longer --train-iters) takes effect."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.validate()
+        decay = self.lr_decay_iters if self.lr_decay_iters is not None else self.lr_warmup_iters + 1
+        return OptimizerParamScheduler(
+            optimizer, init_lr=self.lr_warmup_init, max_lr=self.lr, min_lr=self.min_lr,
+            lr_warmup_steps=self.lr_warmup_iters, lr_decay_steps=decay,
+            lr_decay_style=self.lr_decay_style, start_wd=self.weight_decay,
+            end_wd=self.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
 
 def _schedule_scale(num_microbatches: int, dp_size: int) -> float:
@@ -43,11 +99,35 @@ def _schedule_scale(num_microbatches: int, dp_size: int) -> float:
     return float(num_microbatches * dp_size)
 
 
+def _pad_sequence(tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None,
+                  length: int):
+    """Right-pad a microbatch to `length` positions: token 0, positions continuing, and (for an
+    explicit mask, True = masked out) padded rows that see only themselves, so that no
+    attention row is empty."""
+    b, s = tokens.shape
+    extra = length - s
+    tokens = torch.cat([tokens, tokens.new_zeros(b, extra)], dim=1)
+    pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)], dim=1)
+    if mask is not None:
+        full = torch.ones(*mask.shape[:-2], length, length, dtype=mask.dtype, device=mask.device)
+        full[..., :s, :s] = mask
+        idx = torch.arange(s, length, device=mask.device)
+        full[..., idx, idx] = False
+        mask = full
+    return tokens, pos, mask
+
+
 class Policy:
     """This rank's stage of a GPT model, trainable (with optimizer) or frozen (reference)."""
 
     def __init__(self, args: ModelArgs, *, trainable: bool = True,
-                 optim: OptimConfig | None = None, params_dtype: torch.dtype = torch.float32):
+                 optim: OptimConfig | None = None, params_dtype: torch.dtype = torch.float32,
+                 parallel: ParallelConfig | None = None, options: ModelOptions | None = None):
+        """parallel: the layout's options (sequence parallelism, the distributed optimizer); its
+        TP/PP sizes must be those megatron's groups were initialised with (default: those, with
+        no options). options: recompute, fusions and the attention backend (ModelOptions).
+        Trainable: megatron DDP (gradients reduced in fp32 into fp32 `main_grad` buffers) and
+        megatron's Adam; with bf16/fp16 parameters it keeps fp32 main parameters."""
         from megatron.core import parallel_state as ps
 
         self.args = args
@@ -61,29 +141,45 @@ class Policy:
         self.vocab_start = self.tp_rank * (args.vocab_size // self.tp_size)
         self.params_dtype = params_dtype
         self.trainable = trainable
+        parallel = parallel or ParallelConfig(self.tp_size, self.pp_size)
+        if (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size) != (
+                self.tp_size, self.pp_size):
+            raise ValueError(
+                f"ParallelConfig asks for TP{parallel.tensor_model_parallel_size} x "
+                f"PP{parallel.pipeline_model_parallel_size}, but megatron's groups are "
+                f"TP{self.tp_size} x PP{self.pp_size} (init_distributed with the same config)")
+        self.parallel = parallel
+        self.options = options or ModelOptions()
+        self.sequence_parallel = parallel.sequence_parallel
         model = build_gpt_model(args, tensor_parallel=self.tp_size,
-                                pipeline_parallel=self.pp_size, params_dtype=params_dtype)
+                                pipeline_parallel=self.pp_size, params_dtype=params_dtype,
+                                sequence_parallel=parallel.sequence_parallel, options=self.options)
         self.config = model.config
         self.optimizer = None
+        self.scheduler = None
         if trainable:
             from megatron.core.distributed import (DistributedDataParallel,
                                                    DistributedDataParallelConfig,
                                                    finalize_model_grads)
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+            optim = optim or OptimConfig()
+            optim.validate()
+            distributed = parallel.use_distributed_optimizer
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                        overlap_grad_reduce=False,
-                                                       use_distributed_optimizer=False)
+                                                       use_distributed_optimizer=distributed)
             model = DistributedDataParallel(self.config, ddp_config, model)
-            optim = optim or OptimConfig()
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr,
                                 weight_decay=optim.weight_decay, adam_beta1=optim.adam_beta1,
                                 adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                                 clip_grad=optim.clip_grad, params_dtype=params_dtype,
                                 bf16=params_dtype == torch.bfloat16,
-                                fp16=params_dtype == torch.float16),
+                                fp16=params_dtype == torch.float16,
+                                use_distributed_optimizer=distributed),
                 [model])
+            self.scheduler = optim.scheduler(self.optimizer)
             self.config.finalize_model_grads_func = finalize_model_grads
             self.config.no_sync_func = model.no_sync
             self.config.grad_scale_func = self.optimizer.scale_loss
@@ -116,8 +212,14 @@ class Policy:
         b, s = microbatches[0]["tokens"].shape
         scale = _schedule_scale(len(microbatches), self.dp_size)
         dev = next(self.module.parameters()).device
+        # sequence parallelism splits the sequence over TP ranks: pad it to a multiple of TP on
+        # the right (causal attention: the real positions never see the padding), cut it off
+        # the logits before the loss
+        padded = -(-s // self.tp_size) * self.tp_size if self.sequence_parallel else s
 
         def loss_wrapper(batch, logits):
+            if padded != s:
+                logits = logits[:, :s].contiguous()
             if collect is not None:
                 return torch.zeros((), device=logits.device), collect(batch, logits)
             loss, metrics = loss_fn(batch, logits)
@@ -129,7 +231,10 @@ class Policy:
             pos = batch.get("position_ids")
             pos = (torch.arange(s, device=dev).expand(b, s) if pos is None else pos.to(dev))
             mask = batch.get("attention_mask")
-            out = model(tokens, pos, None if mask is None else mask.to(dev))
+            mask = None if mask is None else mask.to(dev)
+            if padded != s:
+                tokens, pos, mask = _pad_sequence(tokens, pos, mask, padded)
+            out = model(tokens, pos, mask)
             return out, functools.partial(loss_wrapper, batch)
 
         for m in self.model:
@@ -142,7 +247,7 @@ class Policy:
         context = torch.no_grad() if forward_only else contextlib.nullcontext()
         with context:
             out = fb(forward_step_func=forward_step, data_iterator=iter(microbatches),
-                     model=self.model, num_microbatches=len(microbatches), seq_length=s,
+                     model=self.model, num_microbatches=len(microbatches), seq_length=padded,
                      micro_batch_size=b, forward_only=forward_only)
         return out if self.is_last_stage else []
 
@@ -162,7 +267,8 @@ class Policy:
     def token_logprobs(self, tokens: torch.Tensor, micro_batch_size: int,
                        temperature: float = 1.0) -> torch.Tensor:
         """log pi(tokens[:, t+1] | tokens[:, :t+1]) for a right-padded batch: [B, L-1] fp32 on
-        every rank of this pipeline. Forward only, through the one vocab-parallel log-prob op."""
+        every rank of this pipeline, on the model's device. Forward only, through the one
+        vocab-parallel log-prob op."""
         from megatron_rl.batch import next_token_targets
         from megatron_rl.ops import vocab_parallel_logprobs
 
@@ -183,7 +289,7 @@ class Policy:
 
         outs = self.forward_backward(chunks, None, forward_only=True, collect=collect)
         out = torch.cat(outs)[:B] if self.is_last_stage else None
-        return self.broadcast_from_last_stage(out, (B, L - 1), torch.float32).cpu()
+        return self.broadcast_from_last_stage(out, (B, L - 1), torch.float32)
 
     def last_token_logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
                           position_ids: torch.Tensor) -> torch.Tensor:
@@ -201,15 +307,31 @@ class Policy:
                                               torch.float32)
 
     def step(self) -> tuple[bool, float | None]:
-        """Optimizer step after forward_backward. Returns (update applied, grad norm)."""
+        """Optimizer step after forward_backward, then the learning-rate schedule advances
+        (only when the update was applied, as in megatron's train_step). Returns (update
+        applied, grad norm)."""
         ok, grad_norm, _ = self.optimizer.step()
+        if ok and self.scheduler is not None:
+            self.scheduler.step(increment=1)
         return bool(ok), (float(grad_norm) if grad_norm is not None else None)
 
+    @property
+    def lr(self) -> float | None:
+        """The learning rate the next optimizer step uses (None when frozen)."""
+        if self.optimizer is None:
+            return None
+        from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+        return get_canonical_lr_for_logging(self.optimizer.param_groups)
+
     # -- weights in and out ----------------------------------------------------------------------
-    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
-        """Load a full megatron state dict (global names, see hf_mapping) into this rank."""
-        hf_mapping.check_state_dict(full, hf_mapping.expected_shapes(self.args),
-                                    "full state dict")
+    def load_full_state_dict(self, full: dict[str, torch.Tensor], source: str = "state dict") -> None:
+        """Load a megatron state dict (global names, see hf_mapping) into this rank: the full
+        model, or at least what this rank's pipeline stage holds (hf_mapping.stage_names)."""
+        expected = hf_mapping.expected_shapes(self.args)
+        wanted = hf_mapping.stage_names(expected, self.args, self.pp_size, self.pp_rank)
+        hf_mapping.check_state_dict(full, {n: s for n, s in expected.items() if n in wanted},
+                                    source)
         local = hf_mapping.shard_for_rank(full, self.args, tp_size=self.tp_size,
                                           tp_rank=self.tp_rank, pp_size=self.pp_size,
                                           pp_rank=self.pp_rank)
@@ -233,17 +355,22 @@ class Policy:
                 reload()
 
     def load_hf(self, path: str) -> None:
-        """Load a HF safetensors checkpoint directory."""
-        hf = hf_mapping.load_hf_state_dict(path)
-        self.load_full_state_dict(hf_mapping.hf_to_megatron(hf, self.args, source=path))
+        """Load a HF safetensors checkpoint directory: this rank reads only the tensors of its
+        pipeline stage (memory-mapped; the ranks of a node share the page cache)."""
+        names = hf_mapping.stage_names(hf_mapping.hf_expected_shapes(self.args), self.args,
+                                       self.pp_size, self.pp_rank)
+        hf = hf_mapping.load_hf_state_dict(path, names)
+        self.load_full_state_dict(hf_mapping.hf_to_megatron(hf, self.args, source=path,
+                                                            pp_size=self.pp_size,
+                                                            pp_rank=self.pp_rank), source=path)
 
     def full_state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
-        """Gather the full megatron state dict (global names, CPU tensors).
+        """Gather the full megatron state dict (global names, host tensors).
 
         Collective over the whole world. Returned on global rank `dst` (None elsewhere), or on
         every rank when dst is None.
         """
-        local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()
+        local = {k: v.detach() for k, v in self.module.state_dict().items()
                  if v is not None and not k.endswith("_extra_state")}
         return self._gather_full(local, dst)
 
@@ -253,10 +380,12 @@ class Policy:
         for name, p in self.module.named_parameters():
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
-            local[name] = (torch.zeros_like(p) if g is None else g).detach().float().cpu()
+            local[name] = (torch.zeros_like(p) if g is None else g).detach().float()
         return self._gather_full(local, dst)
 
     def _gather_full(self, local: dict[str, torch.Tensor], dst: int | None):
+        """TP shards are all-gathered on the device (NCCL on GPUs), then copied to the host;
+        pipeline stages exchange host tensors as objects."""
         from megatron.core import parallel_state as ps
 
         local = hf_mapping.from_te_names(local)
@@ -270,6 +399,8 @@ class Policy:
                 parts = [torch.empty_like(local[name]) for _ in range(self.tp_size)]
                 dist.all_gather(parts, local[name].contiguous(), group=tp_group)
                 gathered[name] = parts
+            # a copy also on CPU: the caller must not hold the live parameters
+            gathered[name] = [t.to("cpu", copy=True) for t in gathered[name]]
         shards = {(r, self.pp_rank): {n: gathered[n][r] for n in names}
                   for r in range(self.tp_size)}
         if self.pp_size > 1:

@@ -114,9 +114,9 @@ class SGLangEngine(ServerBackedEngine):
     def _device(self) -> str | None:
         if self.config.device is not None:
             return self.config.device
-        import torch
+        from megatron_rl.parallel import use_cuda
 
-        return None if torch.cuda.is_available() else "cpu"
+        return None if use_cuda() else "cpu"
 
     def _argv(self, model_path: str, host: str, port: int) -> list[str]:
         c = self.config
@@ -237,9 +237,9 @@ class SGLangEngine(ServerBackedEngine):
     def load_weights_distributed(self, hf: dict, version: int) -> None:
         """NCCL broadcast from trainer rank 0 (rank 0 of the update group) to the server's TP
         workers (ranks 1..tp_size). GPU only."""
-        import torch
+        from megatron_rl.parallel import device, use_cuda
 
-        if not torch.cuda.is_available():
+        if not use_cuda():
             raise ServerError("sync='distributed' broadcasts over NCCL and needs CUDA")
         t0 = time.perf_counter()
         if self._nccl_group is None:
@@ -255,7 +255,7 @@ class SGLangEngine(ServerBackedEngine):
             size += nbytes
         buckets.append(cur)
         for i, bucket in enumerate(buckets):
-            tensors = [hf[n].cuda(non_blocking=True) for n in bucket]
+            tensors = [hf[n].to(device(), non_blocking=True) for n in bucket]
             payload = {"names": bucket, "dtypes": [str(t.dtype).replace("torch.", "")
                                                    for t in tensors],
                        "shapes": [list(t.shape) for t in tensors], "group_name": "mrl_weights",

@@ -190,3 +190,61 @@ def test_rollout_logprobs_stand_in_for_the_recompute_forward(tiny_char_model, ti
         assert a["reward/mean"] == b["reward/mean"]  # the same samples
         for k in ("kl_k1", "kl_k3", "pg_loss", "grad_norm", "ratio_mean"):
             assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(b[k])), (a["step"], k, a[k], b[k])
+
+
+def test_start_from_converted_checkpoint_then_resume(tiny_char_model, tiny_char_ref,
+                                                     arithmetic_jsonl, tmp_path):
+    """--load of a weights-only checkpoint (tools/convert_checkpoint.py) starts at step 0 with a
+    fresh optimizer and those weights as the reference: the same run as starting from the HF
+    directory it was converted from. Restarted with the same command, the run resumes from its
+    own checkpoint under --save, not from --load again."""
+    converted = str(tmp_path / "converted")
+    subprocess.run([sys.executable, "tools/convert_checkpoint.py", "hf-to-megatron", "--load",
+                    tiny_char_ref, "--save", converted], check=True, env=_env(),
+                   capture_output=True, timeout=300,
+                   cwd=os.path.join(os.path.dirname(__file__), "..", ".."))
+    from_hf, from_ckpt = str(tmp_path / "from_hf"), str(tmp_path / "from_ckpt")
+    # a KL in the loss and the reward to another model: a gradient from step 1 on
+    kl = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0",
+          "--save-interval", "1", "--ref-checkpoint", tiny_char_model]
+    subprocess.run(_train_cmd(*train_args(tiny_char_ref, arithmetic_jsonl, from_hf, 3, kl)),
+                   check=True, env=_env(), capture_output=True, timeout=600)
+    # model config and tokenizer from --hf-checkpoint, weights from --load
+    args = train_args(tiny_char_model, arithmetic_jsonl, from_ckpt, 2, kl + ["--load", converted])
+    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
+    args[args.index("--train-iters") + 1] = "3"  # the same command, one step longer: a resume
+    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
+    a, b = _metrics(from_hf), _metrics(from_ckpt)
+    assert [r["step"] for r in b] == [1, 2, 3]
+    assert all(r["grad_norm"] > 1e-4 for r in a)
+    for x, y in zip(a, b):
+        for key in ("reward/mean", "kl_k1", "pg_loss", "grad_norm", "entropy"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), (x["step"], key)
+    # without --ref-checkpoint the loaded weights are the reference (not --hf-checkpoint's)
+    alone = str(tmp_path / "alone")
+    subprocess.run(_train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, alone, 1,
+                                          ["--load", converted])),
+                   check=True, env=_env(), capture_output=True, timeout=600)
+    assert _metrics(alone)[0]["kl_k1"] == pytest.approx(0.0, abs=1e-6)
+    assert a[0]["kl_k1"] > 1e-3  # tiny_char_model is far from the converted weights
+
+
+def test_bf16_run_saves_and_resumes_exactly(tiny_char_model, tiny_char_ref, arithmetic_jsonl,
+                                            tmp_path):
+    """--bf16 (bf16 weights, fp32 main params and grads) saves and resumes: a run stopped after
+    2 of 3 steps and restarted logs the uninterrupted run's step 3 (CPU: bitwise)."""
+    full, stopped = str(tmp_path / "full"), str(tmp_path / "stopped")
+    extra = ["--bf16", "--save-interval", "1", "--kl-placement", "reward+loss",
+             "--kl-coef", "1.0", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine"]
+    subprocess.run(_train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, full, 3, extra,
+                                          ref=tiny_char_ref)),
+                   check=True, env=_env(), capture_output=True, timeout=600)
+    args = train_args(tiny_char_model, arithmetic_jsonl, stopped, 2,
+                      extra + ["--lr-decay-iters", "3"], ref=tiny_char_ref)
+    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
+    args[args.index("--train-iters") + 1] = "3"
+    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
+    a, b = _metrics(full), _metrics(stopped)
+    assert [r["step"] for r in b] == [1, 2, 3] and a[-1]["grad_norm"] > 1e-4
+    for key in ("reward/mean", "kl_k1", "pg_loss", "grad_norm", "entropy"):
+        assert b[-1][key] == a[-1][key], key

@@ -23,8 +23,8 @@ import megatron_rl.parallel as parallel
 import megatron_rl.rollout.local as local_engine
 import megatron_rl.train as train
 from megatron_rl.batch import pack_rollouts
-from megatron_rl.config import TrainConfig
-from megatron_rl.loss import build_advantages
+from megatron_rl.kl import KLConfig
+from megatron_rl.loss import LossConfig, build_advantages
 from megatron_rl.rollout.base import Completion, SamplingParams
 
 DEV = torch.device("meta")
@@ -48,8 +48,7 @@ def _host_batch():
 
 
 def _loss_cfg(estimator="k1", placement="reward", aggregation="token-sum-over-batch-tokens"):
-    return TrainConfig(hf_checkpoint="x", train_data=["x"], kl_estimator=estimator,
-                       kl_placement=placement, loss_aggregation=aggregation).loss_config()
+    return LossConfig(aggregation=aggregation, kl=KLConfig(estimator=estimator, placement=placement))
 
 
 def test_the_stand_in_catches_mixing():

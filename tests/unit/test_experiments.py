@@ -55,9 +55,9 @@ def test_flags_parse_in_the_trainer(config, regime, tmp_path):
     cfg = parse_config(["--hf-checkpoint", "x", "--train-data", "t.jsonl", "--save",
                         str(tmp_path), "--num-prompts-per-step", "32", *spec.train_flags()])
     est, placement = CONFIGS[config]
-    assert (cfg.kl_estimator, cfg.kl_placement, cfg.seed) == (est, placement, 2)
-    assert cfg.ppo_minibatches == regime_flags(regime)["ppo_minibatches"]
-    assert cfg.async_level == regime_flags(regime)["async_level"]
+    assert (cfg.loss.kl.estimator, cfg.loss.kl.placement, cfg.seed) == (est, placement, 2)
+    assert cfg.algorithm.ppo_minibatches == regime_flags(regime)["ppo_minibatches"]
+    assert cfg.algorithm.async_level == regime_flags(regime)["async_level"]
 
 
 def test_bad_names_raise():

@@ -151,3 +151,27 @@ def test_megatron_logits_equal_transformers_on_gpu(ckpt, request, single_rank):
         ours = policy.module(tokens, pos, None).float()
         ref = _hf_model(path).cuda()(tokens).logits.float()
     torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_qwen2", "tiny_llama_tied"])
+def test_a_pipeline_stage_reads_only_its_tensors(ckpt, request):
+    """Each stage loads only its layers (+ embedding first, norm/output last, the embedding
+    also last when tied), and converts them exactly as the full conversion does."""
+    path = request.getfixturevalue(ckpt)
+    args = ModelArgs.from_pretrained(path)
+    full = hf_mapping.hf_to_megatron(hf_mapping.load_hf_state_dict(path), args)
+    hf_names = hf_mapping.hf_expected_shapes(args)
+    seen = set()
+    for pp_rank in range(2):
+        names = hf_mapping.stage_names(hf_names, args, pp_size=2, pp_rank=pp_rank)
+        hf = hf_mapping.load_hf_state_dict(path, names)
+        assert set(hf) == names
+        seen |= names
+        stage = hf_mapping.hf_to_megatron(hf, args, pp_size=2, pp_rank=pp_rank)
+        assert set(stage) == hf_mapping.stage_names(full, args, pp_size=2, pp_rank=pp_rank)
+        assert all(torch.equal(stage[k], full[k]) for k in stage)
+        layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+        assert layers == set(hf_mapping.pp_layer_range(args, 2, pp_rank))
+        assert ("model.embed_tokens.weight" in names) == (pp_rank == 0 or args.tie_word_embeddings)
+        assert ("model.norm.weight" in names) == (pp_rank == 1)
+    assert seen == set(hf_names)
