@@ -240,32 +240,7 @@ def test_fake_tensor_shapes():
         assert grad.shape == logits.shape and grad.dtype == torch.bfloat16
 
 
-# ---------------------------------------------------------------------------------------------
-# CUDA: run only where a GPU and the CUDA kernel exist.
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.skipif("cuda" not in extension_backends(),
-                    reason="megatron_rl._C built without the CUDA kernel (needs CUDA torch + nvcc)")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_rows,vocab,scale,temperature", [
-    (1, 1000, 3.0, 1.0), (37, 1031, 3.0, 0.7), (8, 32000, 1e4, 1.0), (64, 152064, 3.0, 1.0)])
-def test_cuda_matches_fp64(dtype, num_rows, vocab, scale, temperature):
-    logits, targets = _inputs(num_rows, vocab, dtype, scale)
-    oracle_lp = naive_token_logprobs_and_kl(logits, targets, temperature=temperature,
-                                            dtype=torch.float64)[0]
-    ref = (oracle_lp + 0.3).float()
-    weights = [torch.randn(num_rows, dtype=torch.float64) for _ in range(4)]
-    exact, exact_grad = _outputs_and_grad(_naive(torch.float64, temperature), logits, targets,
-                                          ref, weights)
-    torch_dt, torch_grad = _outputs_and_grad(_naive(dtype, temperature), logits.cuda(),
-                                             targets.cuda(), ref.cuda(), [w.cuda() for w in weights])
-    ours, ours_grad = _outputs_and_grad(_ours("cuda", temperature), logits.cuda(), targets.cuda(),
-                                        ref.cuda(), [w.cuda() for w in weights])
-    for o, t, e in zip(ours, torch_dt, exact):
-        floor = VALUE_FLOOR[dtype] * max(1.0, e.abs().max().item())
-        assert _max_err(o.cpu(), e) <= 2 * _max_err(t.cpu(), e) + floor
-    floor = GRAD_FLOOR[dtype] * max(1.0, exact_grad.abs().max().item())
-    assert _max_err(ours_grad.cpu(), exact_grad) <= 2 * _max_err(torch_grad.cpu(), exact_grad) + floor
+# CUDA: tests/gpu/test_gpu_kernel.py (the kernel against fp64 up to V = 152064).
 
 
 # ---------------------------------------------------------------------------------------------
