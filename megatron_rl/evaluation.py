@@ -47,12 +47,14 @@ def evaluate_engine(engine, records, encode, decode, scorer, k: int, params: Sam
             for t, (s, p_, n) in per_task.items()}
 
 
-def _eval_records(rt, limit: int):
-    """(this data-parallel rank's share of the eval records, every task of the whole set)."""
+def _eval_records(rt, limit: int, share: bool = True):
+    """(this data-parallel rank's share of the eval records, or all of them, and every task of
+    the whole set)."""
     data = rt.eval_data
     n = len(data) if not limit else min(limit, len(data))
     records = [data.record(0, i) for i in range(n)]
-    return records[rt.dp_rank::rt.dp_size], sorted({r.task for r in records} | {"all"})
+    mine = records[rt.dp_rank::rt.dp_size] if share else records
+    return mine, sorted({r.task for r in records} | {"all"})
 
 
 def evaluate(rt, step: int) -> dict:
@@ -60,14 +62,24 @@ def evaluate(rt, step: int) -> dict:
     if rt.eval_data is None:
         return {}
     cfg = rt.cfg
-    params = rt.sampling_params(seed=cfg.seed + 104729 + rt.dp_rank)
+    k = cfg.eval.eval_samples
+    if cfg.rollout.rollout_engine != "local":  # one client for the whole eval set: rank 0
+        from megatron_rl.rollout.server import broadcast_from_rank0, dist_rank
+
+        res = None
+        if dist_rank() == 0:
+            records, tasks = _eval_records(rt, cfg.eval.eval_max_prompts, share=False)
+            res = evaluate_engine(rt.engine, records, rt.encode_prompt, rt.decode, rt.scorer, k,
+                                  rt.sampling_params(seed=cfg.seed + 104729))
+        res = broadcast_from_rank0(res)
+        return reduce_eval_results(res, sorted(res), group=None)
     records, tasks = _eval_records(rt, cfg.eval.eval_max_prompts)
-    res = evaluate_engine(rt.engine, records, rt.encode_prompt, rt.decode, rt.scorer,
-                          cfg.eval.eval_samples, params)
-    return reduce_eval_results(res, tasks)
+    res = evaluate_engine(rt.engine, records, rt.encode_prompt, rt.decode, rt.scorer, k,
+                          rt.sampling_params(seed=cfg.seed + 104729 + rt.dp_rank))
+    return reduce_eval_results(res, tasks, data_parallel_group())
 
 
-def reduce_eval_results(res: dict, tasks: list[str]) -> dict[str, float]:
+def reduce_eval_results(res: dict, tasks: list[str], group=None) -> dict[str, float]:
     """Per-task mean@k / pass@k of this rank's prompts -> data-parallel means, flat names
     ("eval/mean_at_k", "eval/<task>/pass_at_k", ...). One all-reduce of a device tensor.
 
@@ -77,7 +89,7 @@ def reduce_eval_results(res: dict, tasks: list[str]) -> dict[str, float]:
     rows = [res.get(t, zero) for t in tasks]
     sums = [[r["mean_at_k"] * r["num_prompts"], r["pass_at_k"] * r["num_prompts"],
              r["num_prompts"]] for r in rows]
-    vals = all_reduce(sums, data_parallel_group()).tolist() if tasks else []
+    vals = all_reduce(sums, group).tolist() if tasks else []
     out = {}
     for task, (mean_sum, pass_sum, n) in zip(tasks, vals):
         if n == 0:

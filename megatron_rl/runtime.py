@@ -55,15 +55,6 @@ class Runtime:
                               seed=seed)
 
     # -- metrics ------------------------------------------------------------------------------
-    def batch_metrics(self, batch) -> dict:
-        r = batch.rewards
-        lengths = torch.tensor(batch.response_lengths, dtype=torch.float32)
-        mean, acc = torch.stack([r.mean(), (r >= 1.0).float().mean()]).tolist()
-        return {"reward/mean": mean, "reward/accuracy": acc,
-                "response/length_mean": float(lengths.mean()),
-                "response/truncated_fraction": sum(f == "length" for f in batch.finish_reasons)
-                / len(batch.finish_reasons)}
-
     def log(self, step: int, metrics: dict) -> None:
         """TensorBoard scalars + one JSON line per step (<save>/metrics.jsonl), last rank only
         (the last pipeline stage, which holds the loss metrics)."""

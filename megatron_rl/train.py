@@ -24,32 +24,56 @@ from megatron_rl.runtime import Runtime, setup_runtime
 from megatron_rl.batch import RolloutBatch, next_token_targets, pack_rollouts
 from megatron_rl.evaluation import evaluate
 from megatron_rl.parallel import all_reduce, data_parallel_group, device
-from megatron_rl.rollout.mismatch import logprob_mismatch
+from megatron_rl.rollout.server import broadcast_from_rank0, dist_rank
+from megatron_rl import metrics as global_metrics
 
 
 def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
-    """Sample group_size responses for this DP rank's prompts of `step` and score them."""
+    """Sample group_size responses for this DP rank's prompts of `step` and score them.
+
+    Generated once per batch: by the local engine, each data-parallel replica's model-parallel
+    group generates its share together (one rank samples, the group follows); a server engine
+    gets the whole batch from one client (global rank 0), and each rank keeps its share."""
     cfg, algo = rt.cfg, rt.cfg.algorithm
-    records = rt.train_data.next_batch(algo.num_prompts_per_step)[rt.dp_rank::rt.dp_size]
-    prompt_ids = [rt.encode_prompt(r.text) for r in records]
-    params = rt.sampling_params(seed=cfg.seed + 7919 * step + rt.dp_rank)
-    completions = rt.engine.generate(prompt_ids, algo.group_size, params)
-    texts = [rt.decode(c.token_ids) for group in completions for c in group]
-    expand = lambda xs: [x for x in xs for _ in range(algo.group_size)]  # noqa: E731
-    rewards, reasons = rt.scorer.score_batch(texts, expand([r.answer for r in records]),
-                                             expand([r.task for r in records]),
-                                             expand([r.metadata for r in records]))
+    records = rt.train_data.next_batch(algo.num_prompts_per_step)
+    seed = cfg.seed + 7919 * step
+    if cfg.rollout.rollout_engine == "local":
+        prompt_ids, completions, rewards, reasons = _rollout(
+            rt, records[rt.dp_rank::rt.dp_size], seed + rt.dp_rank)
+    else:
+        whole = _rollout(rt, records, seed) if dist_rank() == 0 else None
+        prompt_ids, completions, rewards, reasons = broadcast_from_rank0(whole)
+        g, k = algo.group_size, slice(rt.dp_rank, None, rt.dp_size)
+        rewards = [r for grp in [rewards[i:i + g] for i in range(0, len(rewards), g)][k]
+                   for r in grp]
+        prompt_ids, completions = prompt_ids[k], completions[k]
+        reasons = reasons if rt.dp_rank == 0 else {}  # counted once in the global sum
     # the one host -> device boundary: from here on the batch lives where the model does
     batch = pack_rollouts(prompt_ids, completions, rewards, rt.pad_id).to(device())
     # behaviour policy = the weights that generated the batch (see --old-logprobs)
-    metrics = {f"reward_errors/{k}": v for k, v in reasons.items()}
+    dp_group = data_parallel_group()
+    metrics = global_metrics.count_metrics(reasons, "reward_errors/", dp_group)
     if cfg.use_rollout_logprobs():
         batch.old_logprobs = batch.rollout_logprobs.clone()
     else:
         batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, algo.micro_batch_size)
-        metrics.update(logprob_mismatch(batch.rollout_logprobs, batch.old_logprobs,
-                                        batch.loss_mask).as_dict())
+        metrics.update(global_metrics.mismatch_metrics(batch.rollout_logprobs,
+                                                       batch.old_logprobs, batch.loss_mask,
+                                                       dp_group))
     return batch, metrics
+
+
+def _rollout(rt: Runtime, records, seed: int):
+    """(prompt ids, completions per prompt, flat rewards, reward-error counts) for `records`."""
+    g = rt.cfg.algorithm.group_size
+    prompt_ids = [rt.encode_prompt(r.text) for r in records]
+    completions = rt.engine.generate(prompt_ids, g, rt.sampling_params(seed=seed))
+    texts = [rt.decode(c.token_ids) for group in completions for c in group]
+    expand = lambda xs: [x for x in xs for _ in range(g)]  # noqa: E731
+    rewards, reasons = rt.scorer.score_batch(texts, expand([r.answer for r in records]),
+                                             expand([r.task for r in records]),
+                                             expand([r.metadata for r in records]))
+    return prompt_ids, completions, list(rewards), dict(reasons)
 
 
 def _global_sum(x) -> float:
@@ -96,8 +120,10 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
     if grad_norms:  # mean and max over the optimizer steps of this batch (PPO minibatches)
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["grad_norm_max"] = max(grad_norms)
-    metrics.update(weighted_means(step_metrics, LOSS_METRICS))
-    metrics["kl_forward"] = float(forward_kl(ref_lp, batch.old_logprobs, batch.loss_mask))
+    # every logged value is the global batch's (all data-parallel ranks)
+    metrics.update(global_metrics.loss_metrics(step_metrics, data_parallel_group()))
+    metrics["kl_forward"] = global_metrics.forward_kl(ref_lp, batch.old_logprobs,
+                                                      batch.loss_mask, data_parallel_group())
     return ok_all
 
 
@@ -131,30 +157,6 @@ def _microbatch(batch: RolloutBatch, advantages, ref_lp, idx: list[int]) -> dict
             "ref_logprobs": None if ref_lp is None else ref_lp[t]}
 
 
-LOSS_METRICS = ("pg_loss", "kl_k1", "kl_k3", "clip_fraction", "entropy", "ratio_mean")
-
-
-def weighted_means(results: list[dict], keys) -> dict[str, float]:
-    """Token-weighted means of the loss function's metrics over microbatches, copied to the host
-    once (not a sync per value)."""
-    keys = [k for k in keys if results and k in results[0]]
-    return dict(zip(keys, weighted_mean_tensor(results, keys).tolist())) if keys else {}
-
-
-def weighted_mean_tensor(results: list[dict], keys: list[str]) -> torch.Tensor:
-    """[len(keys)] tensor on the metrics' device: sum_m num_tokens_m * value_m / sum_m num_tokens_m."""
-    vals = torch.stack([torch.stack([r[k].float() for k in keys]) for r in results])  # [m, k]
-    w = torch.stack([r["num_tokens"].float() for r in results])[:, None]              # [m, 1]
-    return (vals * w).sum(0) / w.sum().clamp(min=1e-9)
-
-
-def forward_kl(ref_lp: torch.Tensor, old_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Forward KL(pi_ref || pi_theta) per response token, estimated on the policy's samples:
-    E[r log r] with r = pi_ref / pi_theta. A 0-dim tensor on the inputs' device."""
-    lr_ = (ref_lp - old_lp) * mask
-    return (lr_.exp() * lr_ * mask).sum() / mask.sum().clamp(min=1)
-
-
 def nonfinite_flag(results: list[dict], params) -> torch.Tensor:
     """1.0 when a microbatch loss or a gradient is NaN/inf on this rank, else 0.0: a [1] tensor
     on the device, for a MAX all-reduce (the NaN guard), computed without a host sync."""
@@ -180,7 +182,8 @@ def train(cfg: TrainConfig) -> dict:
             pending.append((data_state, *generate_batch(rt, step + len(pending))))
         _, batch, metrics = pending.popleft()
         t_rollout = time.perf_counter() - t0
-        metrics.update(rt.batch_metrics(batch))
+        metrics.update(global_metrics.batch_metrics(batch.rewards, batch.response_lengths,
+                                                    batch.finish_reasons, data_parallel_group()))
         t1 = time.perf_counter()
         ok = train_on_batch(rt, batch, metrics)
         nonfinite_in_row = 0 if ok else nonfinite_in_row + 1

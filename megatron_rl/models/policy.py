@@ -264,6 +264,23 @@ class Policy:
                        group=ps.get_pipeline_model_parallel_group())
         return buf
 
+    @property
+    def is_sampler(self) -> bool:
+        """The one rank of this model-parallel group that makes sampling decisions: the last
+        pipeline stage's tensor-parallel rank 0."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    def broadcast_from_sampler(self, t: torch.Tensor, shape, dtype) -> torch.Tensor:
+        """Give every rank of this model-parallel group the sampler's tensor `t` (TP broadcast
+        on the last stage, then from the last stage down the pipeline), so that no rank relies
+        on drawing bit-for-bit what another drew."""
+        from megatron.core import parallel_state as ps
+
+        if self.tp_size > 1 and self.is_last_stage:
+            t = t.contiguous()
+            dist.broadcast(t, src=ps.get_tensor_model_parallel_src_rank(), group=self.tp_group)
+        return self.broadcast_from_last_stage(t, shape, dtype)
+
     def token_logprobs(self, tokens: torch.Tensor, micro_batch_size: int,
                        temperature: float = 1.0) -> torch.Tensor:
         """log pi(tokens[:, t+1] | tokens[:, :t+1]) for a right-padded batch: [B, L-1] fp32 on

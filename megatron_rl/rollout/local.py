@@ -3,7 +3,8 @@
 No weight copy and no server: `update_weights` only records the version, because generation
 reads the live parameters. Every data-parallel rank generates for its own prompts; inside a
 model-parallel group all ranks run the same forward (TP shards gathered, PP through the pipeline
-schedule) and the last stage samples, then broadcasts the tokens.
+schedule) and one rank (the last stage's TP rank 0) samples, then broadcasts the tokens and
+their log-probs to the group: no rank relies on sampling bit-for-bit like another.
 
 Prompts are left-padded, with position ids counted from each prompt's first real token and an
 attention mask that hides the padding, so each sequence is computed as if alone (RoPE is relative
@@ -146,13 +147,13 @@ class LocalEngine:
                 allowed[:, s - 1] = True
                 logits = decoder.forward(tokens[:, s - 1:s], pos[:, s - 1:s],
                                          allowed[:, None, None])
-            if self.policy.is_last_stage:
+            if self.policy.is_sampler:  # one rank decides, every rank of the group follows
                 nxt, lp = sample_tokens(logits, params, gen)
             else:
                 nxt = torch.zeros(B, dtype=torch.long, device=dev)
                 lp = torch.zeros(B, device=dev)
-            nxt = self.policy.broadcast_from_last_stage(nxt, (B,), torch.long)
-            lp = self.policy.broadcast_from_last_stage(lp, (B,), torch.float32)
+            nxt = self.policy.broadcast_from_sampler(nxt, (B,), torch.long)
+            lp = self.policy.broadcast_from_sampler(lp.float(), (B,), torch.float32)
             active = ~finished
             tokens[:, s] = torch.where(active, nxt, tokens[:, s])
             valid[:, s] |= active

@@ -76,6 +76,30 @@ def logprob_mismatch(rollout_logprobs: torch.Tensor, logprobs: torch.Tensor,
     )
 
 
+def combine(parts: list[LogprobMismatch]) -> LogprobMismatch:
+    """The statistics of the union of disjoint batches (e.g. data-parallel shards) from each
+    batch's: counts add, means are count-weighted, extremes taken, and the (population) std
+    pooled through E[w^2] = std^2 + mean^2."""
+    parts = [p for p in parts if p.num_tokens > 0]
+    if not parts:
+        return LogprobMismatch(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    tok = sum(p.num_tokens for p in parts)
+    seq = sum(p.num_sequences for p in parts)
+    mean = sum(p.seq_weight_mean * p.num_sequences for p in parts) / seq
+    second = sum((p.seq_weight_std ** 2 + p.seq_weight_mean ** 2) * p.num_sequences
+                 for p in parts) / seq
+    return LogprobMismatch(
+        num_tokens=tok, num_sequences=seq,
+        abs_delta_mean=sum(p.abs_delta_mean * p.num_tokens for p in parts) / tok,
+        abs_delta_max=max(p.abs_delta_max for p in parts),
+        delta_mean=sum(p.delta_mean * p.num_tokens for p in parts) / tok,
+        seq_weight_mean=mean,
+        seq_weight_min=min(p.seq_weight_min for p in parts),
+        seq_weight_max=max(p.seq_weight_max for p in parts),
+        seq_weight_std=max(second - mean ** 2, 0.0) ** 0.5,
+    )
+
+
 def pad_ragged(rows: list[list[float]], pad: float = 0.0,
                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad variable-length rows (e.g. Completion.rollout_logprobs) into ([B, T], mask)."""

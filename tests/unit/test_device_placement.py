@@ -22,6 +22,7 @@ import torch
 import megatron_rl.parallel as parallel
 import megatron_rl.rollout.local as local_engine
 import megatron_rl.train as train
+from megatron_rl import metrics as global_metrics
 from megatron_rl.batch import pack_rollouts
 from megatron_rl.kl import KLConfig
 from megatron_rl.loss import LossConfig, build_advantages
@@ -98,7 +99,7 @@ def test_rl_loss_function_forward_and_backward(on_accelerator, estimator, placem
     assert loss.device == DEV and logits.grad.device == DEV
     assert all(v.device == DEV for v in metrics.values()), metrics
     # the step's metric reduction stays on the device until its single host copy
-    means = train.weighted_mean_tensor([metrics, metrics], list(train.LOSS_METRICS))
+    means = global_metrics.weighted_mean_tensor([metrics, metrics], list(global_metrics.LOSS_METRICS))
     assert means.device == DEV
 
 
@@ -119,7 +120,7 @@ def test_collectives_get_device_tensors(on_accelerator):
 def test_forward_kl_metric_on_the_device():
     batch = _host_batch().to(DEV)
     lp = torch.zeros_like(batch.loss_mask)
-    assert train.forward_kl(lp, lp, batch.loss_mask).device == DEV
+    assert global_metrics.forward_kl_sums(lp, lp, batch.loss_mask).device == DEV
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])

@@ -55,3 +55,18 @@ def test_pad_ragged_and_as_dict():
     assert x.shape == (3, 2) and mask.tolist() == [[True, True], [False, False], [True, False]]
     d = logprob_mismatch(x, x, mask).as_dict()
     assert d["mismatch/num_tokens"] == 3.0 and "mismatch/seq_weight_std" in d
+
+
+def test_combined_shards_equal_the_whole_batch():
+    """Data-parallel shards' statistics combine into the whole batch's."""
+    from megatron_rl.rollout.mismatch import combine
+
+    gen = torch.Generator().manual_seed(0)
+    rollout, train = torch.randn(9, 6, generator=gen), torch.randn(9, 6, generator=gen) * 0.1
+    mask = (torch.rand(9, 6, generator=gen) > 0.3).float()
+    mask[4] = 0  # a sequence with no response token
+    whole = logprob_mismatch(rollout, rollout + train, mask)
+    parts = [logprob_mismatch(rollout[s], rollout[s] + train[s], mask[s])
+             for s in (slice(0, 2), slice(2, 7), slice(7, 9))]
+    for k, v in combine(parts).as_dict().items():
+        assert v == pytest.approx(whole.as_dict()[k], rel=1e-12, abs=1e-12), k

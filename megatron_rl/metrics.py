@@ -1,0 +1,91 @@
+"""The RL step's logged metrics, each the value over the whole global batch (all data-parallel
+ranks), whatever the layout.
+
+Every function here is collective over the data-parallel group `group` (None: no reduction) and
+takes this rank's share: sums and counts are all-reduced on the device in one call, extremes
+with MAX/MIN, and the few per-rank summaries that are not sums (reward-error counts keyed by
+reason, log-prob mismatch statistics) are exchanged as small objects and combined.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.parallel import all_reduce
+from megatron_rl.rollout.mismatch import LogprobMismatch, combine, logprob_mismatch
+
+LOSS_METRICS = ("pg_loss", "kl_k1", "kl_k3", "clip_fraction", "entropy", "ratio_mean")
+
+
+def batch_metrics(rewards: torch.Tensor, response_lengths: list[int], finish_reasons: list[str],
+                  group=None) -> dict[str, float]:
+    """reward/mean, reward/accuracy (reward >= 1), response/length_mean and
+    response/truncated_fraction over the global batch."""
+    sums = torch.stack([rewards.sum(), (rewards >= 1.0).sum(),
+                        torch.tensor(float(sum(response_lengths)), device=rewards.device),
+                        torch.tensor(float(sum(f == "length" for f in finish_reasons)),
+                                     device=rewards.device),
+                        torch.tensor(float(rewards.numel()), device=rewards.device)]).double()
+    total, correct, length, truncated, n = all_reduce(sums, group).tolist()
+    return {"reward/mean": total / n, "reward/accuracy": correct / n,
+            "response/length_mean": length / n, "response/truncated_fraction": truncated / n}
+
+
+def weighted_mean_tensor(results: list[dict], keys: list[str]) -> torch.Tensor:
+    """[len(keys) + 1]: sum_m num_tokens_m * value_m for each key, then sum_m num_tokens_m, over
+    this rank's microbatches (the loss function's metrics), on their device."""
+    vals = torch.stack([torch.stack([r[k].float() for k in keys]) for r in results])  # [m, k]
+    w = torch.stack([r["num_tokens"].float() for r in results])[:, None]              # [m, 1]
+    return torch.cat([(vals * w).sum(0), w.sum().reshape(1)]).double()
+
+
+def loss_metrics(results: list[dict], group=None) -> dict[str, float]:
+    """Token-weighted means of the loss function's metrics (LOSS_METRICS) over all microbatches
+    of all data-parallel ranks. Ranks without results (earlier pipeline stages) return {}; all
+    ranks of one data-parallel group are on the same stage, so they agree on taking part."""
+    keys = [k for k in LOSS_METRICS if results and k in results[0]]
+    if not keys:
+        return {}
+    *sums, weight = all_reduce(weighted_mean_tensor(results, keys), group).tolist()
+    return {k: v / max(weight, 1e-9) for k, v in zip(keys, sums)}
+
+
+def forward_kl_sums(ref_lp: torch.Tensor, old_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[2]: (sum over response tokens of r log r with r = pi_ref / pi_theta, token count)."""
+    lr_ = (ref_lp - old_lp) * mask
+    return torch.stack([(lr_.exp() * lr_ * mask).sum(), mask.sum()]).double()
+
+
+def forward_kl(ref_lp: torch.Tensor, old_lp: torch.Tensor, mask: torch.Tensor,
+               group=None) -> float:
+    """Forward KL(pi_ref || pi_theta) per response token, estimated on the policy's samples:
+    E[r log r]."""
+    total, n = all_reduce(forward_kl_sums(ref_lp, old_lp, mask), group).tolist()
+    return total / max(n, 1.0)
+
+
+def _gather_objects(obj, group) -> list:
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def count_metrics(counts: dict[str, float], prefix: str, group=None) -> dict[str, float]:
+    """Counts keyed by name (e.g. reward errors by reason; keys may differ between ranks),
+    summed over ranks."""
+    total: collections.Counter = collections.Counter()
+    for part in _gather_objects(dict(counts), group):
+        total.update(part)
+    return {f"{prefix}{k}": float(v) for k, v in sorted(total.items())}
+
+
+def mismatch_metrics(rollout_lp: torch.Tensor, lp: torch.Tensor, mask: torch.Tensor,
+                     group=None) -> dict[str, float]:
+    """Train-vs-rollout log-prob mismatch (mismatch/*) over the global batch."""
+    parts: list[LogprobMismatch] = _gather_objects(logprob_mismatch(rollout_lp, lp, mask), group)
+    return combine(parts).as_dict()
