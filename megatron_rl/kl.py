@@ -27,6 +27,35 @@ Sec. 3; the expected gradients are derived for a toy model in megatron_rl/toy.py
   g* exactly when E_{pi_theta}[sum_t K_t] = KL, i.e. for K1 and K3 (not K2): unbiased on-policy.
 - "none": no KL term.
 
+The exact per-position KL ("exact"; on the toy as megatron_rl/toy.py's `ExactKL`, not in
+ESTIMATORS: it needs both full next-token distributions, the functions here see the sampled
+token's log-probs only):
+    KL_t(y_<t) = sum_v pi_theta(v|y_<t) (log pi_theta(v|y_<t) - log pi_ref(v|y_<t)) = E[K1_t | y_<t],
+a function of the prefix alone (no sampling noise at position t), and
+KL(pi_theta || pi_ref) = E_{y ~ pi_theta}[sum_t KL_t]. Both the integrand and the sampling law
+depend on theta, so (product rule, log-derivative trick)
+    g* = E[sum_t grad KL_t] + E[(sum_s KL_s) S]
+       = E[sum_t grad KL_t]               (a) path-wise, at the sampled prefixes
+       + E[sum_t s_t sum_{s>t} KL_s]      (b) score function, return = KL of later positions,
+because for s <= t, KL_s depends on y_<s only, a part of y_<t, and E[s_t | y_<t] = 0, so
+E[s_t KL_s] = 0. In particular position t does not belong in token t's return: s_t KL_t has mean
+zero, a pure noise term (keeping it raised the variance in 5 of 6 toy settings; being correlated
+with the other terms it can also lower it, so dropping it is not a guaranteed gain). Each term is
+a Rao-Blackwellized piece
+of the K1 form of g*: (a) = E[sum_t K1_t s_t], since E[K1_t s_t | y_<t] = grad KL_t, and
+(b) = E[sum_t s_t sum_{s>t} K1_s]. With K_t = KL_t, beta = 1, the placements give:
+- "loss" (sum_t KL_t differentiated): (a) only, = E[grad, K2 in loss]. Biased: misses (b).
+- "reward" (sg(KL) in the return): E[(sum_s KL_s) S] = (b), whichever return is used (full
+  sum_s, reward-to-go sum_{s>=t}, later sum_{s>t}): the s <= t terms vanish in expectation.
+  Biased: misses (a).
+- "reward+loss": (a) + (b) = g*. Unbiased with any of the three returns (and any constant or
+  leave-one-out baseline); "later positions only" (sum_{s>t}) is the estimator derived above.
+  Note that --kl-reward-to-go charges sum_{s>=t}: unbiased too, usually (not always) noisier.
+On the toy (exact enumeration of 2^T sequences, float64) reward+loss has bias^2 ~ 1e-31 and the
+other two are biased; per-sample variance at the default setting 1.6 against 15.4 for K1 in the
+reward (8.8 with reward-to-go), a gain that shrinks far from the reference (docs/results.md).
+Off-policy, prefix weights ("seq-is") restore the on-policy expectation as for K1.
+
 Off-policy (samples from pi_old != pi_theta) none of the placements above is unbiased for the
 sequence-level KL. `off_policy_correction` chooses the fix; see `importance_weights`,
 `kl_loss_term` and `kl_reward_is_surrogate` for the bias and variance of each option.

@@ -1,86 +1,145 @@
 """Exact gradient study of KL estimator configurations on a toy model (paper Sec. 3.3, Fig. 1).
 
-Model. A_theta is a binary autoregressive policy over y in {0, 1}^T with
-    p_t = P(y_t = 1 | y_<t) = sigmoid(a + b c_{t-1}),   c_0 = 0,  c_t = 2 y_t - 1 in {-1, +1},
-so the first token depends on a alone and later tokens on the previous token's sign. The reference
-B is the same model with (a~, b~); off-policy samples come from A_old, a perturbed copy of A_theta.
+Model ("count", the default: the paper's eq. 17-18). A_theta is a binary autoregressive policy
+over y in {0, 1}^T with
+    p_t = A_theta(y_t = 1 | y_<t) = sigmoid(a + b c_{t-1}),   c_{t-1} = sum_{k<t} y_k,   c_0 = 0,
+i.e. token t depends on the number of ones so far; theta = (a, b). The reference B is the same
+model with (a~, b~), and off-policy samples come from A_old with (a_old, b_old). Eq. 17-18
+condition token t on c_{t-1} = sum_{k<t} y_k (issue 14); their exact functional form could not be
+checked here (the paper was not available), so this parametrisation, a sigmoid of an affine
+function of the count, is this module's choice, as are the default parameters (DEFAULT_PARAMS:
+theta (0.5, -0.25), ref (-0.5, 0.25), old (0.9, -0.15), T = 8; KL 0.51 nats). Option
+`--model sign`: the earlier variant c_{t-1} = 2 y_{t-1} - 1 (c_0 = 0), token t conditioned on the
+previous token's sign, with its earlier defaults (0.5, -1), (-0.5, 1), (0.9, -0.6).
 Parameters are float64 and the module gives per-token log-probs [K, N, T] for K parameter copies
-(K = 1 for exact sums; K = num_trials for vectorized Monte Carlo, one copy per trial, so one
-backward pass yields every trial's gradient).
+(K = 1 for one batch; K = num_trials for vectorized Monte Carlo; K = 2^T for per-sequence
+gradients by enumeration: copies share nothing, so one backward pass gives every copy's gradient).
 
 Target. The true gradient of the sequence-level reverse KL,
     g* = grad_theta KL(A_theta || B) = E_A[(sum_t K1_t) grad log A_theta(y)],
-computed two independent ways: exact enumeration of all 2^T sequences, and the Markov-chain
-recursion below (KL = sum_t sum_c m_t(c) KL(Bern(p_c) || Bern(q_c)), m_t the law of c_{t-1}).
+computed three independent ways: exact enumeration of all 2^T sequences; autograd through the
+dynamic programme below; the explicit closed form (C3) below.
 
-Estimators. Each configuration is run through the production code path: megatron_rl.loss
+Closed forms (App. C's eq. 20-22, derived here for this parametrisation; `closed_form_kl`,
+`closed_form_kl_gradient`). Both models are Markov chains on a state s = c_{t-1} with feature
+phi(s) = (1, c): count: c in {0, ..., t-1}, s -> s + y_t; sign: c in {0, -1, +1}, s -> 2 y_t - 1.
+Write p_s = sigmoid(z_s), z_s = a + b c, q_s = sigmoid(a~ + b~ c), and
+KL_s = KL(Bern(p_s) || Bern(q_s)) = p_s log(p_s/q_s) + (1 - p_s) log((1 - p_s)/(1 - q_s)).
+(C1) Law of the state, m_t(s) = A_theta(c_{t-1} = s): m_1 = delta_0 and, for the count model,
+         m_{t+1}(c) = m_t(c) (1 - p_c) + m_t(c - 1) p_{c-1}
+     (a Poisson-binomial-like recursion whose success probability depends on the count).
+(C2) KL(A_theta || B) = sum_{t=1}^T sum_s m_t(s) KL_s = V_1(0), with the KL-to-go
+         V_{T+1} = 0,   V_t(s) = KL_s + (1 - p_s) V_{t+1}(s -> 0) + p_s V_{t+1}(s -> 1).
+(C3) g* = sum_t sum_s m_t(s) p_s (1 - p_s) [ (z_s - logit q_s) + V_{t+1}(s -> 1) - V_{t+1}(s -> 0) ] phi(s),
+     the derivative of (C2): d KL_s / d z_s = p_s (1 - p_s)(z_s - logit q_s) is the path-wise part,
+     d p_s / d z_s = p_s (1 - p_s) times the jump in the KL-to-go is the score-function part.
+For the count model the states at step t are c = 0..t-1: O(T^2) work instead of O(2^T T).
+
+Estimators. Each K1/K2/K3 configuration is run through the production code path: megatron_rl.loss
 `build_advantages` -> `policy_loss_per_token` -> `aggregate_loss` (kl.py inside), with task
 reward 0 and beta = 1, so the loss gradient is the KL-regularizer gradient alone. Choices:
-- advantage estimator "reinforce" (no baseline). A leave-one-out baseline leaves the on-policy
-  expectation unchanged, but off-policy with correction "none" E_old[grad log A_theta] != 0, so a
-  baseline would change the expectation and make exact sums and Monte Carlo disagree; the reported
-  variances are therefore those of the baseline-free estimator.
+- advantage estimator "reinforce", so that each sequence's gradient depends on that sequence
+  alone (what enumeration needs). A baseline b changes no expectation (with clipping off the
+  surrogate's gradient is ratio_t A s_t and E_old[ratio_t s_t | y_<t] = 0, on- and off-policy),
+  only the variance: the "mean baseline" column subtracts b = E[KL penalty] (per position for
+  per-token returns), the large-group limit of RLOO.
 - aggregation "seq-mean-token-sum", so a loss of N sequences is the mean of the sequence-level
   objective (the paper's per-token normalization only divides by the constant T here).
 - clipping disabled (clip_low = 1, clip_high = inf): only the KL estimator's bias is measured.
-Exact expected gradients are sum_y w(y) grad loss(y), with w = A_theta(y) on-policy or A_old(y)
-off-policy, obtained by weighting the per-token loss of all 2^T sequences before aggregation.
+The `exact` estimator (`ExactKL`, `exact_kl_loss_per_token`) is the toy's own: its per-position
+KL_t = KL(A_theta(.|y_<t) || B(.|y_<t)) needs both full next-token distributions, which the
+trainer's estimators (sampled-token log-probs only) do not see. Its reward side goes through the
+same `compute_advantages` -> `policy_loss_per_token` (KL placement "none"), its loss side and
+importance weights are added here with kl.py's `importance_weights`, and it is aggregated by
+`aggregate_loss`. Which placement makes it unbiased is derived in megatron_rl/kl.py's docstring:
+reward+loss (path-wise + score-function terms), with token t's return counting only the later
+positions (`kl_return="later"`, the estimator derived there; the lowest-variance of the three
+returns in 5 of the 6 settings of the variance table); "full" and "to-go" are unbiased too.
 
-Closed forms (on-policy; s_t = grad log p(y_t | c_{t-1}), r_t = B/A per token, phi(c) = (1, c)).
-The paper's eqs. 12/13/15/16 state the expected gradients of K1/K3 in loss/reward in general; they
-are derived again here and specialised to this model (`closed_form_gradients`):
+Exact columns. g(y) is the configuration's gradient on the single sequence y (N = 1), computed for
+all 2^T sequences at once (one parameter copy per sequence). With w(y) = A_theta(y) on-policy or
+A_old(y) off-policy: E[grad] = sum_y w(y) g(y); bias^2 = |E[grad] - g*|^2; per-sample variance =
+sum_y w(y) |g(y) - E[grad]|^2 (trace of the covariance; an N-sample batch has variance / N).
+On-policy the expected gradients also equal the closed forms of `closed_form_gradients`:
     E[grad, K1 in loss]   = E[sum_t s_t] = 0
     E[grad, K1 in reward] = E[(sum_t K1_t) S] = g*
-    E[grad, K3 in loss]   = -E[sum_t r_t s_t] = sum_t sum_c m_t(c) (p_c - q_c) phi(c)
-        since E_{y~p}[r s] = sum_y q(y) grad log p(y) = (q - p) phi(c): the gradient of the
+    E[grad, K3 in loss]   = -E[sum_t r_t s_t] = sum_t sum_s m_t(s) (p_s - q_s) phi(s)
+        since E_{y~p}[r s] = sum_y q(y) grad log p(y) = (q - p) phi(s): the gradient of the
         token-level forward KL(B || A_theta) at A_theta's prefixes, not of the reverse KL.
     E[grad, K3 in reward] = grad E[sum_t K3_t] - E[grad, K3 in loss] = g* - E[grad, K3 in loss]
         since E_A[K3_t | y_<t] = KL_t, so E_A[sum_t K3_t] = KL(A_theta || B).
-    E[grad, K2 in loss]   = E[sum_t K1_t s_t] = sum_t sum_c m_t(c) p_c (1 - p_c)
-                            (logit p_c - logit q_c) phi(c)  (immediate term of g* only)
-    E[grad, K in reward+loss] = grad E[sum_t K_t]: g* for K1 and K3; for K2 the gradient of
-        E[sum_t K2_t], which is not the KL.
-Off-policy (samples from A_old; expectations checked by enumeration only): with correction "none"
-or "token-is" every configuration is biased. For the reward placement the two coincide: the PPO
+    E[grad, K2 in loss]   = E[sum_t K1_t s_t] = sum_t sum_s m_t(s) grad KL_s (marginals held):
+        the path-wise term of g* only; so is E[grad, exact in loss] (the same expression).
+    E[grad, exact in reward] = g* - E[grad, exact in loss]: the score-function term only.
+    E[grad, K in reward+loss] = grad E[sum_t K_t]: g* for K1, K3 and exact; for K2 the gradient
+        of E[sum_t K2_t], which is not the KL.
+Off-policy (samples from A_old; expectations by enumeration only): with correction "none" or
+"token-is" every configuration is biased. For the reward placement the two coincide: the PPO
 per-token ratio already is the token-level correction of anything inside the advantage. "seq-is"
-reproduces each on-policy expectation exactly (so K1 reward, K1 and K3 reward+loss are unbiased)
-at a higher variance; truncating its weights brings the bias back.
-MC columns: bias^2 = |mean of the trials' gradients - g*|^2 (includes variance / num_trials of
-noise), variance = trace of the covariance of one trial's N-sample gradient.
+reproduces each on-policy expectation exactly (so K1 reward, K1 / K3 / exact reward+loss are
+unbiased), usually at a higher variance; truncating its weights brings the bias back.
+MC columns (a check of the sampler and of the exact columns): num_trials independent batches of
+num_samples sequences; MC bias^2 = |mean of the trials' gradients - g*|^2 (includes the noise
+variance / (num_trials num_samples)); MC variance per sample = num_samples x the variance across
+trials of a trial's mean gradient, an estimate of the exact per-sample variance.
 """
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from megatron_rl.kl import KLConfig
-from megatron_rl.loss import LossConfig, aggregate_loss, build_advantages, policy_loss_per_token
+from megatron_rl.advantages import compute_advantages
+from megatron_rl.kl import KLConfig, importance_weights
+from megatron_rl.loss import (LossConfig, aggregate_loss, build_advantages, compute_rewards_with_kl,
+                              policy_loss_per_token)
 
 DTYPE = torch.float64
 UNBIASED_TOL = 1e-20
 TRIAL_CHUNK = 20
+MODELS = ("count", "sign")
+MAX_SEQ_LEN = 16
+EXACT_RETURNS = ("full", "to-go", "later")
+# Configurations compared in the variance summary: the unbiased on-policy ones and K3 in the loss.
+VARIANCE_SUMMARY = ("k1/reward", "k1/reward rtg", "k1/reward+loss", "k3/reward+loss", "k3/loss",
+                    "exact/reward+loss", "exact/reward+loss to-go", "exact/reward+loss later")
+
+
+def prefix_features(y: torch.Tensor, model: str) -> torch.Tensor:
+    """c_{t-1} for every position, [..., T] from y [..., T] in {0, 1}.
+
+    count: c_{t-1} = sum_{k<t} y_k (0 at t = 1). sign: c_{t-1} = 2 y_{t-1} - 1 (0 at t = 1).
+    """
+    if model == "count":
+        return torch.cumsum(y, dim=-1) - y
+    if model == "sign":
+        return torch.cat([torch.zeros_like(y[..., :1]), 2 * y[..., :-1] - 1], dim=-1)
+    raise ValueError(f"unknown toy model {model!r}; valid: {list(MODELS)}")
 
 
 class BinaryARPolicy(nn.Module):
-    """p_t = sigmoid(a + b c_{t-1}), c_0 = 0, c_t = 2 y_t - 1; K independent parameter copies."""
+    """p_t = sigmoid(a + b c_{t-1}) with c_{t-1} from `prefix_features`; K independent copies."""
 
-    def __init__(self, a: float, b: float, num_copies: int = 1):
+    def __init__(self, a: float, b: float, num_copies: int = 1, model: str = "count"):
         super().__init__()
+        if model not in MODELS:
+            raise ValueError(f"unknown toy model {model!r}; valid: {list(MODELS)}")
+        self.model = model
         self.a = nn.Parameter(torch.full((num_copies,), float(a), dtype=DTYPE))
         self.b = nn.Parameter(torch.full((num_copies,), float(b), dtype=DTYPE))
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:
-        """y [K, N, T] in {0, 1} -> logits of P(y_t = 1 | y_{t-1}), [K, N, T]."""
-        prev = torch.cat([torch.zeros_like(y[..., :1]), 2 * y[..., :-1] - 1], dim=-1)
-        return self.a[:, None, None] + self.b[:, None, None] * prev
+        """y [K, N, T] in {0, 1} -> logits z_t of P(y_t = 1 | y_<t), [K, N, T]."""
+        return self.a[:, None, None] + self.b[:, None, None] * prefix_features(y, self.model)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs log p(y_t | y_{t-1}), [K, N, T]; y is broadcast over copies if [1, N, T]."""
+        """Per-token log-probs log p(y_t | y_<t), [K, N, T]; y is broadcast over copies if [1, N, T]."""
         # log P(y) = log sigmoid(+z) for y = 1 and log sigmoid(-z) for y = 0.
         return nn.functional.logsigmoid((2 * y - 1) * self.logits(y))
 
@@ -89,12 +148,12 @@ class BinaryARPolicy(nn.Module):
         """[K, num_samples, seq_len] sequences, one batch per parameter copy."""
         num_copies = self.a.shape[0]
         y = torch.zeros(num_copies, num_samples, seq_len, dtype=DTYPE)
-        prev = torch.zeros(num_copies, num_samples, dtype=DTYPE)
+        c = torch.zeros(num_copies, num_samples, dtype=DTYPE)
         for t in range(seq_len):
-            p = torch.sigmoid(self.a[:, None] + self.b[:, None] * prev)
+            p = torch.sigmoid(self.a[:, None] + self.b[:, None] * c)
             u = torch.rand(num_copies, num_samples, dtype=DTYPE, generator=generator)
             y[..., t] = (u < p).to(DTYPE)
-            prev = 2 * y[..., t] - 1
+            c = c + y[..., t] if self.model == "count" else 2 * y[..., t] - 1
         return y
 
 
@@ -105,99 +164,248 @@ def all_sequences(seq_len: int) -> torch.Tensor:
     return bits.to(DTYPE).unsqueeze(0)
 
 
-# ---------------------------------------------------------------- closed forms (Markov recursion)
+def bernoulli_kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(sigmoid(logits_p)) || Bern(sigmoid(logits_q))), elementwise, from logits (stable).
 
-_STATES = torch.tensor([0.0, -1.0, 1.0], dtype=DTYPE)  # c_{t-1}: start, previous 0, previous 1
+    = p (log p - log q) + (1 - p) (log(1 - p) - log(1 - q)), log p = logsigmoid(z),
+    log(1 - p) = logsigmoid(-z). Its derivative in logits_p is p (1 - p) (logits_p - logits_q).
+    """
+    p = torch.sigmoid(logits_p)
+    ls = nn.functional.logsigmoid
+    return p * (ls(logits_p) - ls(logits_q)) + (1 - p) * (ls(-logits_p) - ls(-logits_q))
 
 
-def _state_marginals(a, b, seq_len):
-    """m_t over _STATES for t = 1..T ([T, 3]) and p_c ([3]) for scalar tensors a, b."""
-    p = torch.sigmoid(a + b * _STATES)
-    m = torch.tensor([1.0, 0.0, 0.0], dtype=DTYPE)
+# ---------------------------------------------------------------- closed forms (Markov chain on c)
+
+def _chain(model: str, seq_len: int):
+    """(features c [S], next state after y=0 [S], after y=1 [S], initial state index) of the model.
+
+    count: states c = 0..T (c = T is never a prefix state of t <= T; it keeps the chain closed).
+    sign: states (start, previous 0, previous 1) with c = (0, -1, +1).
+    """
+    if model == "count":
+        states = torch.arange(seq_len + 1)
+        return states.to(DTYPE), states, (states + 1).clamp(max=seq_len), 0
+    if model == "sign":
+        return (torch.tensor([0.0, -1.0, 1.0], dtype=DTYPE), torch.tensor([1, 1, 1]),
+                torch.tensor([2, 2, 2]), 0)
+    raise ValueError(f"unknown toy model {model!r}; valid: {list(MODELS)}")
+
+
+def _state_marginals(a, b, seq_len: int, model: str):
+    """(C1): m_t(s) = A_theta(c_{t-1} = s) for t = 1..T ([T, S]) and p_s ([S]); a, b tensors."""
+    feats, nxt0, nxt1, init = _chain(model, seq_len)
+    p = torch.sigmoid(a + b * feats)
+    m = torch.zeros(len(feats), dtype=DTYPE)
+    m[init] = 1.0
     rows = []
     for _ in range(seq_len):
         rows.append(m)
-        p_one = (m * p).sum()
-        m = torch.stack([torch.zeros((), dtype=DTYPE), 1 - p_one, p_one])
+        m = torch.zeros_like(m).index_add(0, nxt0, m * (1 - p)).index_add(0, nxt1, m * p)
     return torch.stack(rows), p
 
 
-def _bern_expect(p, fn):
-    """E_{y ~ Bern(p)}[fn(y)] for fn of a {0., 1.} tensor."""
-    return p * fn(torch.ones_like(p)) + (1 - p) * fn(torch.zeros_like(p))
+def _as_tensor(x, requires_grad: bool = False) -> torch.Tensor:
+    return torch.tensor(float(x), dtype=DTYPE, requires_grad=requires_grad)
 
 
-def _token_expectation_grad(theta, ref, seq_len, token_fn, hold_marginals):
-    """grad_(a,b) of sum_t sum_c m_t(c) token_fn(p_c, q_c); m_t held fixed if hold_marginals."""
-    a = torch.tensor(theta[0], dtype=DTYPE, requires_grad=True)
-    b = torch.tensor(theta[1], dtype=DTYPE, requires_grad=True)
-    m, p = _state_marginals(a, b, seq_len)
-    q = torch.sigmoid(ref[0] + ref[1] * _STATES)
+def closed_form_kl(theta, ref, seq_len: int, model: str = "count") -> float:
+    """(C2): KL(A_theta || B) = sum_t sum_s m_t(s) KL(Bern(p_s) || Bern(q_s)), O(T S)."""
+    feats = _chain(model, seq_len)[0]
+    m, _ = _state_marginals(_as_tensor(theta[0]), _as_tensor(theta[1]), seq_len, model)
+    kl = bernoulli_kl(theta[0] + theta[1] * feats, ref[0] + ref[1] * feats)
+    return (m * kl).sum().item()
+
+
+def closed_form_kl_gradient(theta, ref, seq_len: int, model: str = "count") -> torch.Tensor:
+    """(C3): g* [2] from the forward law m_t and the backward KL-to-go V_t; no autograd.
+
+    g* = sum_t sum_s m_t(s) p_s (1 - p_s) [(z_s - logit q_s) + V_{t+1}(s->1) - V_{t+1}(s->0)] (1, c_s).
+    """
+    feats, nxt0, nxt1, _ = _chain(model, seq_len)
+    z, zq = theta[0] + theta[1] * feats, ref[0] + ref[1] * feats
+    m, p = _state_marginals(_as_tensor(theta[0]), _as_tensor(theta[1]), seq_len, model)
+    kl = bernoulli_kl(z, zq)
+    value = torch.zeros_like(feats)  # V_{T+1}
+    grad = torch.zeros(2, dtype=DTYPE)
+    for t in range(seq_len - 1, -1, -1):  # row t of m is m_{t+1} (1-based); value is V_{t+2}
+        coeff = m[t] * p * (1 - p) * ((z - zq) + value[nxt1] - value[nxt0])
+        grad += torch.stack([coeff.sum(), (coeff * feats).sum()])
+        value = kl + (1 - p) * value[nxt0] + p * value[nxt1]
+    return grad
+
+
+def _token_expectation_grad(theta, ref, seq_len, model, token_fn, hold_marginals):
+    """grad_(a,b) of sum_t sum_s m_t(s) token_fn(z_s, zq_s); m_t held fixed if hold_marginals."""
+    a, b = _as_tensor(theta[0], True), _as_tensor(theta[1], True)
+    feats = _chain(model, seq_len)[0]
+    m, _ = _state_marginals(a, b, seq_len, model)
     if hold_marginals:
         m = m.detach()
-    value = (m * token_fn(p, q)).sum()
+    value = (m * token_fn(a + b * feats, ref[0] + ref[1] * feats)).sum()
     return torch.stack(torch.autograd.grad(value, [a, b]))
 
 
-def _kl_bern(p, q):
-    return p * (p.log() - q.log()) + (1 - p) * ((1 - p).log() - (1 - q).log())
+def _expected_k2(z, zq):
+    """E_{y ~ Bern(p)}[0.5 (log q(y) - log p(y))^2] from logits."""
+    ls = nn.functional.logsigmoid
+    p = torch.sigmoid(z)
+    return 0.5 * (p * (ls(zq) - ls(z)).square() + (1 - p) * (ls(-zq) - ls(-z)).square())
 
 
-def _expected_k2(p, q):
-    def k2_of(y):
-        log_r = torch.where(y > 0, q.log() - p.log(), (1 - q).log() - (1 - p).log())
-        return 0.5 * log_r.square()
-    return _bern_expect(p, k2_of)
+def _forward_ce(z, zq):
+    """Cross-entropy H(Bern(q), Bern(p)); its gradient in the logit of p is p - q (K3 in the loss)."""
+    ls = nn.functional.logsigmoid
+    q = torch.sigmoid(zq)
+    return -(q * ls(z) + (1 - q) * ls(-z))
 
 
-def true_gradient(theta, ref, seq_len) -> torch.Tensor:
-    """g* = grad KL(A_theta || B) [2] by the Markov recursion (independent of enumeration)."""
-    return _token_expectation_grad(theta, ref, seq_len, _kl_bern, hold_marginals=False)
+def true_gradient(theta, ref, seq_len, model: str = "count") -> torch.Tensor:
+    """g* = grad KL(A_theta || B) [2] by autograd through the recursion (C1)-(C2)."""
+    return _token_expectation_grad(theta, ref, seq_len, model, bernoulli_kl, hold_marginals=False)
 
 
-def closed_form_gradients(theta, ref, seq_len) -> dict:
-    """Expected gradients [2] of the on-policy configurations (beta = 1), keyed "k?/placement"."""
-    g_star = true_gradient(theta, ref, seq_len)
-    k3_loss = _token_expectation_grad(theta, ref, seq_len, _forward_ce, hold_marginals=True)
-    k2_loss = _token_expectation_grad(theta, ref, seq_len, _kl_bern, hold_marginals=True)
-    k2_total = _token_expectation_grad(theta, ref, seq_len, _expected_k2, hold_marginals=False)
+def closed_form_gradients(theta, ref, seq_len, model: str = "count") -> dict:
+    """Expected gradients [2] of the on-policy configurations (beta = 1), keyed "estimator/placement"."""
+    g_star = true_gradient(theta, ref, seq_len, model)
+    k3_loss = _token_expectation_grad(theta, ref, seq_len, model, _forward_ce, hold_marginals=True)
+    pathwise = _token_expectation_grad(theta, ref, seq_len, model, bernoulli_kl, hold_marginals=True)
+    k2_total = _token_expectation_grad(theta, ref, seq_len, model, _expected_k2, hold_marginals=False)
     return {
         "k1/loss": torch.zeros(2, dtype=DTYPE), "k1/reward": g_star, "k1/reward+loss": g_star,
         "k3/loss": k3_loss, "k3/reward": g_star - k3_loss, "k3/reward+loss": g_star,
-        "k2/loss": k2_loss, "k2/reward": k2_total - k2_loss, "k2/reward+loss": k2_total,
+        "k2/loss": pathwise, "k2/reward": k2_total - pathwise, "k2/reward+loss": k2_total,
+        "exact/loss": pathwise, "exact/reward": g_star - pathwise, "exact/reward+loss": g_star,
     }
 
 
-def _forward_ce(p, q):
-    """Cross-entropy H(Bern(q), Bern(p)); its gradient in the logit of p is p - q (K3 in the loss)."""
-    return -(q * p.log() + (1 - q) * (1 - p).log())
+# ---------------------------------------------------------------- the exact estimator (toy only)
+
+@dataclass(frozen=True)
+class ExactKL:
+    """The `exact` estimator's configuration: KL_t = KL(A_theta(.|y_<t) || B(.|y_<t)), beta = 1.
+
+    placement: "reward" (stop-gradient, in the return), "loss" (differentiated), "reward+loss".
+    kl_return: what token t's return holds on the reward side: "full" (sum_s KL_s, as the
+        trainer's reward placement), "to-go" (sum_{s>=t} KL_s, as --kl-reward-to-go), "later"
+        (sum_{s>t} KL_s: the score-function term of kl.py's derivation; KL_t itself does not
+        depend on y_t, so counting it adds zero-mean noise).
+    off_policy_correction: "none", "token-is", "seq-is", with the meaning of kl.KLConfig (weights
+        from kl.importance_weights; the reward side under "seq-is" is an importance-weighted
+        surrogate as in kl.kl_reward_is_surrogate, per-decision weights for "to-go" / "later").
+    """
+
+    estimator: ClassVar[str] = "exact"
+    placement: str = "reward+loss"
+    kl_return: str = "full"
+    off_policy_correction: str = "none"
+
+    def __post_init__(self):
+        if self.placement not in ("reward", "loss", "reward+loss"):
+            raise ValueError(f"exact: unknown placement {self.placement!r}")
+        if self.kl_return not in EXACT_RETURNS:
+            raise ValueError(f"exact: unknown kl_return {self.kl_return!r}; valid: {list(EXACT_RETURNS)}")
+        if self.off_policy_correction not in ("none", "token-is", "seq-is"):
+            raise ValueError(f"exact: unknown off_policy_correction {self.off_policy_correction!r}")
+
+    @property
+    def in_reward(self) -> bool:
+        return self.placement in ("reward", "reward+loss")
+
+    @property
+    def in_loss(self) -> bool:
+        return self.placement in ("loss", "reward+loss")
+
+
+def _kl_returns(kl: torch.Tensor, kind: str) -> torch.Tensor:
+    """[B, T] per-position KL -> returns: [B] sum_s ("full"), [B, T] sum_{s>=t} ("to-go") or sum_{s>t}."""
+    if kind == "full":
+        return kl.sum(-1)
+    to_go = kl.flip(-1).cumsum(-1).flip(-1)
+    return to_go if kind == "to-go" else to_go - kl
+
+
+def exact_kl_loss_per_token(logprobs, old_logprobs, kl, loss_mask, cfg: ExactKL,
+                            return_baseline: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] per-token loss of the `exact` estimator with beta = 1 (task reward 0), differentiable.
+
+    logprobs [B, T]: log A_theta(y_t | y_<t) at the sampled tokens (with grad); old_logprobs [B, T]:
+    the sampler's (= logprobs.detach() on-policy); kl [B, T]: KL_t(y_<t) (with grad through A_theta).
+    - reward side, correction "none" / "token-is": return -R_t with R_t = `_kl_returns(kl.detach())`
+      through compute_advantages("reinforce") and policy_loss_per_token (KL placement "none");
+      gradient on-policy: R_t s_t. Under "seq-is": surrogate sg(w) sg(R) logprobs_t with the
+      sequence weight w (full) or per-decision weights sum_{s>=t or s>t} w_{<=s} KL_s.
+    - loss side: weight_t * KL_t, weight 1 ("none"), omega_t ("token-is") or w_{<=t} ("seq-is"),
+      detached; gradient weight_t grad KL_t (path-wise).
+    return_baseline: a constant b subtracted from R_t in the advantage (not under "seq-is").
+    """
+    mask = loss_mask.to(logprobs.dtype)
+    kl = kl * mask
+    correction = cfg.off_policy_correction
+    if cfg.in_reward and correction != "seq-is":
+        penalty = _kl_returns(kl.detach(), cfg.kl_return)
+        if return_baseline is not None:
+            penalty = penalty - return_baseline
+        returns = -penalty
+        advantages = compute_advantages("reinforce", returns, 1, mask if returns.dim() == 2 else None)
+    else:
+        advantages = torch.zeros(logprobs.shape[0], dtype=logprobs.dtype)
+    loss_cfg = LossConfig(clip_low=1.0, clip_high=math.inf, aggregation="seq-mean-token-sum",
+                          kl=KLConfig("k1", "none", coef=1.0), advantage_estimator="reinforce")
+    per_token, _ = policy_loss_per_token(logprobs, old_logprobs, advantages, mask, loss_cfg)
+    if cfg.in_reward and correction == "seq-is":
+        with torch.no_grad():
+            prefix_w = importance_weights(logprobs, old_logprobs, mask, "prefix")
+            if cfg.kl_return == "full":
+                returns = prefix_w[:, -1:] * kl.sum(-1, keepdim=True)
+            else:
+                returns = _kl_returns(prefix_w * kl.detach(), cfg.kl_return)
+        per_token = per_token + returns * logprobs * mask
+    if cfg.in_loss:
+        if correction == "none":
+            weights = mask
+        else:
+            level = "token" if correction == "token-is" else "prefix"
+            weights = importance_weights(logprobs, old_logprobs, mask, level)
+        per_token = per_token + weights * kl
+    return per_token
 
 
 # ---------------------------------------------------------------- estimators via the production loss
 
 @dataclass(frozen=True)
 class ToyRun:
-    """One row of the study: a KL configuration and whether samples come from A_old."""
+    """One row of the study: a KL configuration (KLConfig or ExactKL), whether samples come from A_old."""
 
     name: str
-    kl: KLConfig
+    kl: KLConfig | ExactKL
     off_policy: bool = False
 
 
 def default_runs() -> list:
-    """K1/K2/K3 x reward/loss/reward+loss on-policy, then off-policy under each correction."""
+    """K1/K2/K3/exact x reward/loss/reward+loss on-policy, then off-policy under each correction."""
     runs = []
     grid = [(est, pl) for est in ("k1", "k2", "k3") for pl in ("reward", "loss", "reward+loss")]
+    placements = ("reward", "loss", "reward+loss")
     for est, pl in grid:
         runs.append(ToyRun(f"{est}/{pl}", KLConfig(est, pl, coef=1.0)))
     runs.append(ToyRun("k1/reward rtg", KLConfig("k1", "reward", coef=1.0, reward_to_go=True)))
+    for pl in placements:
+        runs.append(ToyRun(f"exact/{pl}", ExactKL(pl)))
+    for pl in ("reward", "reward+loss"):
+        for ret in ("to-go", "later"):
+            runs.append(ToyRun(f"exact/{pl} {ret}", ExactKL(pl, ret)))
     for corr in ("none", "token-is", "seq-is"):
         for est, pl in grid:
             kl = KLConfig(est, pl, coef=1.0, off_policy_correction=corr)
             runs.append(ToyRun(f"{est}/{pl} off:{corr}", kl, off_policy=True))
+        for pl in placements:
+            runs.append(ToyRun(f"exact/{pl} off:{corr}", ExactKL(pl, off_policy_correction=corr), True))
     seq_is = KLConfig("k1", "reward", coef=1.0, off_policy_correction="seq-is")
     runs.append(ToyRun("k1/reward off:seq-is rtg", replace(seq_is, reward_to_go=True), True))
     runs.append(ToyRun("k1/reward off:seq-is trunc2", replace(seq_is, is_truncation=2.0), True))
+    runs.append(ToyRun("exact/reward+loss off:seq-is later",
+                       ExactKL("reward+loss", "later", "seq-is"), True))
     for est in ("k1", "k3"):
         kl = KLConfig(est, "loss", coef=1.0, off_policy_correction="token-is", is_weight_grad=True)
         runs.append(ToyRun(f"{est}/loss off:token-is grad", kl, True))
@@ -205,18 +413,22 @@ def default_runs() -> list:
 
 
 def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: torch.Tensor,
-                        kl_cfg: KLConfig, old_policy: BinaryARPolicy | None = None,
-                        seq_weights: torch.Tensor | None = None) -> torch.Tensor:
+                        kl_cfg: KLConfig | ExactKL, old_policy: BinaryARPolicy | None = None,
+                        return_baseline: torch.Tensor | None = None) -> torch.Tensor:
     """Gradient [K, 2] (d/da, d/db) of the configuration's loss per parameter copy of `policy`.
 
     y [K, N, T] (or [1, N, T]): the sequences; old_policy: the sampling policy when off-policy
-    (None: on-policy, old_logprobs = logprobs detached). Without seq_weights the loss is the mean
-    over the N sequences (a Monte-Carlo estimate); with seq_weights [N] it is sum_i w_i loss_i
-    (an exact expectation when y enumerates all sequences and w their probabilities).
+    (None: on-policy, old_logprobs = logprobs detached). The loss of copy k is the mean over its
+    N sequences of the sequence-level objective (a Monte-Carlo estimate; N = 1: one sequence's
+    gradient, as `exact_gradient_moments` uses it). return_baseline: a constant b (scalar, or
+    [T] for per-token returns) subtracted from the reward-side KL penalty R inside the advantage,
+    which becomes -(R - b); unbiased on- and off-policy, since the sampler's
+    E[ratio_t s_t | y_<t] = 0.
     """
     logprobs = policy(y)
     num_copies, num_seqs, seq_len = logprobs.shape
     with torch.no_grad():
+        ref_logits = ref_policy.logits(y)
         ref = ref_policy(y).expand_as(logprobs)
         old = (old_policy(y) if old_policy is not None else logprobs).expand_as(logprobs)
 
@@ -224,127 +436,295 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
         return x.reshape(num_copies * num_seqs, seq_len)
 
     mask = torch.ones(num_copies * num_seqs, seq_len, dtype=DTYPE)
-    cfg = LossConfig(clip_low=1.0, clip_high=math.inf, aggregation="seq-mean-token-sum",
-                     kl=kl_cfg, advantage_estimator="reinforce")
-    rewards = torch.zeros(num_copies * num_seqs, dtype=DTYPE)
-    advantages = build_advantages(rewards, flat(logprobs).detach(), flat(ref), mask, cfg, group_size=1)
-    per_token, _ = policy_loss_per_token(flat(logprobs), flat(old), advantages, mask, cfg,
-                                         ref_logprobs=flat(ref))
-    normalizer = num_seqs
-    if seq_weights is not None:
-        per_token = per_token * seq_weights.repeat(num_copies)[:, None]
-        normalizer = 1
+    if isinstance(kl_cfg, ExactKL):
+        kl = bernoulli_kl(policy.logits(y), ref_logits)
+        per_token = exact_kl_loss_per_token(flat(logprobs), flat(old), flat(kl), mask, kl_cfg,
+                                            return_baseline)
+    else:
+        cfg = LossConfig(clip_low=1.0, clip_high=math.inf, aggregation="seq-mean-token-sum",
+                         kl=kl_cfg, advantage_estimator="reinforce")
+        rewards = torch.zeros(num_copies * num_seqs, dtype=DTYPE)
+        advantages = build_advantages(rewards, flat(logprobs).detach(), flat(ref), mask, cfg,
+                                      group_size=1)
+        if return_baseline is not None:  # reinforce: advantage = return, so subtract b here
+            advantages = advantages + return_baseline * (mask if advantages.dim() == 2 else 1)
+        per_token, _ = policy_loss_per_token(flat(logprobs), flat(old), advantages, mask, cfg,
+                                             ref_logprobs=flat(ref))
     # Copies share nothing, so the gradient of the summed loss w.r.t. copy k is copy k's gradient.
-    loss = aggregate_loss(per_token, mask, cfg.aggregation, num_global_seqs=normalizer)
+    loss = aggregate_loss(per_token, mask, "seq-mean-token-sum", num_global_seqs=num_seqs)
     grad_a, grad_b = torch.autograd.grad(loss, [policy.a, policy.b])
     return torch.stack([grad_a, grad_b], dim=-1)
 
 
-def enumerated_kl_gradient(theta, ref, seq_len) -> torch.Tensor:
+@torch.no_grad()
+def kl_penalty_returns(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: torch.Tensor,
+                       kl_cfg: KLConfig | ExactKL) -> torch.Tensor:
+    """The reward-side KL penalty [K*N] or [K*N, T] a configuration puts in the advantage (>= 0 for
+    K3/exact; the advantage is minus this); zeros when the KL is not inside the advantage."""
+    logprobs = policy(y)
+    ref = ref_policy(y).expand_as(logprobs)
+    flat_shape = (-1, y.shape[-1])
+    mask = torch.ones(logprobs.reshape(flat_shape).shape, dtype=DTYPE)
+    if isinstance(kl_cfg, ExactKL):
+        if not kl_cfg.in_reward or kl_cfg.off_policy_correction == "seq-is":
+            return torch.zeros(mask.shape[0], dtype=DTYPE)
+        kl = bernoulli_kl(policy.logits(y), ref_policy.logits(y)).reshape(flat_shape)
+        return _kl_returns(kl, kl_cfg.kl_return)
+    rewards = torch.zeros(mask.shape[0], dtype=DTYPE)
+    return -compute_rewards_with_kl(rewards, logprobs.reshape(flat_shape), ref.reshape(flat_shape),
+                                    mask, kl_cfg)
+
+
+def enumerated_kl(theta, ref, seq_len, model: str = "count") -> float:
+    """KL(A_theta || B) by exact enumeration: sum_y A(y) log(A(y) / B(y))."""
+    y = all_sequences(seq_len)
+    with torch.no_grad():
+        lp = BinaryARPolicy(*theta, model=model)(y).sum(-1)
+        lq = BinaryARPolicy(*ref, model=model)(y).sum(-1)
+    return (lp.exp() * (lp - lq)).sum().item()
+
+
+def enumerated_kl_gradient(theta, ref, seq_len, model: str = "count") -> torch.Tensor:
     """g* [2] by exact enumeration: grad sum_y A(y) log(A(y) / B(y))."""
-    policy, ref_policy = BinaryARPolicy(*theta), BinaryARPolicy(*ref)
+    policy, ref_policy = BinaryARPolicy(*theta, model=model), BinaryARPolicy(*ref, model=model)
     y = all_sequences(seq_len)
     seq_logprobs = policy(y).sum(-1)
     kl = (seq_logprobs.exp() * (seq_logprobs - ref_policy(y).sum(-1).detach())).sum()
     return torch.stack(torch.autograd.grad(kl, [policy.a, policy.b]), dim=-1).squeeze(0)
 
 
-def exact_expected_gradient(theta, ref, seq_len, kl_cfg: KLConfig, old=None) -> torch.Tensor:
-    """E[gradient estimate] [2] by summing over all 2^T sequences (weights A_theta or A_old)."""
-    policy, ref_policy = BinaryARPolicy(*theta), BinaryARPolicy(*ref)
-    old_policy = BinaryARPolicy(*old) if old is not None else None
-    y = all_sequences(seq_len)
+def exact_gradient_moments(theta, ref, seq_len, kl_cfg, old=None, model: str = "count",
+                           baseline: bool = False):
+    """(E[grad] [2], per-sample variance) by enumerating all 2^T sequences (weights A_theta or A_old).
+
+    One parameter copy per sequence gives every single-sequence gradient g(y) in one backward pass;
+    E = sum_y w(y) g(y), variance = sum_y w(y) |g(y) - E|^2 (trace of the covariance).
+    baseline: subtract the mean KL penalty b = sum_y w(y) R(y) (per position for per-token returns)
+    inside the advantage: the large-group limit of a leave-one-out (RLOO) baseline. Same E[grad].
+    """
+    y = all_sequences(seq_len).transpose(0, 1)  # [2^T, 1, T]: one sequence per copy
+    policy = BinaryARPolicy(*theta, y.shape[0], model=model)
+    ref_policy = BinaryARPolicy(*ref, model=model)
+    old_policy = BinaryARPolicy(*old, model=model) if old is not None else None
     with torch.no_grad():
-        sampler = old_policy if old_policy is not None else policy
-        weights = sampler(y).sum(-1).exp().squeeze(0)
-    return estimator_gradients(policy, ref_policy, y, kl_cfg, old_policy, weights).squeeze(0)
+        sampler = old_policy if old_policy is not None else BinaryARPolicy(*theta, model=model)
+        weights = sampler(y).sum(-1).exp().reshape(-1)
+    b = weights @ kl_penalty_returns(policy, ref_policy, y, kl_cfg) if baseline else None
+    grads = estimator_gradients(policy, ref_policy, y, kl_cfg, old_policy, b)
+    mean = weights @ grads
+    variance = (weights * (grads - mean).square().sum(-1)).sum().item()
+    return mean, variance
+
+
+def exact_expected_gradient(theta, ref, seq_len, kl_cfg, old=None, model: str = "count") -> torch.Tensor:
+    """E[gradient estimate] [2] by summing over all 2^T sequences (weights A_theta or A_old)."""
+    return exact_gradient_moments(theta, ref, seq_len, kl_cfg, old, model)[0]
 
 
 # ---------------------------------------------------------------- the study
 
+# Default (theta, ref, old) per model. count: b is a quarter of the sign model's, so that b c over
+# c = 0..7 spans about the range b c does in the sign model (c = +-1); KL(A_theta || B) = 0.51 nats.
+DEFAULT_PARAMS = {"count": ((0.5, -0.25), (-0.5, 0.25), (0.9, -0.15)),
+                  "sign": ((0.5, -1.0), (-0.5, 1.0), (0.9, -0.6))}
+# (theta, ref) pairs of the variance comparison, from close to far from the reference.
+VARIANCE_SETTINGS = (((0.3, 0.1), (-0.3, 0.3)), ((1.0, -0.5), (0.5, -0.2)), ((0.3, -0.2), (-0.3, 0.2)),
+                     ((0.5, -0.25), (-0.5, 0.25)), ((0.5, -0.5), (-0.5, 0.5)), ((0.5, -1.0), (-0.5, 1.0)))
+
+
 @dataclass
 class ToySetup:
-    """Parameters (a, b) of A_theta, B (reference) and A_old (off-policy sampler); MC sizes."""
+    """Model, parameters (a, b) of A_theta, B (reference) and A_old (off-policy sampler); MC sizes."""
 
     seq_len: int = 8
-    theta: tuple = (0.5, -1.0)
-    ref: tuple = (-0.5, 1.0)
-    old: tuple = (0.9, -0.6)
+    theta: tuple = DEFAULT_PARAMS["count"][0]
+    ref: tuple = DEFAULT_PARAMS["count"][1]
+    old: tuple = DEFAULT_PARAMS["count"][2]
+    model: str = "count"
     num_trials: int = 200
     num_samples: int = 1000
     seed: int = 0
     runs: list = field(default_factory=default_runs)
+    variance_settings: tuple = VARIANCE_SETTINGS
+
+
+def _run_key(run: ToyRun) -> str:
+    return f"{run.kl.estimator}/{run.kl.placement}"
+
+
+def variance_sweep(settings, seq_len: int, model: str = "count", runs=None) -> list:
+    """Exact per-sample variance (no baseline, mean baseline) of the VARIANCE_SUMMARY configurations,
+    on-policy, at each (theta, ref) of settings: [{theta, ref, kl, rows: {config: {...}}}]."""
+    runs = [r for r in (runs or default_runs()) if r.name in VARIANCE_SUMMARY and not r.off_policy]
+    out = []
+    for theta, ref in settings:
+        g_star = true_gradient(theta, ref, seq_len, model)
+        rows = {}
+        for run in runs:
+            mean, variance = exact_gradient_moments(theta, ref, seq_len, run.kl, model=model)
+            _, variance_b = exact_gradient_moments(theta, ref, seq_len, run.kl, model=model, baseline=True)
+            rows[run.name] = {"exact_sq_bias": (mean - g_star).square().sum().item(),
+                              "variance": variance, "variance_mean_baseline": variance_b}
+        out.append({"theta": list(theta), "ref": list(ref),
+                    "kl": closed_form_kl(theta, ref, seq_len, model), "rows": rows})
+    return out
 
 
 def run_study(setup: ToySetup) -> dict:
-    """Exact and Monte-Carlo squared bias and variance of every run in setup.runs."""
+    """Exact (enumeration) and Monte-Carlo bias and variance of every run in setup.runs."""
     start, start_cpu = time.perf_counter(), time.process_time()
-    g_star = true_gradient(setup.theta, setup.ref, setup.seq_len)
-    g_enum = enumerated_kl_gradient(setup.theta, setup.ref, setup.seq_len)
-    closed = closed_form_gradients(setup.theta, setup.ref, setup.seq_len)
+    model, t = setup.model, setup.seq_len
+    g_star = true_gradient(setup.theta, setup.ref, t, model)
+    g_enum = enumerated_kl_gradient(setup.theta, setup.ref, t, model)
+    g_closed = closed_form_kl_gradient(setup.theta, setup.ref, t, model)
+    kl_value = closed_form_kl(setup.theta, setup.ref, t, model)
+    kl_enum = enumerated_kl(setup.theta, setup.ref, t, model)
+    closed = closed_form_gradients(setup.theta, setup.ref, t, model)
 
     generator = torch.Generator().manual_seed(setup.seed)
-    k, n, t = setup.num_trials, setup.num_samples, setup.seq_len
-    samples = {False: BinaryARPolicy(*setup.theta, k).sample(n, t, generator),
-               True: BinaryARPolicy(*setup.old, k).sample(n, t, generator)}
-    ref_policy, old_policy = BinaryARPolicy(*setup.ref), BinaryARPolicy(*setup.old)
-    # Trials run in chunks: the same numbers, but [chunk * N, T] tensors stay cache-sized (~1.5x faster).
-    chunks = [(lo, min(lo + TRIAL_CHUNK, k)) for lo in range(0, k, TRIAL_CHUNK)]
-    mc_policies = {size: BinaryARPolicy(*setup.theta, size) for size in {hi - lo for lo, hi in chunks}}
+    k, n = setup.num_trials, setup.num_samples
+    do_mc = k > 0 and n > 0
+    if do_mc:
+        samples = {False: BinaryARPolicy(*setup.theta, k, model=model).sample(n, t, generator),
+                   True: BinaryARPolicy(*setup.old, k, model=model).sample(n, t, generator)}
+        ref_policy = BinaryARPolicy(*setup.ref, model=model)
+        old_policy = BinaryARPolicy(*setup.old, model=model)
+        # Trials run in chunks: the same numbers, but [chunk * N, T] tensors stay cache-sized.
+        chunks = [(lo, min(lo + TRIAL_CHUNK, k)) for lo in range(0, k, TRIAL_CHUNK)]
+        mc_policies = {size: BinaryARPolicy(*setup.theta, size, model=model)
+                       for size in {hi - lo for lo, hi in chunks}}
 
     rows = []
     for run in setup.runs:
         old = setup.old if run.off_policy else None
-        exact = exact_expected_gradient(setup.theta, setup.ref, t, run.kl, old)
-        grads = torch.cat([
-            estimator_gradients(mc_policies[hi - lo], ref_policy, samples[run.off_policy][lo:hi],
-                                run.kl, old_policy if run.off_policy else None)
-            for lo, hi in chunks])
-        mc_mean = grads.mean(0)
+        exact, variance = exact_gradient_moments(setup.theta, setup.ref, t, run.kl, old, model)
+        _, variance_b = exact_gradient_moments(setup.theta, setup.ref, t, run.kl, old, model, True)
         exact_sq_bias = (exact - g_star).square().sum().item()
         row = {
             "config": run.name, "estimator": run.kl.estimator, "placement": run.kl.placement,
             "sampling": "off-policy" if run.off_policy else "on-policy",
             "correction": run.kl.off_policy_correction,
             "exact_grad": exact.tolist(), "exact_sq_bias": exact_sq_bias,
-            "mc_mean_grad": mc_mean.tolist(),
-            "mc_sq_bias": (mc_mean - g_star).square().sum().item(),
-            "mc_variance": grads.var(0).sum().item(),
+            "variance": variance, "variance_mean_baseline": variance_b,
             "biased": exact_sq_bias > UNBIASED_TOL,
         }
-        key = f"{run.kl.estimator}/{run.kl.placement}"
-        if not run.off_policy and key in closed:
-            row["closed_form_abs_err"] = (exact - closed[key]).abs().max().item()
+        if do_mc:
+            grads = torch.cat([
+                estimator_gradients(mc_policies[hi - lo], ref_policy, samples[run.off_policy][lo:hi],
+                                    run.kl, old_policy if run.off_policy else None)
+                for lo, hi in chunks])
+            mc_mean = grads.mean(0)
+            row["mc_mean_grad"] = mc_mean.tolist()
+            row["mc_sq_bias"] = (mc_mean - g_star).square().sum().item()
+            row["mc_variance"] = n * grads.var(0).sum().item() if k > 1 else float("nan")
+        if not run.off_policy and _run_key(run) in closed:
+            row["closed_form_abs_err"] = (exact - closed[_run_key(run)]).abs().max().item()
         rows.append(row)
+    settings = [(setup.theta, setup.ref)] + [s for s in setup.variance_settings
+                                             if tuple(map(tuple, s)) != (setup.theta, setup.ref)]
     return {
-        "setup": {"seq_len": t, "theta": list(setup.theta), "ref": list(setup.ref),
+        "setup": {"model": model, "seq_len": t, "theta": list(setup.theta), "ref": list(setup.ref),
                   "old": list(setup.old), "num_trials": k, "num_samples": n, "seed": setup.seed,
                   "beta": 1.0, "advantage": "reinforce (no baseline)",
                   "aggregation": "seq-mean-token-sum", "dtype": "float64"},
+        "kl": kl_value,
+        "kl_enum_abs_err": abs(kl_enum - kl_value),
         "true_gradient": g_star.tolist(),
         "true_gradient_enum_abs_err": (g_enum - g_star).abs().max().item(),
+        "true_gradient_closed_form_abs_err": (g_closed - g_star).abs().max().item(),
         "rows": rows,
+        "variance_sweep": variance_sweep(settings, t, model, setup.runs),
         "runtime_s": time.perf_counter() - start,
         "cpu_s": time.process_time() - start_cpu,
     }
 
 
+def _fmt_vec(v) -> str:
+    return "[" + ", ".join(f"{x:+.4f}" for x in v) + "]"
+
+
+def _variance_reading(result: dict) -> list:
+    """Sentences stating what the variance comparison shows, computed from the numbers."""
+    needed = {"exact/reward+loss later", "k1/reward"}
+    sweep = [s for s in result.get("variance_sweep") or [] if needed <= s["rows"].keys()]
+    if not sweep:
+        return []
+    ratio = [s["rows"]["exact/reward+loss later"]["variance"] / s["rows"]["k1/reward"]["variance"]
+             for s in sweep]
+    ratio_b = [s["rows"]["exact/reward+loss later"]["variance_mean_baseline"]
+               / s["rows"]["k1/reward"]["variance_mean_baseline"] for s in sweep]
+    here = ratio[0]
+    order = sorted(range(len(sweep)), key=lambda i: sweep[i]["kl"])
+    lo, hi = order[0], order[-1]
+    returns = ("exact/reward+loss", "exact/reward+loss to-go", "exact/reward+loss later")
+    later_best = sum(min(returns, key=lambda r: s["rows"][r]["variance"]) == returns[2]
+                     for s in sweep if set(returns) <= s["rows"].keys())
+    return [
+        f"What it means: `exact` in reward+loss (path-wise sum_t grad KL_t plus the score term with "
+        f"the later positions' KL as return) gives the true gradient at float rounding, with "
+        f"{here:.2f}x the per-sample variance of K1 in the reward at this setting: "
+        f"{max(here, 1 / here):.1f}x {'fewer' if here < 1 else 'more'} samples for the same "
+        f"gradient noise. It removes the sampling noise of each position's KL (an average over the "
+        f"token instead of one draw), not that of the score function, which multiplies the "
+        f"KL-to-go: across the settings of the table above the ratio is "
+        f"{min(ratio):.2f}-{max(ratio):.2f}x, {ratio[lo]:.2f}x at the smallest KL "
+        f"({sweep[lo]['kl']:.2f} nats) and {ratio[hi]:.2f}x at the largest ({sweep[hi]['kl']:.2f}); "
+        f"{min(ratio_b):.2f}-{max(ratio_b):.2f}x with the mean baseline. Counting only later "
+        f"positions in the return was the lowest-variance of the three exact returns in "
+        f"{later_best} of {len(sweep)} settings: the term s_t KL_t it drops has mean zero but "
+        f"can be negatively correlated with the rest.",
+    ]
+
+
 def markdown_table(result: dict) -> str:
-    """Table-1-like summary of run_study's result."""
+    """Table-1-like summary of run_study's result, then the variance comparison."""
     setup = result["setup"]
+    mc = setup["num_trials"] > 0 and setup["num_samples"] > 0
+    model = ("c_{t-1} = number of ones so far (paper eq. 17-18)" if setup["model"] == "count"
+             else "c_{t-1} = sign of the previous token")
     lines = [
-        f"Toy study (T={setup['seq_len']}, theta={setup['theta']}, ref={setup['ref']}, "
-        f"old={setup['old']}; MC: {setup['num_trials']} trials x {setup['num_samples']} samples). "
-        f"True gradient of KL(A||B): {[round(v, 6) for v in result['true_gradient']]}. "
-        f"MC bias^2 includes the MC noise variance/{setup['num_trials']}.",
+        f"Toy study, model `{setup['model']}`: p_t = sigmoid(a + b c_{{t-1}}), {model}. "
+        f"T={setup['seq_len']}, theta={setup['theta']}, ref={setup['ref']}, old={setup['old']}; "
+        f"beta 1, REINFORCE, float64.",
         "",
-        "| config | sampling | exact bias^2 | MC bias^2 | MC variance | biased |",
-        "|---|---|---|---|---|---|",
+        f"KL(A_theta || B) = {result['kl']:.6f} nats (closed form; enumeration differs by "
+        f"{result['kl_enum_abs_err']:.1e}). True gradient g* = {_fmt_vec(result['true_gradient'])} "
+        f"(closed form (C3) and enumeration differ by {result['true_gradient_closed_form_abs_err']:.1e} "
+        f"and {result['true_gradient_enum_abs_err']:.1e}).",
+        "",
+        "E[grad], bias^2 = |E[grad] - g*|^2 and the per-sample variance (trace of the covariance "
+        "of one sequence's gradient; a batch of N has 1/N of it) are exact, by enumeration of all "
+        "2^T sequences; without a baseline, and with the mean KL penalty as baseline (the "
+        "large-group limit of RLOO; same E[grad])"
+        + (f". MC: {setup['num_trials']} trials x {setup['num_samples']} samples, its per-sample "
+           f"variance = {setup['num_samples']} x the variance across trials (no baseline)." if mc else "."),
+        "",
+        "| config | sampling | E[grad] (exact) | bias^2 (exact) | variance/sample | "
+        "variance/sample, mean baseline |" + (" MC bias^2 | MC variance/sample |" if mc else "") + " biased |",
+        "|---|---|---|---|---|---|" + ("---|---|" if mc else "") + "---|",
     ]
     for row in result["rows"]:
-        lines.append(f"| {row['config']} | {row['sampling']} | {row['exact_sq_bias']:.3e} | "
-                     f"{row['mc_sq_bias']:.3e} | {row['mc_variance']:.3e} | "
-                     f"{'yes' if row['biased'] else 'no'} |")
+        line = (f"| {row['config']} | {row['sampling']} | {_fmt_vec(row['exact_grad'])} | "
+                f"{row['exact_sq_bias']:.3e} | {row['variance']:.3e} | "
+                f"{row['variance_mean_baseline']:.3e} |")
+        if mc:
+            line += f" {row['mc_sq_bias']:.3e} | {row['mc_variance']:.3e} |"
+        lines.append(line + f" {'yes' if row['biased'] else 'no'} |")
+    sweep = result.get("variance_sweep") or []
+    if sweep:
+        names = [n for n in VARIANCE_SUMMARY if n in sweep[0]["rows"]]
+        lines += ["", "Per-sample variance on-policy (exact; no baseline / mean baseline) of the "
+                  "unbiased configurations and of K3 in the loss (biased), at this setting (first "
+                  "column) and at others, same model and T:", "",
+                  "| config | " + " | ".join(f"theta={s['theta']} ref={s['ref']} KL {s['kl']:.2f}"
+                                             for s in sweep) + " |",
+                  "|---|" + "---|" * len(sweep)]
+        for name in names:
+            cells = [f"{s['rows'][name]['variance']:.3g} / {s['rows'][name]['variance_mean_baseline']:.3g}"
+                     + (" (biased)" if s["rows"][name]["exact_sq_bias"] > UNBIASED_TOL else "")
+                     for s in sweep]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += [""] + _variance_reading(result)
     lines.append("")
     lines.append(f"Runtime: {result['runtime_s']:.1f} s wall, {result['cpu_s']:.1f} s CPU "
                  f"(torch threads: {torch.get_num_threads()})")
@@ -352,7 +732,7 @@ def markdown_table(result: dict) -> str:
 
 
 def plot(result: dict, path: Path):
-    """Bars of exact squared bias and MC variance per configuration (paper Fig. 1 style)."""
+    """Bars of exact squared bias and exact per-sample variance per configuration (paper Fig. 1 style)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -360,40 +740,63 @@ def plot(result: dict, path: Path):
     floor = 1e-12
     panels = [("on-policy", "on-policy (samples from A_theta)"),
               ("off-policy", "off-policy (samples from A_old)")]
-    fig, axes = plt.subplots(2, 1, figsize=(14, 9))
+    setup = result["setup"]
+    fig, axes = plt.subplots(2, 1, figsize=(16, 10), gridspec_kw={"height_ratios": [1, 1.6]})
     for ax, (sampling, title) in zip(axes, panels):
         rows = [r for r in result["rows"] if r["sampling"] == sampling]
         x = torch.arange(len(rows), dtype=torch.float64).numpy()
         bias = [max(r["exact_sq_bias"], floor) for r in rows]
-        var = [max(r["mc_variance"], floor) for r in rows]
+        var = [max(r["variance"], floor) for r in rows]
         ax.bar(x - 0.2, bias, width=0.4, label="squared bias (exact)", color="tab:red")
-        ax.bar(x + 0.2, var, width=0.4, label="variance (MC, N per trial)", color="tab:blue")
+        ax.bar(x + 0.2, var, width=0.4, label="variance per sample (exact, no baseline)",
+               color="tab:blue")
         ax.set_yscale("log")
         ax.set_xticks(x)
         ax.set_xticklabels([r["config"].replace(" off:", "\n") for r in rows], rotation=60,
                            ha="right", fontsize=7)
-        ax.set_title(f"{title}; bars at {floor:g} are unbiased (exact bias^2 ~ 0)")
-        ax.legend(fontsize=8)
+        ax.set_title(f"{title}; bars at {floor:g} are unbiased (exact bias^2 ~ 0)", fontsize=10,
+                     loc="left")
+        ax.legend(fontsize=8, ncol=2, loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    fig.suptitle(f"toy model '{setup['model']}', T={setup['seq_len']}, theta={setup['theta']}, "
+                 f"ref={setup['ref']}, old={setup['old']}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(argv=None) -> int:
-    """`python tools/toy_kl_study.py` / `megatron-rl toy`: write table.md, results.json, figure.png."""
+    """`megatron-rl toy` / `python tools/toy_kl_study.py`: print the study; write table.md,
+    results.json and figure.png under --out."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="count",
+                        help="count: c_{t-1} = number of ones so far (paper eq. 17-18, default); "
+                             "sign: c_{t-1} = 2 y_{t-1} - 1")
+    parser.add_argument("--seq-len", type=int, default=ToySetup.seq_len,
+                        help=f"T, 1..{MAX_SEQ_LEN} (all 2^T sequences are enumerated)")
+    defaults = ", ".join(f"{m}: {p[0]}, {p[1]}, {p[2]}" for m, p in DEFAULT_PARAMS.items())
+    parser.add_argument("--theta", type=float, nargs=2, metavar=("A", "B"),
+                        help=f"policy parameters (a, b); defaults (theta, ref, old) {defaults}")
+    parser.add_argument("--ref", type=float, nargs=2, metavar=("A", "B"),
+                        help="reference parameters (a~, b~)")
+    parser.add_argument("--old", type=float, nargs=2, metavar=("A", "B"),
+                        help="behaviour policy A_old for the off-policy rows")
     parser.add_argument("--out", default="outputs/toy", help="output directory")
-    parser.add_argument("--seq-len", type=int, default=ToySetup.seq_len)
-    parser.add_argument("--num-trials", type=int, default=ToySetup.num_trials)
+    parser.add_argument("--num-trials", type=int, default=ToySetup.num_trials,
+                        help="Monte-Carlo trials (0: exact columns only)")
     parser.add_argument("--num-samples", type=int, default=ToySetup.num_samples)
     parser.add_argument("--seed", type=int, default=ToySetup.seed)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
     args = parser.parse_args(argv)
-    if args.seq_len < 1 or args.seq_len > 16:
-        raise ValueError(f"--seq-len must be in [1, 16] (2^T sequences are enumerated), got {args.seq_len}")
+    if not 1 <= args.seq_len <= MAX_SEQ_LEN:
+        parser.error(f"--seq-len must be in [1, {MAX_SEQ_LEN}] (2^T sequences are enumerated), "
+                     f"got {args.seq_len}")
 
-    setup = ToySetup(seq_len=args.seq_len, num_trials=args.num_trials,
-                     num_samples=args.num_samples, seed=args.seed)
+    theta, ref, old = (tuple(given) if given is not None else default
+                       for given, default in zip((args.theta, args.ref, args.old),
+                                                 DEFAULT_PARAMS[args.model]))
+    setup = ToySetup(seq_len=args.seq_len, theta=theta, ref=ref, old=old, model=args.model,
+                     num_trials=args.num_trials, num_samples=args.num_samples, seed=args.seed)
     result = run_study(setup)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -402,8 +805,9 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     if not args.no_plot:
         plot(result, out / "figure.png")
-    print(table)
-    print(f"wrote {out}/table.md, results.json" + ("" if args.no_plot else ", figure.png"))
+    print(json.dumps(result, indent=2) if args.json else table)
+    print(f"wrote {out}/table.md, results.json" + ("" if args.no_plot else ", figure.png"),
+          file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
