@@ -65,6 +65,12 @@ class DataConfig:
 class RolloutConfig:
     rollout_engine: str = "local"         # local | vllm | sglang
     rollout_url: str | None = None        # attach to a running server instead of starting one
+    rollout_host: str = "127.0.0.1"       # bind address of a started server; 0.0.0.0: other nodes
+    # how the trainer's weights reach a server after every step: auto = the fastest that works
+    # here (SGLang: tensor, in memory; vLLM: disk); disk = an HF export reloaded by the server;
+    # tensor = SGLang update_weights_from_tensor; distributed = SGLang NCCL broadcast (GPUs)
+    weight_sync: str = "auto"
+    weight_sync_bucket_mb: int = 512     # NCCL broadcast bucket (--weight-sync distributed)
     # GPU memory share of a vLLM/SGLang server started on the trainer's GPUs (vLLM's
     # --gpu-memory-utilization, SGLang's --mem-fraction-static); None: the server's default
     rollout_gpu_memory_utilization: float | None = None
@@ -154,6 +160,9 @@ class TrainConfig:
                              "weights unless --load gives them)")
         if not self.data.train_data:
             raise ValueError("--train-data is required (JSONL files from tools/prepare_data.py)")
+        if self.rollout.rollout_engine == "vllm" and self.rollout.weight_sync not in ("auto", "disk"):
+            raise ValueError(f"--weight-sync {self.rollout.weight_sync} is SGLang's; vLLM reloads "
+                             "exported weights (--weight-sync disk)")
         if self.checkpoint.finetune and not self.checkpoint.load:
             raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
         self.model.options.validate()
@@ -168,6 +177,7 @@ _CHOICES = {
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS), "attention_backend": list(ATTENTION_BACKENDS),
     "lr_decay_style": list(LR_DECAY_STYLES),
+    "weight_sync": ["auto", "disk", "tensor", "distributed"],
 }
 
 

@@ -128,8 +128,9 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
     work_dir = os.path.join(cfg.checkpoint.save, engine)
     dtype = "bfloat16" if cfg.model.bf16 else "float32"
     max_len = policy.args.max_position_embeddings  # servers refuse a longer context
-    hf, url = cfg.model.hf_checkpoint, cfg.rollout.rollout_url
-    mem = cfg.rollout.rollout_gpu_memory_utilization if use_cuda() else None
+    r = cfg.rollout
+    hf, url = cfg.model.hf_checkpoint, r.rollout_url
+    mem = r.rollout_gpu_memory_utilization if use_cuda() else None
     if engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
 
@@ -137,12 +138,15 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
         kv_bytes = None if use_cuda() else 2 << 30
         return VLLMEngine(hf, VLLMConfig(work_dir=work_dir, url=url, dtype=dtype, seed=cfg.seed,
                                          kv_cache_memory_bytes=kv_bytes, max_model_len=max_len,
-                                         gpu_memory_utilization=mem),
+                                         gpu_memory_utilization=mem, host=r.rollout_host),
                           policy=policy)
     from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
 
+    sync = "tensor" if r.weight_sync == "auto" else r.weight_sync
     return SGLangEngine(hf, SGLangConfig(work_dir=work_dir, url=url, dtype=dtype, seed=cfg.seed,
-                                         context_length=max_len, mem_fraction_static=mem),
+                                         context_length=max_len, mem_fraction_static=mem,
+                                         host=r.rollout_host, sync=sync,
+                                         nccl_bucket_bytes=r.weight_sync_bucket_mb << 20),
                         policy=policy)
 
 

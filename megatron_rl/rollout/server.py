@@ -3,7 +3,9 @@
 A `ManagedServer` owns one inference server process, started from an argv that depends on the
 model directory it should serve (so a restart can serve the *current* weights, the last export,
 not the initial checkpoint). It
-- binds 127.0.0.1 on a free port and waits for the health endpoint, with a timeout; if the
+- binds `host` (127.0.0.1 unless told otherwise; 0.0.0.0 for other nodes to reach it, then
+  announced under this machine's name) on a free port and waits for the health endpoint, with
+  a timeout; if the
   process exits during startup the error carries the tail of its log;
 - keeps the server's stdout/stderr in a log file (restarts append to it);
 - restarts the process when it died or stopped answering, detected by a failed request or
@@ -52,6 +54,12 @@ class ServerRequestError(RuntimeError):
 # Errors that mean "the server is not there / went away", as opposed to an HTTP error status.
 TRANSPORT_ERRORS = (urllib.error.URLError, ConnectionError, http.client.HTTPException,
                     TimeoutError, socket.timeout)
+
+
+def advertised_host(bind: str) -> str:
+    """The name other processes (and nodes) use for a server bound to `bind`: the address
+    itself, or this machine's fully qualified name for a wildcard bind (0.0.0.0, ::)."""
+    return socket.getfqdn() if bind in ("", "0.0.0.0", "::") else bind
 
 
 def free_port(host: str = HOST) -> int:
@@ -111,7 +119,7 @@ class ManagedServer:
                  model_path: str, *, log_dir: str, env: dict[str, str] | None = None,
                  health_path: str = "/health", startup_timeout: float = 600.0,
                  max_restarts: int = 3, on_start: Callable[["ManagedServer"], None] | None = None,
-                 stop_timeout: float = 20.0):
+                 stop_timeout: float = 20.0, host: str = HOST):
         self.name = name
         self._build_argv = build_argv
         self.model_path = model_path
@@ -122,7 +130,7 @@ class ManagedServer:
         self.max_restarts = max_restarts
         self.on_start = on_start
         self.stop_timeout = stop_timeout
-        self.host = HOST
+        self.host = host
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
         self.log_path: str | None = None
@@ -152,7 +160,7 @@ class ManagedServer:
             return self._attached_url
         if self.port is None:
             raise ServerError(f"{self.name}: not started")
-        return f"http://{self.host}:{self.port}"
+        return f"http://{advertised_host(self.host)}:{self.port}"
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, wait: bool = True) -> "ManagedServer":

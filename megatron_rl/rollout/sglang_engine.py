@@ -58,6 +58,7 @@ class SGLangConfig:
 
     work_dir: str
     url: str | None = None
+    host: str = "127.0.0.1"             # bind address of a started server (0.0.0.0: all nodes)
     python: str | None = None           # default: sglang_python()
     sync: str = "disk"                  # one of SYNC_MODES
     dtype: str = "bfloat16"
@@ -105,7 +106,7 @@ class SGLangEngine(ServerBackedEngine):
                     "sglang", self._argv, self.model_path,
                     log_dir=os.path.join(config.work_dir, "logs"), env=self._env(),
                     startup_timeout=config.startup_timeout, max_restarts=config.max_restarts,
-                    on_start=self._on_start, stop_timeout=5.0)  # it lingers on SIGTERM
+                    host=config.host, on_start=self._on_start, stop_timeout=5.0)  # it lingers on SIGTERM
         self.url: str | None = None
         if start:
             self.start()

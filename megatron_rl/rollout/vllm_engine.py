@@ -57,6 +57,7 @@ class VLLMConfig:
 
     work_dir: str                       # logs and exported weights live here
     url: str | None = None
+    host: str = "127.0.0.1"             # bind address of a started server (0.0.0.0: all nodes)
     python: str | None = None           # default: vllm_python()
     dtype: str = "bfloat16"             # server compute dtype; exports are cast to it
     max_model_len: int = 4096
@@ -103,7 +104,7 @@ class VLLMEngine(ServerBackedEngine):
                     "vllm", self._argv, os.path.abspath(model_path),
                     log_dir=os.path.join(config.work_dir, "logs"), env=self._env(),
                     startup_timeout=config.startup_timeout, max_restarts=config.max_restarts,
-                    on_start=self._on_start)
+                    host=config.host, on_start=self._on_start)
         self.url: str | None = None
         if start:
             self.start()

@@ -22,3 +22,26 @@ def test_auto_uses_engine_logprobs_only_where_they_are_the_policys(flags, expect
 def test_unknown_choice_is_refused():
     with pytest.raises(SystemExit):
         parse_config(BASE + ["--old-logprobs", "engine"])
+
+
+def test_weight_sync_modes_are_checked_against_the_engine():
+    assert parse_config(BASE + ["--rollout-engine", "sglang", "--weight-sync",
+                                "distributed"]).rollout.weight_sync == "distributed"
+    with pytest.raises(ValueError, match="--weight-sync tensor is SGLang's"):
+        parse_config(BASE + ["--rollout-engine", "vllm", "--weight-sync", "tensor"])
+
+
+def test_grouped_config_keeps_flat_flags():
+    """Each flag lands in its group once; --help groups them; YAML keys are the flag names."""
+    from megatron_rl.config import flag_fields, to_flat_dict
+
+    cfg = parse_config(BASE + ["--kl-estimator", "k3", "--loss-aggregation", "seq-mean-token-mean",
+                               "--sequence-parallel", "--tensor-model-parallel-size", "2",
+                               "--lr-decay-style", "cosine", "--train-iters", "10",
+                               "--ppo-minibatches", "2", "--recompute-granularity", "selective"])
+    assert cfg.loss.kl.estimator == "k3" and cfg.loss.aggregation == "seq-mean-token-mean"
+    assert cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.optimizer.lr_decay_iters == 20  # optimizer steps: train iters x minibatches
+    assert cfg.model.options.recompute_granularity == "selective"
+    flat = to_flat_dict(cfg)
+    assert set(flat) == set(flag_fields()) and flat["kl_estimator"] == "k3"
