@@ -143,9 +143,17 @@ class TrainConfig:
         mode = self.algorithm.old_logprobs
         if mode != "auto":
             return mode == "rollout"
+        if self.overlaps_rollout():
+            return True  # the generating weights are gone by the time the batch is trained on
         r = self.rollout
         return (r.rollout_engine == "local" and not self.model.bf16 and r.temperature == 1.0
                 and r.top_p == 1.0)
+
+    def overlaps_rollout(self) -> bool:
+        """Whether a server engine generates ahead in the background while the trainer trains
+        (--async-level >= 1): the batch of step s comes from weights up to k updates old, and
+        its behaviour log-probs are the engine's (those weights' own)."""
+        return self.rollout.rollout_engine != "local" and self.algorithm.async_level >= 1
 
     def validate(self) -> None:
         for name, (path, _) in flag_fields().items():  # YAML values bypass argparse's choices
@@ -163,6 +171,11 @@ class TrainConfig:
         if self.rollout.rollout_engine == "vllm" and self.rollout.weight_sync not in ("auto", "disk"):
             raise ValueError(f"--weight-sync {self.rollout.weight_sync} is SGLang's; vLLM reloads "
                              "exported weights (--weight-sync disk)")
+        if self.overlaps_rollout() and self.algorithm.old_logprobs == "recompute":
+            raise ValueError("--async-level >= 1 with a server engine generates in the background:"
+                             " the generating weights are gone when the batch is trained on, so "
+                             "the behaviour log-probs are the engine's (--old-logprobs auto or "
+                             "rollout), not a recompute")
         if self.checkpoint.finetune and not self.checkpoint.load:
             raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
         self.model.options.validate()

@@ -36,6 +36,7 @@ class Runtime:
     stop_ids: tuple[int, ...]
     start_step: int = 0
     writer: Any = None
+    _rollout_pool: Any = None
 
     @property
     def is_logger(self) -> bool:
@@ -47,6 +48,20 @@ class Runtime:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def overlaps_rollout(self) -> bool:
+        return self.cfg.overlaps_rollout()
+
+    def rollout_thread(self):
+        """Rank 0's background generation thread(s) (--async-level with a server engine): up to
+        k requests in flight."""
+        if self._rollout_pool is None:
+            import concurrent.futures
+
+            self._rollout_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(self.cfg.algorithm.async_level, 1),
+                thread_name_prefix="rollout")
+        return self._rollout_pool
 
     def sampling_params(self, seed: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -91,6 +106,8 @@ class Runtime:
         _save_reference(self, step)
 
     def close(self) -> None:
+        if self._rollout_pool is not None:
+            self._rollout_pool.shutdown(wait=True)
         self.engine.shutdown()
         self.scorer.close()
         if self.writer is not None:

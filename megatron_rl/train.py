@@ -12,6 +12,8 @@ global (all-reduced) token/sequence counts, so results do not depend on the layo
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import dataclasses
 import sys
 import time
 
@@ -28,31 +30,73 @@ from megatron_rl.rollout.server import broadcast_from_rank0, dist_rank
 from megatron_rl import metrics as global_metrics
 
 
-def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
-    """Sample group_size responses for this DP rank's prompts of `step` and score them.
+@dataclasses.dataclass
+class Rollout:
+    """One step's batch on its way: the prompts taken from the data, and either the finished
+    (batch, metrics) or, for a server engine under --async-level, rank 0's generation running in
+    a background thread (`future`). `version` is the weight version that generates it."""
+    step: int
+    data_state: dict              # the data position before this batch (a resume re-takes it)
+    version: int
+    records: list
+    future: concurrent.futures.Future | None = None
+    done: tuple | None = None     # (RolloutBatch, metrics)
 
-    Generated once per batch: by the local engine, each data-parallel replica's model-parallel
-    group generates its share together (one rank samples, the group follows); a server engine
-    gets the whole batch from one client (global rank 0), and each rank keeps its share."""
+
+def start_rollout(rt: Runtime, step: int) -> Rollout:
+    """Take `step`'s prompts and start generating them. Generated once per batch: by the local
+    engine, each data-parallel replica's model-parallel group generates its share together (one
+    rank samples, the group follows), here and now; a server engine gets the whole batch from one
+    client (global rank 0) -- in a background thread when it runs ahead (--async-level >= 1),
+    so that generation overlaps training."""
+    data_state = rt.train_data.state_dict()
+    records = rt.train_data.next_batch(rt.cfg.algorithm.num_prompts_per_step)
+    r = Rollout(step, data_state, rt.engine.weight_version, records)
+    if rt.overlaps_rollout():
+        if dist_rank() == 0:
+            r.future = rt.rollout_thread().submit(
+                rt.engine.generate, [rt.encode_prompt(x.text) for x in records],
+                rt.cfg.algorithm.group_size, rt.sampling_params(seed=_seed(rt, step)))
+    else:
+        r.done = _build_batch(rt, r)
+    return r
+
+
+def finish_rollout(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
+    """The step's batch and its metrics (waits for a background generation)."""
+    return r.done if r.done is not None else _build_batch(rt, r)
+
+
+def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
+    """Sample group_size responses for this DP rank's prompts of `step` and score them."""
+    return finish_rollout(rt, start_rollout(rt, step))
+
+
+def _seed(rt: Runtime, step: int) -> int:
+    return rt.cfg.seed + 7919 * step
+
+
+def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
     cfg, algo = rt.cfg, rt.cfg.algorithm
-    records = rt.train_data.next_batch(algo.num_prompts_per_step)
-    seed = cfg.seed + 7919 * step
     if cfg.rollout.rollout_engine == "local":
         prompt_ids, completions, rewards, reasons = _rollout(
-            rt, records[rt.dp_rank::rt.dp_size], seed + rt.dp_rank)
+            rt, r.records[rt.dp_rank::rt.dp_size], _seed(rt, r.step) + rt.dp_rank)
     else:
-        whole = _rollout(rt, records, seed) if dist_rank() == 0 else None
+        whole = None
+        if dist_rank() == 0:
+            done = None if r.future is None else r.future.result()
+            whole = _rollout(rt, r.records, _seed(rt, r.step), done)
         prompt_ids, completions, rewards, reasons = broadcast_from_rank0(whole)
         g, k = algo.group_size, slice(rt.dp_rank, None, rt.dp_size)
-        rewards = [r for grp in [rewards[i:i + g] for i in range(0, len(rewards), g)][k]
-                   for r in grp]
+        rewards = [x for grp in [rewards[i:i + g] for i in range(0, len(rewards), g)][k]
+                   for x in grp]
         prompt_ids, completions = prompt_ids[k], completions[k]
         reasons = reasons if rt.dp_rank == 0 else {}  # counted once in the global sum
     # the one host -> device boundary: from here on the batch lives where the model does
     batch = pack_rollouts(prompt_ids, completions, rewards, rt.pad_id).to(device())
-    # behaviour policy = the weights that generated the batch (see --old-logprobs)
     dp_group = data_parallel_group()
     metrics = global_metrics.count_metrics(reasons, "reward_errors/", dp_group)
+    # behaviour policy = the weights that generated the batch (see --old-logprobs)
     if cfg.use_rollout_logprobs():
         batch.old_logprobs = batch.rollout_logprobs.clone()
     else:
@@ -63,11 +107,13 @@ def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
     return batch, metrics
 
 
-def _rollout(rt: Runtime, records, seed: int):
-    """(prompt ids, completions per prompt, flat rewards, reward-error counts) for `records`."""
+def _rollout(rt: Runtime, records, seed: int, completions=None):
+    """(prompt ids, completions per prompt, flat rewards, reward-error counts) for `records`
+    (generated here unless `completions` already are)."""
     g = rt.cfg.algorithm.group_size
     prompt_ids = [rt.encode_prompt(r.text) for r in records]
-    completions = rt.engine.generate(prompt_ids, g, rt.sampling_params(seed=seed))
+    if completions is None:
+        completions = rt.engine.generate(prompt_ids, g, rt.sampling_params(seed=seed))
     texts = [rt.decode(c.token_ids) for group in completions for c in group]
     expand = lambda xs: [x for x in xs for _ in range(g)]  # noqa: E731
     rewards, reasons = rt.scorer.score_batch(texts, expand([r.answer for r in records]),
@@ -172,15 +218,17 @@ def nonfinite_flag(results: list[dict], params) -> torch.Tensor:
 
 def train(cfg: TrainConfig) -> dict:
     rt = setup_runtime(cfg)
-    pending = collections.deque()   # async: batches generated ahead by a stale policy
+    pending: collections.deque[Rollout] = collections.deque()  # batches started ahead
     nonfinite_in_row = 0
     last = {}
     for step in rt.progress(range(rt.start_step, cfg.train_iters)):
         t0 = time.perf_counter()
+        # keep --async-level batches ahead of this one: generated by weights <= k updates old
         while len(pending) <= cfg.algorithm.async_level:
-            data_state = rt.train_data.state_dict()
-            pending.append((data_state, *generate_batch(rt, step + len(pending))))
-        _, batch, metrics = pending.popleft()
+            pending.append(start_rollout(rt, step + len(pending)))
+        current = pending.popleft()
+        batch, metrics = finish_rollout(rt, current)
+        metrics["rollout/staleness"] = float(step - current.version)
         t_rollout = time.perf_counter() - t0
         metrics.update(global_metrics.batch_metrics(batch.rewards, batch.response_lengths,
                                                     batch.finish_reasons, data_parallel_group()))
@@ -193,6 +241,10 @@ def train(cfg: TrainConfig) -> dict:
             raise FloatingPointError(f"{nonfinite_in_row} consecutive non-finite updates at step "
                                      f"{step}: stopping (--max-nonfinite-steps)")
         t_train = time.perf_counter() - t1
+        # weights change between requests: what is in flight finishes with the old ones
+        for r in pending:
+            if r.future is not None:
+                r.future.result()
         rt.engine.update_weights(step + 1)
         reset = cfg.algorithm.ref_reset_interval
         if reset and (step + 1) % reset == 0:
@@ -206,7 +258,7 @@ def train(cfg: TrainConfig) -> dict:
         last = metrics
         if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0:
             # resume re-generates the pending (async) batches: record the data position before them
-            rt.save(step + 1, data_state=pending[0][0] if pending else None)
+            rt.save(step + 1, data_state=pending[0].data_state if pending else None)
     rt.close()
     return last
 
