@@ -64,7 +64,9 @@ class DataConfig:
 @dataclasses.dataclass
 class RolloutConfig:
     rollout_engine: str = "local"         # local | vllm | sglang
-    rollout_url: str | None = None        # attach to a running server instead of starting one
+    # attach to running servers (one URL or several) instead of starting them
+    rollout_url: list[str] = _field(default_factory=list)
+    rollout_num_servers: int = 1          # servers to start (vLLM/SGLang), one engine over all
     rollout_host: str = "127.0.0.1"       # bind address of a started server; 0.0.0.0: other nodes
     # how the trainer's weights reach a server after every step: auto = the fastest that works
     # here (SGLang: tensor, in memory; vLLM: disk); disk = an HF export reloaded by the server;
@@ -77,6 +79,22 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 256
+
+    def __post_init__(self):
+        # YAML may give one URL as a string (and None for none)
+        if self.rollout_url is None:
+            self.rollout_url = []
+        elif isinstance(self.rollout_url, str):
+            self.rollout_url = [self.rollout_url]
+        else:
+            self.rollout_url = list(self.rollout_url)
+        if self.rollout_num_servers < 1:
+            raise ValueError(f"--rollout-num-servers {self.rollout_num_servers}: must be >= 1")
+        if self.rollout_num_servers > 1 and self.rollout_url:
+            raise ValueError("--rollout-num-servers starts servers, --rollout-url attaches to "
+                             "running ones: give one of them")
+        if self.rollout_num_servers > 1 and self.rollout_engine == "local":
+            raise ValueError("--rollout-num-servers needs --rollout-engine vllm or sglang")
 
 
 @dataclasses.dataclass

@@ -146,25 +146,41 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
     dtype = "bfloat16" if cfg.model.bf16 else "float32"
     max_len = policy.args.max_position_embeddings  # servers refuse a longer context
     r = cfg.rollout
-    hf, url = cfg.model.hf_checkpoint, r.rollout_url
+    hf = cfg.model.hf_checkpoint
     mem = r.rollout_gpu_memory_utilization if use_cuda() else None
+    # several servers (--rollout-url a b ..., or --rollout-num-servers N): one ServerPool over
+    # one engine per server, each in <work_dir>/server<i>; one server: the engine itself
+    urls = list(r.rollout_url) or [None] * r.rollout_num_servers
+    dirs = [work_dir] if len(urls) == 1 else [os.path.join(work_dir, f"server{i}")
+                                               for i in range(len(urls))]
     if engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
 
         # on CPU vLLM reserves most of the RAM for its KV cache unless told otherwise
         kv_bytes = None if use_cuda() else 2 << 30
-        return VLLMEngine(hf, VLLMConfig(work_dir=work_dir, url=url, dtype=dtype, seed=cfg.seed,
-                                         kv_cache_memory_bytes=kv_bytes, max_model_len=max_len,
-                                         gpu_memory_utilization=mem, host=r.rollout_host),
-                          policy=policy)
-    from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
+        engines = [VLLMEngine(hf, VLLMConfig(work_dir=d, url=url, dtype=dtype, seed=cfg.seed,
+                                             kv_cache_memory_bytes=kv_bytes,
+                                             max_model_len=max_len, gpu_memory_utilization=mem,
+                                             host=r.rollout_host),
+                              policy=policy, start=False) for d, url in zip(dirs, urls)]
+    else:
+        from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
 
-    sync = "tensor" if r.weight_sync == "auto" else r.weight_sync
-    return SGLangEngine(hf, SGLangConfig(work_dir=work_dir, url=url, dtype=dtype, seed=cfg.seed,
-                                         context_length=max_len, mem_fraction_static=mem,
-                                         host=r.rollout_host, sync=sync,
-                                         nccl_bucket_bytes=r.weight_sync_bucket_mb << 20),
-                        policy=policy)
+        sync = "tensor" if r.weight_sync == "auto" else r.weight_sync
+        if mem is None and len(urls) > 1 and not use_cuda():
+            # on CPU each server would size its KV cache from all the free RAM it sees at boot
+            mem = 0.3 / len(urls)
+        engines = [SGLangEngine(hf, SGLangConfig(work_dir=d, url=url, dtype=dtype, seed=cfg.seed,
+                                                 context_length=max_len, mem_fraction_static=mem,
+                                                 host=r.rollout_host, sync=sync,
+                                                 nccl_bucket_bytes=r.weight_sync_bucket_mb << 20),
+                                policy=policy, start=False) for d, url in zip(dirs, urls)]
+    if len(engines) == 1:
+        engines[0].start()
+        return engines[0]
+    from megatron_rl.rollout.multi import ServerPool
+
+    return ServerPool(engines, policy=policy)  # boots the managed servers at once
 
 
 def checkpoints_to_load(cfg: TrainConfig) -> tuple[str | None, str | None]:

@@ -379,11 +379,12 @@ class ServerBackedEngine:
     def start(self, wait: bool = True) -> None:
         """Start the server (rank 0) and share its URL with every rank (collective when
         distributed). wait=False only launches the process (to boot several servers at once);
-        call start() again to wait for it."""
+        call start() again to wait for it (wait=False is not collective: no rank broadcasts)."""
         if self.server is not None:
             self.server.start(wait=wait)
-            if not wait:
-                return
+        if not wait:
+            return
+        if self.server is not None:
             self.url = self.server.url
         self.url = broadcast_from_rank0(self.url)
 

@@ -1,0 +1,414 @@
+"""Several rollout servers behind one engine: `ServerPool`.
+
+A `ServerPool` holds N server engines of one kind (`VLLMEngine` or `SGLangEngine`, each driving
+one server: started by us or attached by URL) and implements the same contract as any engine
+(rollout/base.py), so the trainer does not know how many servers there are.
+
+Generation. One `generate` call is split into contiguous chunks of prompts, one per live server
+(sizes differ by at most one), sent in parallel (one persistent thread per server) and
+reassembled in prompt order. Chunk c, starting at prompt index s, is sampled with
+
+    seed_c = params.seed + 1_000_003 * s           (None stays None: unseeded)
+
+so a chunk's samples depend only on the call's seed, the chunk and the weights, not on the
+server that serves it: a chunk that is re-dispatched after a failure keeps its seed and (vLLM,
+which honours per-request seeds) gives the same samples. The first chunk keeps the call's seed:
+a pool with one live server sends exactly what a lone engine would. The chunking follows the
+number of live servers at the start of the call, so a server taken out of the rotation changes
+the chunks (and samples) of later calls, never those of the call in flight.
+
+Failures. A managed server that dies is restarted by its ManagedServer and the request retried
+(server.py, at most `max_restarts` times). A request that still fails with a server failure
+(ServerError, a transport error, HTTP 5xx; an attached URL's first failure) takes that server
+out of the rotation, with a logged warning naming it; its chunk goes to the least-loaded
+remaining server, and the call goes on. A managed server out of the rotation is stopped; none
+comes back during the run (it would serve stale weights). An HTTP 4xx is the request's fault:
+it is raised and the server stays. When no server is left, `ServerError` names every server
+and its last error. An SGLang server restarted from its initial checkpoint (tensor/NCCL sync)
+sits out until the next `update_weights` resyncs it.
+
+Weights. `update_weights(version)` (collective over the training ranks) gathers/exports the
+policy once and loads it into every live server in parallel, then reads each server's version
+back; a server that fails the load or reports another version is taken out as above. The HF
+exports (disk sync) live under the first member's `<work_dir>/weights`; every restart serves the
+newest. With servers on other nodes, disk sync needs that directory on a shared filesystem
+(vLLM only syncs from disk; SGLang's tensor sync is for colocated servers only).
+
+`stats()` gives `rollout/servers_live` (and the restart count) for the trainer's metrics; it is
+meaningful on global rank 0, the client that owns the servers.
+
+SGLang's router (`sglang-router`) or vLLM's data-parallel mode are alternatives for spreading
+requests; see docs/rollout.md for why this pool is built in and how to put a router in front.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from typing import Sequence
+
+from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.server import (TRANSPORT_ERRORS, ServerError, ServerRequestError,
+                                        broadcast_from_rank0, dist_barrier, dist_rank)
+
+log = logging.getLogger(__name__)
+
+SEED_STRIDE = 1_000_003
+
+
+def split_chunks(num_prompts: int, num_servers: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges covering num_prompts, one per server (fewer when there
+    are fewer prompts), sizes differing by at most one (the first ones larger)."""
+    if num_servers < 1:
+        raise ValueError("need at least one server")
+    k = min(num_servers, num_prompts)
+    if k == 0:
+        return []
+    base, extra = divmod(num_prompts, k)
+    out, start = [], 0
+    for i in range(k):
+        end = start + base + (i < extra)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def chunk_seed(seed: int | None, start: int) -> int | None:
+    """The sampling seed of the chunk whose first prompt has index `start` in the call."""
+    return None if seed is None else seed + SEED_STRIDE * start
+
+
+def is_server_failure(exc: BaseException) -> bool:
+    """Whether `exc` says the server is gone or broken (take it out of the rotation), as opposed
+    to a bad request (raise it to the caller)."""
+    if isinstance(exc, ServerRequestError):
+        return exc.status >= 500
+    return isinstance(exc, (ServerError, *TRANSPORT_ERRORS))
+
+
+class _SitOut(Exception):
+    """Internal: the member may not serve this chunk (out of the rotation, or needs a resync)."""
+
+
+@dataclasses.dataclass
+class _Member:
+    index: int
+    engine: object
+    executor: cf.ThreadPoolExecutor
+    live: bool = True
+    last_error: str | None = None
+    served_prompts: int = 0
+    requests: int = 0
+
+
+class ServerPool:
+    """RolloutEngine over several server engines (see module docstring).
+
+    engines: VLLMEngine / SGLangEngine objects of one kind, each with its own work_dir
+        (built with start=False to boot them concurrently here).
+    policy: the trainer's Policy, needed by update_weights.
+    """
+
+    def __init__(self, engines: Sequence, policy=None, start: bool = True):
+        if not engines:
+            raise ValueError("ServerPool needs at least one engine")
+        self.policy = policy
+        self.rank = dist_rank()
+        self.members = [_Member(i, e, cf.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"rollout-server-{i}"))
+            for i, e in enumerate(engines)]
+        first = engines[0]
+        self.weight_version = getattr(first, "weight_version", 0)
+        self.exporter = getattr(first, "exporter", None)
+        self.last_sync_seconds: dict[str, float] = {}
+        # each generate call is served by one weight version: a weight load waits for the calls
+        # in flight, and calls wait for a load in progress
+        self._cond = threading.Condition()
+        self._active_calls = 0
+        self._loading = False
+        if start:
+            self.start()
+
+    # -- membership ------------------------------------------------------------------------------
+    @property
+    def engines(self) -> list:
+        return [m.engine for m in self.members]
+
+    def name(self, member: _Member) -> str:
+        """How warnings and errors name a server: its index and URL."""
+        e = member.engine
+        url = getattr(e, "url", None)
+        if url is None and getattr(e, "server", None) is not None:
+            try:
+                url = e.server.url
+            except ServerError:
+                url = None
+        kind = getattr(getattr(e, "server", None), "name", None) or type(e).__name__
+        return f"{kind} server {member.index}" + (f" at {url}" if url else "")
+
+    def live_members(self) -> list[_Member]:
+        return [m for m in self.members if m.live]
+
+    def _usable(self) -> list[_Member]:
+        """Live servers that may generate now (an SGLang server restarted from its initial
+        checkpoint waits for the next update_weights)."""
+        return [m for m in self.members if m.live and not getattr(m.engine, "_needs_resync", False)]
+
+    def _take_out(self, member: _Member, exc: BaseException | str) -> None:
+        if not member.live:
+            return
+        member.live = False
+        member.last_error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        left = len(self.live_members())
+        if self.rank == 0:  # the client (every rank learns of a failed boot, one logs it)
+            log.warning("rollout: %s failed and is out of the rotation (%d of %d servers left): "
+                        "%s", self.name(member), left, len(self.members),
+                        member.last_error[:2000])
+        server = getattr(member.engine, "server", None)
+        if server is not None and getattr(server, "managed", False):
+            # free its resources, without waiting (a hung request may still hold the server)
+            threading.Thread(target=_quiet_shutdown, args=(member.engine,), daemon=True,
+                             name=f"stop-rollout-server-{member.index}").start()
+
+    def _no_server_left(self, what: str) -> ServerError:
+        lines = [f"  {self.name(m)}: {m.last_error or 'not usable (needs a weight resync)'}"
+                 for m in self.members]
+        return ServerError(f"no rollout server left for {what}; all {len(self.members)} "
+                           "failed:\n" + "\n".join(lines))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Boot every managed server at once, wait for each (collective when distributed: every
+        rank learns every URL and which servers came up). A server that fails to boot is out of
+        the rotation with a warning; none booting is an error."""
+        for m in self.members:
+            m.engine.start(wait=False)
+        for m in self.members:
+            e, status = m.engine, None
+            if getattr(e, "server", None) is not None:
+                try:
+                    e.server.start()
+                    status = ("ok", e.server.url)
+                except ServerError as exc:
+                    status = ("failed", f"{type(exc).__name__}: {exc}")
+            status = broadcast_from_rank0(status)
+            if status is None:  # no server object on any rank (not a server engine)
+                continue
+            if status[0] == "ok":
+                e.url = status[1]
+            else:
+                self._take_out(m, "startup: " + status[1])
+        if not self.live_members():
+            raise self._no_server_left("startup")
+
+    def shutdown(self) -> None:
+        for m in self.members:
+            _quiet_shutdown(m.engine)
+        for m in self.members:
+            m.executor.shutdown(wait=False, cancel_futures=True)
+
+    def health(self) -> bool:
+        """True when at least one server answers; each live one is checked (a dead managed one
+        is restarted first) and taken out of the rotation if it does not answer."""
+        futures = {m.executor.submit(m.engine.health): m for m in self.live_members()}
+        for fut, m in futures.items():
+            try:
+                ok = fut.result()
+            except Exception as exc:  # noqa: BLE001 - a failed restart: out of the rotation
+                if not is_server_failure(exc):
+                    raise
+                self._take_out(m, exc)
+                continue
+            if not ok:
+                self._take_out(m, "health check failed")
+        return bool(self.live_members())
+
+    def stats(self) -> dict[str, float]:
+        """Metrics for the trainer's log (global rank 0 holds the servers)."""
+        restarts = sum(getattr(getattr(m.engine, "server", None), "num_restarts", 0) or 0
+                       for m in self.members)
+        return {"rollout/servers_live": float(len(self.live_members())),
+                "rollout/servers_total": float(len(self.members)),
+                "rollout/server_restarts": float(restarts)}
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> list[list[Completion]]:
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            return []
+        with self._cond:
+            self._cond.wait_for(lambda: not self._loading)
+            self._active_calls += 1
+        try:
+            return self._generate(prompts, n, params)
+        finally:
+            with self._cond:
+                self._active_calls -= 1
+                self._cond.notify_all()
+
+    def _generate(self, prompts: list[list[int]], n: int,
+                  params: SamplingParams) -> list[list[Completion]]:
+        usable = self._usable()
+        if not usable:
+            raise self._no_server_left("generate")
+        chunks = split_chunks(len(prompts), len(usable))
+        results: list[list[list[Completion]] | None] = [None] * len(chunks)
+        load = {m.index: 0 for m in self.members}
+        inflight: dict[cf.Future, tuple[int, _Member]] = {}
+
+        def dispatch(ci: int, member: _Member) -> None:
+            start, end = chunks[ci]
+            chunk_params = dataclasses.replace(params, seed=chunk_seed(params.seed, start))
+            fut = member.executor.submit(self._generate_on, member, prompts[start:end], n,
+                                         chunk_params)
+            inflight[fut] = (ci, member)
+            load[member.index] += 1
+
+        for ci, member in enumerate(usable[:len(chunks)]):
+            dispatch(ci, member)
+        queue: deque[int] = deque()
+        error: BaseException | None = None
+        while inflight:
+            done, _ = cf.wait(inflight, return_when=cf.FIRST_COMPLETED)
+            for fut in done:
+                ci, member = inflight.pop(fut)
+                load[member.index] -= 1
+                try:
+                    out = fut.result()
+                except _SitOut:
+                    queue.append(ci)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - sorted below
+                    if not is_server_failure(exc):
+                        error = error or exc
+                        continue
+                    self._take_out(member, exc)
+                    queue.append(ci)
+                    continue
+                start, end = chunks[ci]
+                member.served_prompts += end - start
+                member.requests += 1
+                results[ci] = out
+            if error is not None:
+                continue  # let the requests in flight finish, then raise
+            while queue:
+                usable = self._usable()
+                if not usable:
+                    error = self._no_server_left("generate")
+                    break
+                member = min(usable, key=lambda m: (load[m.index], m.index))
+                ci = queue.popleft()
+                log.warning("rollout: re-dispatching prompts [%d, %d) to %s", *chunks[ci],
+                            self.name(member))
+                dispatch(ci, member)
+        if error is not None:
+            raise error
+        return [row for chunk in results for row in chunk]
+
+    def _generate_on(self, member: _Member, prompts, n: int, params: SamplingParams):
+        """In the member's thread: one chunk on one server, checked."""
+        if not member.live or getattr(member.engine, "_needs_resync", False):
+            raise _SitOut()
+        out = member.engine.generate(prompts, n, params)
+        if getattr(member.engine, "_needs_resync", False):
+            # restarted from the initial checkpoint during the request: stale weights
+            raise _SitOut()
+        if len(out) != len(prompts) or any(len(row) != n for row in out):
+            raise ServerError(f"{self.name(member)} returned {[len(r) for r in out]} "
+                              f"completions for {len(prompts)} prompts x n={n}")
+        return out
+
+    # -- weights ---------------------------------------------------------------------------------
+    def _sync_mode(self) -> str:
+        config = getattr(self.members[0].engine, "config", None)
+        return getattr(config, "sync", "disk")
+
+    def update_weights(self, version: int) -> None:
+        """Collective over all training ranks: the policy's weights into every live server,
+        tagged `version` (gathered or exported once, loaded in parallel), versions checked."""
+        if self.policy is None:
+            raise ValueError("update_weights needs the policy: ServerPool(..., policy=policy)")
+        t0 = time.perf_counter()
+        mode = self._sync_mode()
+        if mode == "disk":
+            payload = self.exporter.export(self.policy, version)
+            self.last_sync_seconds["export"] = time.perf_counter() - t0
+        else:
+            from megatron_rl.rollout.weight_sync import policy_hf_state_dict
+
+            dtype = getattr(self.members[0].engine.config, "dtype", None)
+            payload = policy_hf_state_dict(self.policy, dst=0, dtype=dtype)
+            self.last_sync_seconds["gather"] = time.perf_counter() - t0
+        if self.rank == 0:
+            t1 = time.perf_counter()
+            with self._cond:  # between generate calls (see __init__)
+                self._cond.wait_for(lambda: not self._loading)
+                self._loading = True
+                self._cond.wait_for(lambda: self._active_calls == 0)
+            try:
+                members = self.live_members()
+                if mode == "distributed":  # one NCCL broadcast at a time
+                    outcomes = [self._load_into(m, mode, payload, version) for m in members]
+                else:
+                    futures = [m.executor.submit(self._load_into, m, mode, payload, version)
+                               for m in members]
+                    outcomes = [f.result() for f in futures]
+                for m, exc in zip(members, outcomes):
+                    if exc is not None:
+                        if not is_server_failure(exc):
+                            raise exc
+                        self._take_out(m, exc)
+                if not self.live_members():
+                    raise self._no_server_left(f"weight update {version}")
+                self._set_version(version)
+            finally:
+                with self._cond:
+                    self._loading = False
+                    self._cond.notify_all()
+            if mode == "disk" and payload is not None:
+                self.exporter.prune(payload)
+            self.last_sync_seconds["load"] = time.perf_counter() - t1
+            self.last_sync_seconds["total"] = time.perf_counter() - t0
+        dist_barrier()
+        self._set_version(version)
+
+    def _set_version(self, version: int) -> None:
+        for m in self.members:
+            m.engine.weight_version = version
+        self.weight_version = version
+
+    @staticmethod
+    def _load_into(member: _Member, mode: str, payload, version: int) -> BaseException | None:
+        """In the member's thread: load and read the version back; the error, if any."""
+        e = member.engine
+        try:
+            if mode == "disk":
+                e.load_weights_from_path(payload, version)
+            elif mode == "tensor":
+                e.load_weights_from_tensors(payload, version)
+            else:
+                e.load_weights_distributed(payload, version)
+            got = e.server_weight_version()
+            if got is not None and got != version:
+                raise ServerError(f"reports weight version {got} after loading {version}")
+            if hasattr(e, "_needs_resync"):
+                e._needs_resync = False
+            return None
+        except Exception as exc:  # noqa: BLE001 - the caller sorts it
+            return exc
+
+    def server_weight_versions(self) -> dict[str, int | None]:
+        """Each live server's reported weight version, by name."""
+        return {self.name(m): m.engine.server_weight_version() for m in self.live_members()}
+
+
+def _quiet_shutdown(engine) -> None:
+    try:
+        engine.shutdown()
+    except Exception as exc:  # noqa: BLE001 - stopping a broken server must not raise
+        log.warning("rollout: stopping %s failed: %s", type(engine).__name__, exc)
