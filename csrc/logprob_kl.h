@@ -33,6 +33,25 @@ at::Tensor logprob_grad_cpu(const at::Tensor& logits, const at::Tensor& targets,
                             const std::optional<at::Tensor>& entropy_grad,
                             const std::optional<at::Tensor>& entropy);
 
+// The exact per-position KL(softmax(logits) || softmax(ref_logits)) ("exact" KL estimator):
+//   logits, ref_logits [N, V_local] contiguous, same dtype and device (this rank's vocab shard)
+//   partials -> (max_p, sum_p, max_q, sum_q, w), each [N] float32 (float64 for float64 logits):
+//               sum_p = sum e^(z - max_p), sum_q = sum e^(r - max_q),
+//               w = sum e^(z - max_p) ((z - max_p) - (r - max_q))
+//   grad     -> grad_kl * p * (log p - log q - kl) [N, V_local] in the logits dtype, with
+//               log p = (z - max_p) - lse_p, log q = (r - max_q) - lse_q (global statistics);
+//               with accumulate_into (a contiguous [N, V_local] tensor of the logits dtype, e.g.
+//               the log-prob op's gradient) it is added there in place and returned
+using ExactPartials = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+ExactPartials exact_kl_partials_cpu(const at::Tensor& logits, const at::Tensor& ref_logits);
+
+at::Tensor exact_kl_grad_cpu(const at::Tensor& logits, const at::Tensor& ref_logits,
+                             const at::Tensor& max_p, const at::Tensor& lse_p,
+                             const at::Tensor& max_q, const at::Tensor& lse_q,
+                             const at::Tensor& kl, const at::Tensor& grad_kl,
+                             const std::optional<at::Tensor>& accumulate_into);
+
 // Which x86 kernel variant the CPU entry points use: "avx2" (AVX2+FMA+F16C) or "default".
 std::string cpu_isa();
 void set_cpu_isa(const std::string& isa);
@@ -47,6 +66,14 @@ at::Tensor logprob_grad_cuda(const at::Tensor& logits, const at::Tensor& targets
                              const at::Tensor& grad_coef,
                              const std::optional<at::Tensor>& entropy_grad,
                              const std::optional<at::Tensor>& entropy);
+
+ExactPartials exact_kl_partials_cuda(const at::Tensor& logits, const at::Tensor& ref_logits);
+
+at::Tensor exact_kl_grad_cuda(const at::Tensor& logits, const at::Tensor& ref_logits,
+                              const at::Tensor& max_p, const at::Tensor& lse_p,
+                              const at::Tensor& max_q, const at::Tensor& lse_q,
+                              const at::Tensor& kl, const at::Tensor& grad_kl,
+                              const std::optional<at::Tensor>& accumulate_into);
 #endif
 
 // Shared argument checks (both devices). Throw c10::Error (RuntimeError in Python).
@@ -87,6 +114,39 @@ inline void check_grad_args(const at::Tensor& logits, const at::Tensor& row_max,
     check_stat(*entropy_grad, logits, "entropy_grad");
     check_stat(*entropy, logits, "entropy");
   }
+}
+
+inline void check_exact_inputs(const at::Tensor& logits, const at::Tensor& ref_logits) {
+  TORCH_CHECK(logits.dim() == 2, "logits must be [N, V_local], got ", logits.sizes());
+  TORCH_CHECK(logits.is_contiguous() && ref_logits.is_contiguous(),
+              "logits and ref_logits must be contiguous");
+  TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocab dim");
+  TORCH_CHECK(ref_logits.sizes() == logits.sizes(),
+              "ref_logits must have the shape of logits, got ", ref_logits.sizes(), " and ",
+              logits.sizes());
+  TORCH_CHECK(ref_logits.scalar_type() == logits.scalar_type(),
+              "ref_logits and logits must have the same dtype");
+  TORCH_CHECK(ref_logits.device() == logits.device(), "ref_logits and logits on different devices");
+}
+
+inline void check_exact_grad_args(const at::Tensor& logits, const at::Tensor& max_p,
+                                  const at::Tensor& lse_p, const at::Tensor& max_q,
+                                  const at::Tensor& lse_q, const at::Tensor& kl,
+                                  const at::Tensor& grad_kl,
+                                  const std::optional<at::Tensor>& accumulate_into) {
+  if (accumulate_into.has_value()) {
+    const at::Tensor& acc = *accumulate_into;
+    TORCH_CHECK(acc.sizes() == logits.sizes() && acc.scalar_type() == logits.scalar_type() &&
+                    acc.device() == logits.device() && acc.is_contiguous(),
+                "accumulate_into must be a contiguous tensor of the logits' shape, dtype and "
+                "device");
+  }
+  check_stat(max_p, logits, "max_p");
+  check_stat(lse_p, logits, "lse_p");
+  check_stat(max_q, logits, "max_q");
+  check_stat(lse_q, logits, "lse_q");
+  check_stat(kl, logits, "kl");
+  check_stat(grad_kl, logits, "grad_kl");
 }
 
 }  // namespace megatron_rl

@@ -100,6 +100,50 @@ void grad_rows_f64(const double* logits, const int64_t* targets, int64_t begin, 
   }
 }
 
+void exact_partials_rows_f64(const double* logits, const double* ref, int64_t begin, int64_t end,
+                             int64_t vocab, double* max_p, double* sum_p, double* max_q,
+                             double* sum_q, double* w_out) {
+  for (int64_t i = begin; i < end; ++i) {
+    const double* x = logits + i * vocab;
+    const double* y = ref + i * vocab;
+    double mp = -INFINITY, mq = -INFINITY;
+    for (int64_t j = 0; j < vocab; ++j) {
+      mp = std::max(mp, x[j]);
+      mq = std::max(mq, y[j]);
+    }
+    double sp = 0.0, sq = 0.0, w = 0.0;
+    for (int64_t j = 0; j < vocab; ++j) {
+      const double dz = x[j] - mp, dr = y[j] - mq;
+      const double e = std::exp(dz);
+      sp += e;
+      sq += std::exp(dr);
+      w += e * (dz - dr);
+    }
+    max_p[i] = mp;
+    sum_p[i] = sp;
+    max_q[i] = mq;
+    sum_q[i] = sq;
+    w_out[i] = w;
+  }
+}
+
+void exact_grad_rows_f64(const double* logits, const double* ref, int64_t begin, int64_t end,
+                         int64_t vocab, const double* max_p, const double* lse_p,
+                         const double* max_q, const double* lse_q, const double* kl,
+                         const double* grad_kl, double* grad, bool accumulate) {
+  for (int64_t i = begin; i < end; ++i) {
+    const double* x = logits + i * vocab;
+    const double* y = ref + i * vocab;
+    double* g = grad + i * vocab;
+    for (int64_t j = 0; j < vocab; ++j) {
+      const double logp = (x[j] - max_p[i]) - lse_p[i];
+      const double logq = (y[j] - max_q[i]) - lse_q[i];
+      const double v = grad_kl[i] * std::exp(logp) * ((logp - logq) - kl[i]);
+      g[j] = accumulate ? g[j] + v : v;
+    }
+  }
+}
+
 // ---- dispatch on dtype, entropy flag and ISA -----------------------------------------------
 template <typename T>
 const T* typed_ptr(const at::Tensor& t) {
@@ -133,6 +177,31 @@ void run_grad(Isa isa, const T* x, const int64_t* tg, int64_t b, int64_t e, int6
   }
 #endif
   isa_default::grad_rows<T, kEntropy>(x, tg, b, e, v, vs, inv_t, m, ls, a, eg, h, g);
+}
+
+template <typename T>
+void run_exact_partials(Isa isa, const T* x, const T* y, int64_t b, int64_t e, int64_t v,
+                        float* mp, float* sp, float* mq, float* sq, float* w) {
+#ifdef MRL_HAVE_AVX2_VARIANT
+  if (isa == Isa::kAvx2) {
+    isa_avx2::exact_partials_rows<T>(x, y, b, e, v, mp, sp, mq, sq, w);
+    return;
+  }
+#endif
+  isa_default::exact_partials_rows<T>(x, y, b, e, v, mp, sp, mq, sq, w);
+}
+
+template <typename T, bool kAccumulate>
+void run_exact_grad(Isa isa, const T* x, const T* y, int64_t b, int64_t e, int64_t v,
+                    const float* mp, const float* lp, const float* mq, const float* lq,
+                    const float* kl, const float* gk, T* g) {
+#ifdef MRL_HAVE_AVX2_VARIANT
+  if (isa == Isa::kAvx2) {
+    isa_avx2::exact_grad_rows<T, kAccumulate>(x, y, b, e, v, mp, lp, mq, lq, kl, gk, g);
+    return;
+  }
+#endif
+  isa_default::exact_grad_rows<T, kAccumulate>(x, y, b, e, v, mp, lp, mq, lq, kl, gk, g);
 }
 
 // Calls fn(T*) with T the storage type of the logits: float, uint16_t (bf16 bits), _Float16.
@@ -243,6 +312,88 @@ at::Tensor logprob_grad_cpu(const at::Tensor& logits, const at::Tensor& targets,
         run_grad<T, true>(isa, x, tg, b, e, vocab, vocab_start, inv_t, m, ls, a, eg, h, g);
       } else {
         run_grad<T, false>(isa, x, tg, b, e, vocab, vocab_start, inv_t, m, ls, a, eg, h, g);
+      }
+    });
+  });
+  return grad;
+}
+
+ExactPartials exact_kl_partials_cpu(const at::Tensor& logits, const at::Tensor& ref_logits) {
+  check_exact_inputs(logits, ref_logits);
+  TORCH_CHECK(logits.device().is_cpu(), "exact_kl_partials_cpu needs CPU tensors");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const bool f64 = logits.scalar_type() == at::kDouble;
+  const auto opts = logits.options().dtype(f64 ? at::kDouble : at::kFloat);
+  at::Tensor max_p = at::empty({rows}, opts), sum_p = at::empty({rows}, opts);
+  at::Tensor max_q = at::empty({rows}, opts), sum_q = at::empty({rows}, opts);
+  at::Tensor w = at::empty({rows}, opts);
+  // two rows per logit: half the grain of the log-prob kernels
+  const int64_t grain = std::max<int64_t>(1, grain_rows(vocab) / 2);
+  if (f64) {
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+      exact_partials_rows_f64(logits.data_ptr<double>(), ref_logits.data_ptr<double>(), b, e,
+                              vocab, max_p.data_ptr<double>(), sum_p.data_ptr<double>(),
+                              max_q.data_ptr<double>(), sum_q.data_ptr<double>(),
+                              w.data_ptr<double>());
+    });
+    return {max_p, sum_p, max_q, sum_q, w};
+  }
+  const Isa isa = g_isa;
+  float* mp = max_p.data_ptr<float>();
+  float* sp = sum_p.data_ptr<float>();
+  float* mq = max_q.data_ptr<float>();
+  float* sq = sum_q.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  dispatch_low_precision(logits.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* x = typed_ptr<T>(logits);
+    const T* y = typed_ptr<T>(ref_logits);
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+      run_exact_partials<T>(isa, x, y, b, e, vocab, mp, sp, mq, sq, wp);
+    });
+  });
+  return {max_p, sum_p, max_q, sum_q, w};
+}
+
+at::Tensor exact_kl_grad_cpu(const at::Tensor& logits, const at::Tensor& ref_logits,
+                             const at::Tensor& max_p, const at::Tensor& lse_p,
+                             const at::Tensor& max_q, const at::Tensor& lse_q,
+                             const at::Tensor& kl, const at::Tensor& grad_kl,
+                             const std::optional<at::Tensor>& accumulate_into) {
+  check_exact_inputs(logits, ref_logits);
+  check_exact_grad_args(logits, max_p, lse_p, max_q, lse_q, kl, grad_kl, accumulate_into);
+  TORCH_CHECK(logits.device().is_cpu(), "exact_kl_grad_cpu needs CPU tensors");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const bool accumulate = accumulate_into.has_value();
+  at::Tensor grad = accumulate ? *accumulate_into : at::empty_like(logits);
+  const int64_t grain = std::max<int64_t>(1, grain_rows(vocab) / 2);
+  if (logits.scalar_type() == at::kDouble) {
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+      exact_grad_rows_f64(logits.data_ptr<double>(), ref_logits.data_ptr<double>(), b, e, vocab,
+                          max_p.data_ptr<double>(), lse_p.data_ptr<double>(),
+                          max_q.data_ptr<double>(), lse_q.data_ptr<double>(),
+                          kl.data_ptr<double>(), grad_kl.data_ptr<double>(),
+                          grad.data_ptr<double>(), accumulate);
+    });
+    return grad;
+  }
+  const Isa isa = g_isa;
+  const float* mp = max_p.data_ptr<float>();
+  const float* lp = lse_p.data_ptr<float>();
+  const float* mq = max_q.data_ptr<float>();
+  const float* lq = lse_q.data_ptr<float>();
+  const float* k = kl.data_ptr<float>();
+  const float* gk = grad_kl.data_ptr<float>();
+  dispatch_low_precision(logits.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* x = typed_ptr<T>(logits);
+    const T* y = typed_ptr<T>(ref_logits);
+    T* g = typed_mut_ptr<T>(grad);
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+      if (accumulate) {
+        run_exact_grad<T, true>(isa, x, y, b, e, vocab, mp, lp, mq, lq, k, gk, g);
+      } else {
+        run_exact_grad<T, false>(isa, x, y, b, e, vocab, mp, lp, mq, lq, k, gk, g);
       }
     });
   });

@@ -252,5 +252,122 @@ void grad_rows(const T* logits, const int64_t* targets, int64_t row_begin, int64
   }
 }
 
+// ---- exact per-position KL(p || q) from both logits rows (the "exact" estimator) ----------
+// forward : max_p, sum_p = sum e^(z - max_p), max_q, sum_q = sum e^(r - max_q) and
+//           w = sum e^(z - max_p) ((z - max_p) - (r - max_q)), online over L1-sized blocks of
+//           both rows (each row read once). When a block raises a maximum, the running sums move
+//           to it: with dp = m_p - m_p', dq = m_q - m_q' (<= 0), w' = e^dp (w + (dp - dq) s_p),
+//           s_p' = e^dp s_p, s_q' = e^dq s_q.
+// backward: log p = (z - max_p) - lse_p, log q = (r - max_q) - lse_q,
+//           g = grad_kl * p * (log p - log q - kl); one read of each row, one write of grad.
+//           kAccumulate: grad already holds a gradient (the log-prob op's), g is added to it in
+//           fp32 and rounded once (one more read of grad; no second [N, V] buffer).
+template <typename T>
+void exact_partials_rows(const T* logits, const T* ref, int64_t row_begin, int64_t row_end,
+                         int64_t vocab, float* max_p, float* sum_p, float* max_q, float* sum_q,
+                         float* w_out) {
+  alignas(32) float bz[kBlock + 2 * kW];
+  alignas(32) float br[kBlock + 2 * kW];
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    const T* x = logits + i * vocab;
+    const T* y = ref + i * vocab;
+    float mp = -INFINITY, mq = -INFINITY;
+    double sp = 0.0, sq = 0.0, w = 0.0;
+    for (int64_t j0 = 0; j0 < vocab; j0 += kBlock) {
+      const int64_t n = std::min(kBlock, vocab - j0);
+      const int64_t padded = load_block(x + j0, n, 1.0f, bz, -INFINITY);
+      load_block(y + j0, n, 1.0f, br, -INFINITY);
+      vf mz0 = splat(-INFINITY), mz1 = mz0, mr0 = mz0, mr1 = mz0;
+      for (int64_t j = 0; j < padded; j += 2 * kW) {
+        const vf a = vload(bz + j), b = vload(bz + j + kW);
+        const vf c = vload(br + j), d = vload(br + j + kW);
+        mz0 = a > mz0 ? a : mz0;
+        mz1 = b > mz1 ? b : mz1;
+        mr0 = c > mr0 ? c : mr0;
+        mr1 = d > mr1 ? d : mr1;
+      }
+      const float bmp = hmax(mz0 > mz1 ? mz0 : mz1), bmq = hmax(mr0 > mr1 ? mr0 : mr1);
+      if (bmp > mp || bmq > mq) {  // online: move the running sums to the new maxima
+        const float nmp = bmp > mp ? bmp : mp, nmq = bmq > mq ? bmq : mq;
+        if (sp > 0.0) {
+          const double dp = static_cast<double>(mp) - nmp, dq = static_cast<double>(mq) - nmq;
+          const double cp = std::exp(dp);
+          w = cp * (w + (dp - dq) * sp);
+          sp *= cp;
+          sq *= std::exp(dq);
+        }
+        mp = nmp;
+        mq = nmq;
+      }
+      // Padding: exp(-1000) = 0 next to a finite difference, so 0 to every sum.
+      for (int64_t j = n; j < padded; ++j) {
+        bz[j] = mp - 1000.0f;
+        br[j] = mq - 1000.0f;
+      }
+      const vf vmp = splat(mp), vmq = splat(mq);
+      vf s0 = vf{}, s1 = vf{}, q0 = vf{}, q1 = vf{}, w0 = vf{}, w1 = vf{};
+      for (int64_t j = 0; j < padded; j += 2 * kW) {
+        const vf dz0 = vload(bz + j) - vmp, dz1 = vload(bz + j + kW) - vmp;
+        const vf dr0 = vload(br + j) - vmq, dr1 = vload(br + j + kW) - vmq;
+        const vf ez0 = vexp(dz0), ez1 = vexp(dz1);
+        s0 += ez0;
+        s1 += ez1;
+        q0 += vexp(dr0);
+        q1 += vexp(dr1);
+        w0 += ez0 * (dz0 - dr0);
+        w1 += ez1 * (dz1 - dr1);
+      }
+      sp += hsum(s0 + s1);
+      sq += hsum(q0 + q1);
+      w += hsum(w0 + w1);
+    }
+    max_p[i] = mp;
+    sum_p[i] = static_cast<float>(sp);
+    max_q[i] = mq;
+    sum_q[i] = static_cast<float>(sq);
+    w_out[i] = static_cast<float>(w);
+  }
+}
+
+template <typename T, bool kAccumulate>
+void exact_grad_rows(const T* logits, const T* ref, int64_t row_begin, int64_t row_end,
+                     int64_t vocab, const float* max_p, const float* lse_p, const float* max_q,
+                     const float* lse_q, const float* kl, const float* grad_kl, T* grad) {
+  alignas(32) float bz[kW];
+  alignas(32) float br[kW];
+  alignas(32) float bg[kW];
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    const T* x = logits + i * vocab;
+    const T* y = ref + i * vocab;
+    T* g = grad + i * vocab;
+    const vf vmp = splat(max_p[i]), vlp = splat(lse_p[i]);
+    const vf vmq = splat(max_q[i]), vlq = splat(lse_q[i]);
+    const vf vkl = splat(kl[i]), vg = splat(grad_kl[i]);
+    auto grad_of = [&](vf z, vf r) {
+      const vf logp = (z - vmp) - vlp;
+      const vf logq = (r - vmq) - vlq;
+      return vg * vexp(logp) * ((logp - logq) - vkl);
+    };
+    const int64_t num_full = vocab / kW * kW;
+    for (int64_t j = 0; j < num_full; j += kW) {
+      vf v = grad_of(vload(x + j), vload(y + j));
+      if (kAccumulate) v += vload(g + j);
+      vstore(g + j, v);
+    }
+    if (num_full < vocab) {
+      const int64_t n = vocab - num_full;
+      load_partial(x + num_full, n, bz, 0.0f);
+      load_partial(y + num_full, n, br, 0.0f);
+      vf v = grad_of(vload(bz), vload(br));
+      if (kAccumulate) {
+        load_partial(g + num_full, n, bg, 0.0f);
+        v += vload(bg);
+      }
+      vstore(bz, v);
+      store_partial(g + num_full, n, bz);
+    }
+  }
+}
+
 }  // namespace MRL_ISA
 }  // namespace megatron_rl

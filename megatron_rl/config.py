@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from megatron_rl.advantages import ADVANTAGE_ESTIMATORS
-from megatron_rl.kl import ESTIMATORS, OFF_POLICY_CORRECTIONS, PLACEMENTS
+from megatron_rl.kl import ESTIMATOR_NAMES, OFF_POLICY_CORRECTIONS, PLACEMENTS
 from megatron_rl.loss import AGGREGATIONS, LossConfig
 from megatron_rl.models.config import (ATTENTION_BACKENDS, RECOMPUTE_GRANULARITIES,
                                        RECOMPUTE_METHODS, ModelOptions)
@@ -201,7 +201,7 @@ class TrainConfig:
 
 
 _CHOICES = {
-    "kl_estimator": sorted(ESTIMATORS), "kl_placement": list(PLACEMENTS),
+    "kl_estimator": list(ESTIMATOR_NAMES), "kl_placement": list(PLACEMENTS),
     "kl_off_policy_correction": list(OFF_POLICY_CORRECTIONS),
     "loss_aggregation": sorted(AGGREGATIONS), "advantage_estimator": sorted(ADVANTAGE_ESTIMATORS),
     "rollout_engine": ["local", "vllm", "sglang"], "old_logprobs": ["auto", "recompute", "rollout"],

@@ -27,9 +27,9 @@ Sec. 3; the expected gradients are derived for a toy model in megatron_rl/toy.py
   g* exactly when E_{pi_theta}[sum_t K_t] = KL, i.e. for K1 and K3 (not K2): unbiased on-policy.
 - "none": no KL term.
 
-The exact per-position KL ("exact"; on the toy as megatron_rl/toy.py's `ExactKL`, not in
-ESTIMATORS: it needs both full next-token distributions, the functions here see the sampled
-token's log-probs only):
+The exact per-position KL ("exact"; on the toy as megatron_rl/toy.py's `ExactKL`, in the trainer
+`--kl-estimator exact`; not in ESTIMATORS: it needs both full next-token distributions, so the
+functions here take its values as `token_kl` instead of computing them from log-probs):
     KL_t(y_<t) = sum_v pi_theta(v|y_<t) (log pi_theta(v|y_<t) - log pi_ref(v|y_<t)) = E[K1_t | y_<t],
 a function of the prefix alone (no sampling noise at position t), and
 KL(pi_theta || pi_ref) = E_{y ~ pi_theta}[sum_t KL_t]. Both the integrand and the sampling law
@@ -55,6 +55,32 @@ On the toy (exact enumeration of 2^T sequences, float64) reward+loss has bias^2 
 other two are biased; per-sample variance at the default setting 1.6 against 15.4 for K1 in the
 reward (8.8 with reward-to-go), a gain that shrinks far from the reference (docs/results.md).
 Off-policy, prefix weights ("seq-is") restore the on-policy expectation as for K1.
+
+In the trainer (`--kl-estimator exact`, any placement; "reward+loss" is the unbiased one):
+- KL_t comes from the vocab-parallel op `megatron_rl.ops.exact_kl(logits, ref_logits)` (torch /
+  C++ / CUDA kernels; per TP rank only its vocab shard, one MAX and one SUM all-reduce of
+  [N]-sized statistics; backward recomputes p and q from both logits, nothing [N, V] kept), with
+  gradient p_v (log p_v - log q_v - KL_t) w.r.t. the policy's logits. The loss function gets it
+  from the log-prob op itself (`token_logprobs_and_kl(..., ref_logits=...)`), whose backward
+  adds it into the one gradient buffer: the K1 path's peak memory, plus the reference's logits
+  (benchmarks/RESULTS.md).
+- The reference's logits are produced inside the step, not stored or streamed ([B, L, V] per
+  batch is too big): `Policy.forward_backward(..., reference=<frozen reference Policy>)` runs
+  each microbatch through the reference's stage under no_grad in the same forward step; under
+  pipeline parallelism the reference's activations travel with the policy's (see its docstring).
+- Reward side: at the start of the RL step one forward-only pass of policy + reference
+  (`train.score_reference_exact`) gives KL_t at the current weights (= the behaviour policy's
+  on-policy; with stale batches, --async-level, still the current policy's KL, which the
+  derivation asks for, where K1's reward side uses the behaviour log-probs) and the reference's
+  token log-probs; the return of token t is R - beta sum_{s>t} KL_s
+  (`kl_reward_later_penalty`: later positions only, whatever --kl-reward-to-go), then the
+  baseline. Loss side: the loss function computes KL_t with its gradient from the policy's and
+  the reference's logits of the microbatch (`train.make_rl_loss_fn`). "seq-is" takes the
+  reward side out of the advantage as for K1 (`kl_reward_is_surrogate`, per-decision weights
+  over the later positions). Cost: one extra policy forward per batch for the reward side, and a
+  reference forward per microbatch and optimizer step for the loss side.
+- Checked: the per-token loss equals the toy's (tests/ops/test_exact_kl.py), TP2 / PP2 / TP2xPP2
+  give TP1's loss and gradients (tests/distributed/test_parallel_equivalence.py).
 
 Off-policy (samples from pi_old != pi_theta) none of the placements above is unbiased for the
 sequence-level KL. `off_policy_correction` chooses the fix; see `importance_weights`,
@@ -109,14 +135,21 @@ def low_var_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tens
 
 
 ESTIMATORS = {"k1": k1, "k2": k2, "k3": k3, "low_var_kl": low_var_kl}
+# Estimators computed from both full next-token distributions (not a function of the sampled
+# token's log-probs): their per-position values come in as `token_kl` (megatron_rl.ops.exact_kl).
+FULL_DISTRIBUTION_ESTIMATORS = ("exact",)
+ESTIMATOR_NAMES = tuple(sorted(ESTIMATORS)) + FULL_DISTRIBUTION_ESTIMATORS
 PLACEMENTS = ("reward", "loss", "reward+loss", "none")
 OFF_POLICY_CORRECTIONS = ("none", "seq-is", "token-is")
 
 
 def get_estimator(name: str):
-    """The estimator function registered under `name`; ValueError listing valid names otherwise."""
+    """The estimator function registered under `name`; ValueError listing valid names otherwise.
+    "exact" has no function of log-probs (its values come from both logits, see `_token_kl`)."""
     if name not in ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {name!r}; valid: {sorted(ESTIMATORS)}")
+        raise ValueError(f"unknown KL estimator {name!r}; valid: {list(ESTIMATOR_NAMES)}"
+                         + (" (the exact KL is computed from logits: pass token_kl)"
+                            if name in FULL_DISTRIBUTION_ESTIMATORS else ""))
     return ESTIMATORS[name]
 
 
@@ -124,9 +157,14 @@ def get_estimator(name: str):
 class KLConfig:
     """How the KL regularizer beta * KL(pi_theta || pi_ref) enters training.
 
-    estimator: a key of ESTIMATORS. placement: one of PLACEMENTS. coef: beta.
+    estimator: a key of ESTIMATORS, or "exact" (the per-position KL from both full next-token
+        distributions; every placement is allowed, "reward+loss" is the unbiased one, see the
+        module docstring; the functions below then take its values as `token_kl`).
+    placement: one of PLACEMENTS. coef: beta.
     reward_to_go: in the reward placement, token t is credited only with sum_{s>=t} K_s instead of
         the whole sequence sum (paper App. F.3). Same expectation (causality), lower variance.
+        No effect with "exact", whose reward side always charges token t with the later
+        positions' KL, sum_{s>t} KL_s (the score-function term of the derivation).
     off_policy_correction: one of OFF_POLICY_CORRECTIONS, for samples drawn from pi_old:
         "none": the placements as on-policy; the reward-side KL rides the PPO per-token ratio like
             any reward. Biased off-policy.
@@ -153,7 +191,9 @@ class KLConfig:
     is_weight_grad: bool = False
 
     def __post_init__(self):
-        get_estimator(self.estimator)
+        if self.estimator not in ESTIMATOR_NAMES:
+            raise ValueError(f"unknown KL estimator {self.estimator!r}; valid: "
+                             f"{list(ESTIMATOR_NAMES)}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"unknown KL placement {self.placement!r}; valid: {list(PLACEMENTS)}")
         if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
@@ -173,6 +213,19 @@ class KLConfig:
         return self.placement in ("loss", "reward+loss")
 
     @property
+    def exact(self) -> bool:
+        """The estimator is computed from both full distributions (needs `token_kl`)."""
+        return self.estimator in FULL_DISTRIBUTION_ESTIMATORS
+
+    @property
+    def exact_kl_in_loss(self) -> bool:
+        """The loss function needs the exact KL with its gradient (so the reference's logits):
+        in the loss, or in the reward under "seq-is" (its surrogate takes the KL at the current
+        policy)."""
+        return self.exact and (self.in_loss
+                               or (self.in_reward and not self.reward_in_advantage))
+
+    @property
     def reward_in_advantage(self) -> bool:
         """Whether the reward-side KL is folded into the returns before the baseline (eq. 7-8).
 
@@ -182,8 +235,15 @@ class KLConfig:
         return self.in_reward and self.off_policy_correction != "seq-is"
 
 
-def _token_kl(logprobs, ref_logprobs, loss_mask, cfg: KLConfig) -> torch.Tensor:
-    """[B, T] K_t of cfg.estimator, zero where loss_mask is 0."""
+def _token_kl(logprobs, ref_logprobs, loss_mask, cfg: KLConfig,
+              token_kl: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] K_t of cfg.estimator, zero where loss_mask is 0. For "exact", `token_kl` [B, T]
+    holds KL_t (megatron_rl.ops.exact_kl of the policy's and the reference's logits)."""
+    if cfg.exact:
+        if token_kl is None:
+            raise ValueError(f"KL estimator {cfg.estimator!r} needs token_kl: the per-position KL "
+                             "from the policy's and the reference's logits (ops.exact_kl)")
+        return token_kl * loss_mask
     return get_estimator(cfg.estimator)(logprobs, ref_logprobs) * loss_mask
 
 
@@ -192,19 +252,32 @@ def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
 
-def kl_reward_penalty(logprobs, ref_logprobs, loss_mask, cfg: KLConfig) -> torch.Tensor:
+def kl_reward_penalty(logprobs, ref_logprobs, loss_mask, cfg: KLConfig,
+                      token_kl: torch.Tensor | None = None) -> torch.Tensor:
     """[B] sequence penalty beta * sum_t K_t, stop-gradient (to be subtracted from the return).
 
-    logprobs, ref_logprobs, loss_mask: [B, T].
+    logprobs, ref_logprobs, loss_mask: [B, T]; token_kl: KL_t for "exact" (see _token_kl).
     """
     with torch.no_grad():
-        return cfg.coef * _token_kl(logprobs, ref_logprobs, loss_mask, cfg).sum(-1)
+        return cfg.coef * _token_kl(logprobs, ref_logprobs, loss_mask, cfg, token_kl).sum(-1)
 
 
-def kl_reward_to_go_penalty(logprobs, ref_logprobs, loss_mask, cfg: KLConfig) -> torch.Tensor:
+def kl_reward_to_go_penalty(logprobs, ref_logprobs, loss_mask, cfg: KLConfig,
+                            token_kl: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] per-token penalty beta * sum_{s>=t} K_s (paper App. F.3), stop-gradient, 0 on padding."""
     with torch.no_grad():
-        return cfg.coef * _reverse_cumsum(_token_kl(logprobs, ref_logprobs, loss_mask, cfg)) * loss_mask
+        kl = _token_kl(logprobs, ref_logprobs, loss_mask, cfg, token_kl)
+        return cfg.coef * _reverse_cumsum(kl) * loss_mask
+
+
+def kl_reward_later_penalty(token_kl: torch.Tensor, loss_mask: torch.Tensor,
+                            cfg: KLConfig) -> torch.Tensor:
+    """[B, T] per-token penalty beta * sum_{s>t} KL_s for the "exact" estimator, stop-gradient,
+    0 on padding: the return of the score-function term (b) of the module docstring. KL_t itself
+    is left out, as it does not depend on y_t (s_t KL_t has mean zero: noise)."""
+    with torch.no_grad():
+        kl = token_kl * loss_mask
+        return cfg.coef * (_reverse_cumsum(kl) - kl) * loss_mask
 
 
 def importance_weights(logprobs, old_logprobs, loss_mask, level: str,
@@ -232,8 +305,10 @@ def importance_weights(logprobs, old_logprobs, loss_mask, level: str,
 
 
 def kl_loss_term(logprobs, ref_logprobs, loss_mask, cfg: KLConfig,
-                 old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T] per-token loss contribution beta * weight_t * K_t, differentiable in logprobs.
+                 old_logprobs: torch.Tensor | None = None,
+                 token_kl: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] per-token loss contribution beta * weight_t * K_t, differentiable in logprobs (for
+    "exact": K_t = token_kl, differentiable in the policy's logits through ops.exact_kl).
 
     The caller adds it only when cfg.in_loss. weight_t by cfg.off_policy_correction:
     - "none": 1. On-policy its expected gradient is E[sum_t grad K_t] (see the module docstring);
@@ -247,7 +322,7 @@ def kl_loss_term(logprobs, ref_logprobs, loss_mask, cfg: KLConfig,
       E_old[w_{<=t} grad K_t] = E_theta[grad K_t]; unbiased for the loss side, high variance.
     Truncation (cfg.is_truncation) applies to either weight.
     """
-    kl = _token_kl(logprobs, ref_logprobs, loss_mask, cfg)
+    kl = _token_kl(logprobs, ref_logprobs, loss_mask, cfg, token_kl)
     correction = cfg.off_policy_correction
     if correction == "none":
         return cfg.coef * kl
@@ -266,7 +341,7 @@ def kl_loss_term(logprobs, ref_logprobs, loss_mask, cfg: KLConfig,
 
 
 def kl_reward_is_surrogate(logprobs, ref_logprobs, old_logprobs, loss_mask,
-                           cfg: KLConfig) -> torch.Tensor:
+                           cfg: KLConfig, token_kl: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] per-token surrogate for the reward-side KL under "seq-is"; differentiable in logprobs.
 
     Target: g* = grad KL(pi_theta || pi_ref) = E_theta[(sum_s K1_s) S]
@@ -279,11 +354,15 @@ def kl_reward_is_surrogate(logprobs, ref_logprobs, old_logprobs, loss_mask,
     sum_{s>=t} w_{<=s} K_s: unbiased too (K_s s_t depends on y_<=s only) and lower variance.
     No baseline is subtracted from the KL part here. Unbiased for K1 (and for K3 when the loss side
     is also on); truncation (cfg.is_truncation) bounds the variance at the price of bias.
+    "exact" (token_kl = KL_t at the current policy): the later positions' per-decision return
+    sum_{s>t} w_{<=s} KL_s, whatever cfg.reward_to_go; unbiased with the loss side on.
     """
     with torch.no_grad():
-        kl = _token_kl(logprobs, ref_logprobs, loss_mask, cfg)
+        kl = _token_kl(logprobs, ref_logprobs, loss_mask, cfg, token_kl)
         prefix_w = importance_weights(logprobs, old_logprobs, loss_mask, "prefix", cfg.is_truncation)
-        if cfg.reward_to_go:
+        if cfg.exact:
+            returns = _reverse_cumsum(prefix_w * kl) - prefix_w * kl
+        elif cfg.reward_to_go:
             returns = _reverse_cumsum(prefix_w * kl)
         else:
             last = (loss_mask.cumsum(-1) == loss_mask.sum(-1, keepdim=True)) & (loss_mask > 0)

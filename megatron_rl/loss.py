@@ -19,7 +19,7 @@ import torch
 
 from megatron_rl.advantages import compute_advantages, get_advantage_estimator
 from megatron_rl.kl import (KLConfig, k1, k3, kl_loss_term, kl_reward_is_surrogate,
-                            kl_reward_penalty, kl_reward_to_go_penalty)
+                            kl_reward_later_penalty, kl_reward_penalty, kl_reward_to_go_penalty)
 
 
 def _token_sum_over(per_token, loss_mask, num_global_tokens=None, num_global_seqs=None):
@@ -96,16 +96,24 @@ class LossConfig:
 
 
 def compute_rewards_with_kl(rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                            loss_mask: torch.Tensor, kl_cfg: KLConfig) -> torch.Tensor:
+                            loss_mask: torch.Tensor, kl_cfg: KLConfig,
+                            token_kl: torch.Tensor | None = None) -> torch.Tensor:
     """Returns with the reward-side KL folded in, before any baseline (paper eq. 7-8).
 
     rewards [B] (task reward per sequence); logprobs, ref_logprobs, loss_mask [B, T]. logprobs is
     the policy the KL regularizes (current on-policy; see kl_reward_is_surrogate off-policy).
     Output [B]: R - beta sum_t K_t; with kl_cfg.reward_to_go, [B, T]: (R - beta sum_{s>=t} K_s) m_t.
+    "exact" (token_kl [B, T] = KL_t, see megatron_rl.kl): [B, T] (R - beta sum_{s>t} KL_s) m_t,
+    the later positions only (kl_reward_later_penalty), with or without reward_to_go.
     Unchanged rewards when the KL is not in the advantage (placement without "reward", or
     off_policy_correction "seq-is", where the loss handles it). Always detached.
     """
     rewards = rewards.detach().to(logprobs.dtype)
+    if kl_cfg.exact and kl_cfg.reward_in_advantage:
+        if token_kl is None:
+            raise ValueError("the exact KL in the reward needs token_kl (KL_t per position)")
+        return (rewards.unsqueeze(-1) * loss_mask
+                - kl_reward_later_penalty(token_kl.detach(), loss_mask, kl_cfg))
     if kl_cfg.reward_to_go:
         returns = rewards.unsqueeze(-1) * loss_mask
         if kl_cfg.reward_in_advantage:
@@ -117,26 +125,30 @@ def compute_rewards_with_kl(rewards: torch.Tensor, logprobs: torch.Tensor, ref_l
 
 
 def build_advantages(rewards, logprobs, ref_logprobs, loss_mask, cfg: LossConfig,
-                     group_size: int) -> torch.Tensor:
-    """Advantages [B] (or [B, T] with reward-to-go) from task rewards [B] and per-token log-probs.
+                     group_size: int, token_kl: torch.Tensor | None = None) -> torch.Tensor:
+    """Advantages [B] (or [B, T] with reward-to-go or the exact KL in the reward) from task
+    rewards [B] and per-token log-probs (token_kl [B, T]: KL_t for the "exact" estimator).
 
     The KL penalty enters the returns before the baseline (eq. 7-8), so with RLOO it is centred
     by the other samples' KL like any reward. Detached.
     """
-    returns = compute_rewards_with_kl(rewards, logprobs, ref_logprobs, loss_mask, cfg.kl)
+    returns = compute_rewards_with_kl(rewards, logprobs, ref_logprobs, loss_mask, cfg.kl, token_kl)
     mask = loss_mask if returns.dim() == 2 else None
     return compute_advantages(cfg.advantage_estimator, returns, group_size, mask)
 
 
 def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig,
-                          ref_logprobs=None):
+                          ref_logprobs=None, token_kl=None):
     """Per-token loss [B, T] (not yet masked or normalized) and a dict of detached metrics.
 
     logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy),
     advantages [B] or [B, T] (detached), loss_mask [B, T], ref_logprobs [B, T] (needed for the
-    loss-side KL and the "seq-is" reward surrogate; optional otherwise, then no kl_* metrics). The reward-side KL is already inside `advantages` (see build_advantages) and so
+    loss-side KL and the "seq-is" reward surrogate; optional otherwise, then no kl_* metrics).
+    token_kl [B, T]: for the "exact" estimator, KL_t at the current policy, differentiable in its
+    logits (ops.exact_kl); it replaces ref_logprobs in the loss-side KL and the "seq-is" surrogate.
+    The reward-side KL is already inside `advantages` (see build_advantages) and so
     has no path-wise gradient here; only the loss-side KL and the "seq-is" reward surrogate are
-    differentiated through logprobs.
+    differentiated through logprobs (and token_kl).
     """
     mask = loss_mask.to(logprobs.dtype)
     adv = advantages.detach()
@@ -152,13 +164,16 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
 
     kl_cfg = cfg.kl
     needs_ref = kl_cfg.in_loss or (kl_cfg.in_reward and not kl_cfg.reward_in_advantage)
-    if needs_ref and ref_logprobs is None:
+    if needs_ref and (token_kl if kl_cfg.exact else ref_logprobs) is None:
         raise ValueError(f"KL placement {kl_cfg.placement!r} with off_policy_correction "
-                         f"{kl_cfg.off_policy_correction!r} needs ref_logprobs")
+                         f"{kl_cfg.off_policy_correction!r} needs "
+                         + ("token_kl (estimator 'exact')" if kl_cfg.exact else "ref_logprobs"))
     if kl_cfg.in_loss:
-        per_token = per_token + kl_loss_term(logprobs, ref_logprobs, mask, kl_cfg, old_logprobs)
+        per_token = per_token + kl_loss_term(logprobs, ref_logprobs, mask, kl_cfg, old_logprobs,
+                                             token_kl=token_kl)
     if kl_cfg.in_reward and not kl_cfg.reward_in_advantage:
-        per_token = per_token + kl_reward_is_surrogate(logprobs, ref_logprobs, old_logprobs, mask, kl_cfg)
+        per_token = per_token + kl_reward_is_surrogate(logprobs, ref_logprobs, old_logprobs, mask,
+                                                       kl_cfg, token_kl=token_kl)
 
     with torch.no_grad():
         num_tokens = mask.sum().clamp(min=1)
@@ -172,19 +187,21 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
         if ref_logprobs is not None:
             metrics["kl_k1"] = (k1(logprobs, ref_logprobs) * mask).sum() / num_tokens
             metrics["kl_k3"] = (k3(logprobs, ref_logprobs) * mask).sum() / num_tokens
+        if token_kl is not None:
+            metrics["kl_exact"] = (token_kl.detach() * mask).sum() / num_tokens
     return per_token, metrics
 
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig, *,
-                ref_logprobs=None, num_global_tokens=None, num_global_seqs=None):
+                ref_logprobs=None, token_kl=None, num_global_tokens=None, num_global_seqs=None):
     """Scalar loss of one shard and detached metrics; shards with global normalizers sum to the
     full-batch loss. Arguments as in policy_loss_per_token; normalizers as in aggregate_loss.
 
     metrics: pg_loss (the surrogate alone, aggregated like the loss), kl_k1 / kl_k3 (token means of
-    the shard), clip_fraction, ratio_mean / ratio_max / ratio_min.
+    the shard), kl_exact (with token_kl), clip_fraction, ratio_mean / ratio_max / ratio_min.
     """
     per_token, metrics = policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg,
-                                               ref_logprobs=ref_logprobs)
+                                               ref_logprobs=ref_logprobs, token_kl=token_kl)
     normalizers = dict(num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
     loss = aggregate_loss(per_token, loss_mask, cfg.aggregation, **normalizers)
     metrics["pg_loss"] = aggregate_loss(metrics.pop("pg_per_token"), loss_mask, cfg.aggregation,

@@ -126,7 +126,7 @@ def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch
 
 
 RL_CONFIGS = [f"{e}:{p}" for e in ("k1", "k3") for p in ("reward", "loss", "reward+loss")] + [
-    "k1:none"]
+    "k1:none", "exact:reward+loss"]
 
 
 def rl_batch(policy, tokens, mask, group_size: int = 2, seed: int = 0):
@@ -139,25 +139,55 @@ def rl_batch(policy, tokens, mask, group_size: int = 2, seed: int = 0):
     return old, ref, rewards, group_size
 
 
+def perturbed_reference(policy, args, scale: float = 0.2, seed: int = 123):
+    """A frozen Policy in `policy`'s layout whose weights are the policy's plus seeded noise
+    (per full tensor, scale x its std; 0.05 for constant tensors such as norm weights): the same
+    reference model at every layout, different enough from the policy for a visible KL."""
+    from megatron_rl.models.policy import Policy
+
+    full = policy.full_state_dict(dst=None)
+    g = torch.Generator().manual_seed(seed)
+    noisy = {}
+    for name in sorted(full):
+        t = full[name].float()
+        std = float(t.std()) if t.numel() > 1 else 0.0
+        noise = torch.randn(t.shape, generator=g) * (scale * std if std > 0 else 0.05)
+        noisy[name] = (t + noise).to(full[name].dtype)
+    reference = Policy(args, trainable=False, params_dtype=policy.params_dtype,
+                       parallel=policy.parallel, options=policy.options)
+    reference.load_full_state_dict(noisy, source="perturbed policy")
+    return reference
+
+
 def _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, configs, layout_dir):
     """For each "estimator:placement", one forward/backward of the trainer's RL loss on this DP
-    rank's share; full gradients and the summed loss written to <layout_dir>/rl_<config>.pt."""
+    rank's share; full gradients and the summed loss written to <layout_dir>/rl_<config>.pt.
+    The sampled-token estimators use a perturbed copy of the policy's log-probs as the
+    reference's; "exact" needs a reference model (its logits): `perturbed_reference`, run
+    inside the step as the trainer does (score_reference_exact for the reward side, the
+    reference's stage in forward_backward for the loss side)."""
     import torch.distributed as dist
 
     from megatron_rl.kl import KLConfig
     from megatron_rl.loss import LossConfig, build_advantages
-    from megatron_rl.train import make_rl_loss_fn
+    from megatron_rl.train import make_rl_loss_fn, score_reference_exact
 
     old, ref, rewards, group_size = rl_batch(policy, tokens, mask)
+    reference = None
     for spec in configs:
         estimator, placement = spec.split(":")
         cfg = LossConfig(kl=KLConfig(estimator=estimator, placement=placement, coef=0.5))
-        adv = build_advantages(rewards, old, ref, mask, cfg, group_size)
+        ref_lp, token_kl = ref, None
+        if cfg.kl.exact:
+            reference = reference or perturbed_reference(policy, args)
+            ref_lp, token_kl = score_reference_exact(policy, reference, tokens, tokens.shape[0])
+        adv = build_advantages(rewards, old, ref_lp, mask, cfg, group_size, token_kl=token_kl)
         micro = [{"tokens": tokens[j], "loss_mask": mask[j], "old_logprobs": old[j],
-                  "advantages": adv[j], "ref_logprobs": ref[j]}
+                  "advantages": adv[j], "ref_logprobs": ref_lp[j]}
                  for j in (idx[i:i + micro_batch] for i in range(0, len(idx), micro_batch))]
         loss_fn = make_rl_loss_fn(policy, cfg, float(mask.sum()), float(tokens.shape[0]))
-        results = policy.forward_backward(micro, loss_fn)
+        results = policy.forward_backward(
+            micro, loss_fn, reference=reference if cfg.kl.exact_kl_in_loss else None)
         loss = torch.tensor([sum(float(r["loss"]) for r in results)], dtype=torch.float64)
         dist.all_reduce(loss)  # DP ranks' shares add up; first stages hold 0; TP ranks repeat it
         loss /= policy.tp_size

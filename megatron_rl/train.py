@@ -83,10 +83,11 @@ def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
             rt, r.records[rt.dp_rank::rt.dp_size], _seed(rt, r.step) + rt.dp_rank)
     else:
         whole = None
-        if dist_rank() == 0:
+        if dist_rank() == 0:  # the one client; a server pool's counts (rollout/servers_live...)
             done = None if r.future is None else r.future.result()
-            whole = _rollout(rt, r.records, _seed(rt, r.step), done)
-        prompt_ids, completions, rewards, reasons = broadcast_from_rank0(whole)
+            stats = getattr(rt.engine, "stats", dict)()
+            whole = (*_rollout(rt, r.records, _seed(rt, r.step), done), stats)
+        prompt_ids, completions, rewards, reasons, server_stats = broadcast_from_rank0(whole)
         g, k = algo.group_size, slice(rt.dp_rank, None, rt.dp_size)
         rewards = [x for grp in [rewards[i:i + g] for i in range(0, len(rewards), g)][k]
                    for x in grp]
@@ -96,6 +97,8 @@ def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
     batch = pack_rollouts(prompt_ids, completions, rewards, rt.pad_id).to(device())
     dp_group = data_parallel_group()
     metrics = global_metrics.count_metrics(reasons, "reward_errors/", dp_group)
+    if cfg.rollout.rollout_engine != "local":
+        metrics.update(server_stats)
     # behaviour policy = the weights that generated the batch (see --old-logprobs)
     if cfg.use_rollout_logprobs():
         batch.old_logprobs = batch.rollout_logprobs.clone()
@@ -132,9 +135,16 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
     """Advantages and PPO epochs over minibatches. Returns False when an update was skipped."""
     algo, loss_cfg = rt.cfg.algorithm, rt.cfg.loss
     # the reference is scored even with --kl-placement none: its KL is always logged
-    ref_lp = rt.reference.token_logprobs(batch.tokens, algo.micro_batch_size)
+    exact_kl = None
+    if loss_cfg.kl.exact:
+        ref_lp, exact_kl = score_reference_exact(rt.policy, rt.reference, batch.tokens,
+                                                 algo.micro_batch_size)
+        metrics["kl_exact"] = _global_sum((exact_kl * batch.loss_mask).sum()) / max(
+            _global_sum(batch.loss_mask.sum()), 1.0)
+    else:
+        ref_lp = rt.reference.token_logprobs(batch.tokens, algo.micro_batch_size)
     advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, batch.loss_mask,
-                                  loss_cfg, batch.group_size)
+                                  loss_cfg, batch.group_size, token_kl=exact_kl)
     rollout_tokens = _global_sum(batch.loss_mask.sum())
     n = batch.num_sequences
     per_mb = n // algo.ppo_minibatches
@@ -152,7 +162,8 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
                      for i in range(0, len(idx), algo.micro_batch_size)]
 
             loss_fn = make_rl_loss_fn(rt.policy, loss_cfg, norm_tokens, norm_seqs)
-            results = rt.policy.forward_backward(micro, loss_fn)
+            results = rt.policy.forward_backward(
+                micro, loss_fn, reference=rt.reference if loss_cfg.kl.exact_kl_in_loss else None)
             finite = not bool(all_reduce(nonfinite_flag(results, rt.policy.parameters()),
                                          op=dist.ReduceOp.MAX))
             if finite:
@@ -173,20 +184,63 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
     return ok_all
 
 
+def score_reference_exact(policy, reference, tokens: torch.Tensor, micro_batch_size: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference token log-probs, exact per-position KL(pi_theta || pi_ref)), each [B, L-1]
+    fp32 on every rank of the pipeline: one forward-only pass in which every microbatch runs
+    through the policy and the reference together (Policy.forward_backward's `reference`), so
+    both vocab-parallel logits meet in ops.exact_kl without being stored. The KL is that of the
+    current weights (the behaviour policy's on-policy): the reward side of `exact`."""
+    from megatron_rl.ops import exact_kl, vocab_parallel_logprobs
+
+    B, L = tokens.shape
+    chunks = [{"tokens": tokens[i:i + micro_batch_size]} for i in range(0, B, micro_batch_size)]
+    if B % micro_batch_size:  # the pipeline schedule needs equal microbatch shapes
+        pad = micro_batch_size - B % micro_batch_size
+        chunks[-1] = {"tokens": torch.cat([chunks[-1]["tokens"],
+                                           chunks[-1]["tokens"][:1].expand(pad, L)])}
+
+    def collect(batch, logits, ref_logits):
+        targets = next_token_targets(batch["tokens"]).to(logits.device)
+        ref_lp = vocab_parallel_logprobs(ref_logits, targets, tp_group=policy.tp_group,
+                                         vocab_start=policy.vocab_start)
+        kl = exact_kl(logits, ref_logits, tp_group=policy.tp_group)
+        return torch.stack([ref_lp[:, :-1].float(), kl[:, :-1].float()])
+
+    outs = policy.forward_backward(chunks, None, forward_only=True, collect=collect,
+                                   reference=reference)
+    out = torch.cat(outs, dim=1)[:, :B] if policy.is_last_stage else None
+    out = policy.broadcast_from_last_stage(out, (2, B, L - 1), torch.float32)
+    return out[0], out[1]
+
+
 def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs: float):
     """The loss function handed to the pipeline schedule: vocab-parallel log-probs and entropy
     of the current policy from the logits, then megatron_rl.loss.policy_loss. The microbatch
-    dict carries tokens, loss_mask, old_logprobs, advantages and ref_logprobs (see _microbatch)."""
+    dict carries tokens, loss_mask, old_logprobs, advantages and ref_logprobs (see _microbatch).
+
+    With the "exact" KL estimator in the loss (or in the reward under "seq-is",
+    KLConfig.exact_kl_in_loss) the function takes the reference's logits too,
+    loss_fn(mb, logits, ref_logits): forward_backward must run with reference=the reference
+    Policy. KL_t = ops.exact_kl(logits, ref_logits) is then differentiated through the policy's
+    logits (its gradient p (log p - log q - KL_t) per vocab entry, computed in backward and added
+    into the log-prob op's gradient buffer: the fused op's `ref_logits`)."""
     from megatron_rl.ops import token_logprobs_and_kl
 
-    def loss_fn(mb, logits):
+    exact = loss_cfg.kl.exact_kl_in_loss
+
+    def loss_fn(mb, logits, ref_logits=None):
+        if exact and ref_logits is None:
+            raise ValueError("the exact KL in the loss needs the reference's logits: run "
+                             "forward_backward with reference=<the reference Policy>")
         out = token_logprobs_and_kl(logits, next_token_targets(mb["tokens"]).to(logits.device),
                                     tp_group=policy.tp_group, vocab_start=policy.vocab_start,
-                                    return_entropy=True)
+                                    return_entropy=True, ref_logits=ref_logits if exact else None)
         logprobs, entropy = out.logprobs[:, :-1], out.entropy[:, :-1]
+        token_kl = out.exact_kl[:, :-1] if exact else None
         mask = mb["loss_mask"]
         loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, loss_cfg,
-                              ref_logprobs=mb["ref_logprobs"],
+                              ref_logprobs=mb["ref_logprobs"], token_kl=token_kl,
                               num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
         m["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         m["loss"] = loss.detach().clone()  # clone: the schedule scales the loss in place

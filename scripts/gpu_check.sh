@@ -24,6 +24,7 @@
 #                    CPU_TIER_ON_GPU below; tests that feed host tensors straight into a module
 #                    are not listed: they would fail for the test's reason, not the code's)
 #   bench-kernel     tools/bench_logprob_kl.py --device cuda at N=32768, V=152064 and 4096 x 32000
+#   bench-exact-kl   the same with --exact: --kl-estimator exact's op against the K1 path
 #   bench-rl         tools/bench_vs_trl.py --device cuda: Qwen2.5-0.5B-shaped RL steps vs TRL
 #   summary          tools/gpu_summary.py write OUT_DIR
 # --only runs install, env and the listed steps (for machines that limit one command's time:
@@ -110,7 +111,7 @@ if ((DRY)); then
     echo "  build:   $PYTHON setup.py build_ext --inplace (MAX_JOBS=$MAX_JOBS), check 'cuda' built"
     echo "  env, gpu-tests: $PYTHON -m pytest -m gpu tests --junitxml $OUT/junit_gpu.xml"
     echo "  cpu-tier-on-gpu: $PYTHON -m pytest ${CPU_TIER_ON_GPU[*]}"
-    echo "  bench-kernel, bench-rl, summary (OUT_DIR $OUT, scratch $WORK)"
+    echo "  bench-kernel, bench-exact-kl, bench-rl, summary (OUT_DIR $OUT, scratch $WORK)"
     step dry-wheels 300 bash -c "ls '$WHEELS'/*.whl >/dev/null && \
         '$PYTHON' tools/gpu_summary.py check-wheels '$WHEELS' && \
         '$PYTHON' -m pip install -q --no-index --no-deps --no-compile --target '$tmp/site' \
@@ -152,10 +153,13 @@ assert \"cuda\" in b, \"megatron_rl._C was built without the CUDA kernels\"'"
         -m "not server and not network" --junitxml "$OUT/junit_cpu_tier_on_gpu.xml" \
         "${CPU_TIER_ON_GPU[@]}"
     if ((SKIP_BENCH)); then
-        skip bench-kernel "--skip-bench"; skip bench-rl "--skip-bench"
+        skip bench-kernel "--skip-bench"; skip bench-exact-kl "--skip-bench"
+        skip bench-rl "--skip-bench"
     else
         step bench-kernel 300 "$PYTHON" tools/bench_logprob_kl.py --device cuda \
             --shapes 32768x152064 4096x32000 --json "$OUT/bench_logprob_kl.json"
+        step bench-exact-kl 300 "$PYTHON" tools/bench_logprob_kl.py --device cuda --exact \
+            --shapes 32768x152064 4096x32000 --json "$OUT/bench_exact_kl.json"
         step bench-rl 600 "$PYTHON" tools/bench_vs_trl.py --device cuda \
             --out "$WORK/bench_vs_trl" --json "$OUT/bench_vs_trl.json"
     fi

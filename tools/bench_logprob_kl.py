@@ -22,8 +22,25 @@ read, read again, write grad_logits, i.e. 3 N V itemsize) divided by the device-
 bandwidth measured in the same run (a large torch copy, read + write bytes counted); "% floor"
 = floor time / measured time (100% = as fast as a plain copy of those bytes).
 
+--exact: instead of the grid above, the cost of `--kl-estimator exact` in the trainer's loss
+function against the K1 path, per backend, on the same inputs (policy logits, reference logits,
+targets, reference token log-probs):
+  k1-path     token_logprobs_and_kl with entropy, loss sum(logp) + 0.1 sum(K1): what the loss
+              function runs for any sampled-token estimator (K1/K2/K3, reward or loss)
+  exact-path  the same op given ref_logits (it also returns the exact KL_t; its gradient is added
+              into the log-prob gradient's buffer), loss sum(logp) + 0.1 sum(KL_t): the loss
+              function with the exact KL in the loss (reward+loss)
+  exact-separate  the log-prob op and ops.exact_kl as two autograd ops (same loss): two
+              gradient buffers and autograd's sum of them
+  exact-op    ops.exact_kl alone
+with ratios to k1-path (time: method / k1-path, higher = slower; memory: peak extra / k1-path's).
+The reference logits are an input there (not in "peak extra"); in the trainer they are the
+reference forward's output, alive from the forward step to the microbatch's backward: one more
+[N, V/TP] tensor in the logits dtype ("ref logits MiB").
+
 Usage:
   OMP_NUM_THREADS=2 python tools/bench_logprob_kl.py --threads 2            # CPU grid
+  OMP_NUM_THREADS=1 python tools/bench_logprob_kl.py --threads 1 --exact    # exact KL vs K1 path
   python tools/bench_logprob_kl.py --device cuda                             # GPU grid
   python tools/bench_logprob_kl.py --device cuda --shapes 32768x152064 4096x32000 --json r.json
   ... --out benchmarks/RESULTS.md    appends a markdown section with device, versions, command
@@ -41,7 +58,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_rl.ops import extension_backends, token_logprobs_and_kl  # noqa: E402
+from megatron_rl.ops import exact_kl, extension_backends, token_logprobs_and_kl  # noqa: E402
 
 # Bytes that must move, as multiples of the logits' size N*V*itemsize: forward reads the logits
 # once; backward reads them again and writes grad_logits (one read + one write).
@@ -68,6 +85,71 @@ def ours(backend):
         out = token_logprobs_and_kl(logits, targets, ref_logprobs=ref, backend=backend)
         return out.logprobs, out.k3
     return fn
+
+
+def k1_path(backend):
+    """The trainer's loss-function op for sampled-token estimators; `ref` = (ref_lp, ref_logits)."""
+    def fn(logits, targets, ref):
+        out = token_logprobs_and_kl(logits, targets, return_entropy=True, backend=backend)
+        return out.logprobs, out.logprobs - ref[0]
+    return fn
+
+
+def exact_path(backend):
+    """The same op with the reference's logits: also the exact per-position KL, its gradient
+    added into the log-prob gradient's buffer (what the trainer's loss function runs)."""
+    def fn(logits, targets, ref):
+        out = token_logprobs_and_kl(logits, targets, return_entropy=True, backend=backend,
+                                    ref_logits=ref[1])
+        return out.logprobs, out.exact_kl
+    return fn
+
+
+def exact_separate(backend):
+    """The log-prob op and ops.exact_kl as two autograd ops (two gradient buffers + their sum)."""
+    def fn(logits, targets, ref):
+        out = token_logprobs_and_kl(logits, targets, return_entropy=True, backend=backend)
+        return out.logprobs, exact_kl(logits, ref[1], backend=backend)
+    return fn
+
+
+def exact_op(backend):
+    def fn(logits, targets, ref):
+        kl = exact_kl(logits, ref[1], backend=backend)
+        return kl, torch.zeros_like(kl)
+    return fn
+
+
+def bench_exact(backends, n, v, dtype, device, reps) -> list[dict]:
+    """Rows for k1-path / exact-path / exact-op per backend, ratios to that backend's k1-path."""
+    logits, targets, ref_lp = make_inputs(n, v, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    ref_logits = (logits.float() + torch.randn(n, v, generator=gen, device=device)).to(dtype)
+    ref = (ref_lp, ref_logits)
+    methods = {}
+    for b in backends:
+        methods.update({f"k1-path-{b}": k1_path(b), f"exact-path-{b}": exact_path(b),
+                        f"exact-separate-{b}": exact_separate(b), f"exact-op-{b}": exact_op(b)})
+    fwd = time_methods(methods, logits, targets, ref, False, device, reps)
+    both = time_methods(methods, logits, targets, ref, True, device, reps)
+    mem = {name: memory_of(fn, logits, targets, ref, device) for name, fn in methods.items()}
+    ref_mib = ref_logits.numel() * ref_logits.element_size() / 2**20
+    rows = []
+    for name in methods:
+        base = f"k1-path-{name.rsplit('-', 1)[1]}"
+        kept, peak = mem[name]
+        rows.append({"n": n, "v": v, "method": name, "fwd_ms": fwd[name] * 1e3,
+                     "fwd_bwd_ms": both[name] * 1e3, "kept_mib": kept / 2**20,
+                     "peak_extra_mib": peak / 2**20, "ref_logits_mib": ref_mib,
+                     "fwd_x_k1": fwd[name] / fwd[base], "fwd_bwd_x_k1": both[name] / both[base],
+                     "peak_x_k1": peak / mem[base][1]})
+    return rows
+
+
+def exact_markdown_row(r: dict) -> str:
+    return (f"| {r['n']} | {r['v']} | {r['method']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
+            f"{r['kept_mib']:.2f} | {r['peak_extra_mib']:.1f} | {r['ref_logits_mib']:.1f} | "
+            f"{r['fwd_x_k1']:.2f}x | {r['fwd_bwd_x_k1']:.2f}x | {r['peak_x_k1']:.2f} |")
 
 
 def init_megatron(device):
@@ -285,7 +367,11 @@ def main(argv=None):
                         help="floor bandwidth in GB/s instead of the measured copy bandwidth")
     parser.add_argument("--out", default=None, help="append a markdown section to this file")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this file")
+    parser.add_argument("--exact", action="store_true",
+                        help="benchmark the exact KL (k1-path vs exact-path) instead of the grid")
     args = parser.parse_args(argv)
+    if args.exact:
+        return main_exact(args)
 
     device = torch.device(args.device)
     if args.threads:
@@ -361,6 +447,54 @@ def main(argv=None):
                     f"interleaved round-robin; "
                     f"x mcore = mcore time / method time (higher is faster); "
                     f"mem / mcore = peak extra memory ratio (lower is better)\n\n")
+            f.write("\n".join(lines) + "\n")
+
+
+def main_exact(args) -> None:
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gpu = device.type == "cuda"
+    shapes = parse_shapes(args, gpu)
+    reps = args.reps or (10 if gpu else 3)
+    dtype = getattr(torch, args.dtype)
+    backends = [b for b in ("torch",) + extension_backends()
+                if b == "torch" or b == device.type]
+    backends = [b for b in backends if b not in args.skip]
+    header = ("| N | V | method | fwd ms | fwd+bwd ms | kept fwd->bwd MiB | peak extra MiB | "
+              "ref logits MiB | fwd / k1-path | fwd+bwd / k1-path | peak / k1-path |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    print(header, flush=True)
+    rows = []
+    for n, v in shapes:
+        for r in bench_exact(backends, n, v, dtype, device, reps):
+            rows.append(r)
+            lines.append(exact_markdown_row(r))
+            print(lines[-1], flush=True)
+    dev = (torch.cuda.get_device_name() if gpu else
+           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    cmd = " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "unset"),
+                    "python"] + sys.argv)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump({"device": dev, "dtype": args.dtype, "torch": torch.__version__,
+                       "reps": reps, "backends": backends, "command": cmd, "rows": rows}, f,
+                      indent=2)
+    if args.out:
+        isa = ""
+        if "cpu" in extension_backends():
+            from megatron_rl import _C
+            isa = f", CPU kernel variant {_C.cpu_isa()}"
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        with open(args.out, "a") as f:
+            f.write(f"\n### Exact KL vs the K1 path, {device.type.upper()} {args.dtype}, "
+                    f"{time.strftime('%Y-%m-%d')}\n\n")
+            f.write(f"- device: {dev}; torch threads {torch.get_num_threads()}{isa}; load average "
+                    f"at the end {load} (shared machine); torch {torch.__version__}\n")
+            f.write(f"- command: `{cmd}`\n- minimum of {reps} runs after one warm-up, methods "
+                    f"interleaved round-robin; ratios to the same backend's k1-path (time: "
+                    f"higher = slower; memory: peak extra)\n\n")
             f.write("\n".join(lines) + "\n")
 
 

@@ -196,19 +196,37 @@ class Policy:
 
     # -- running ---------------------------------------------------------------------------------
     def forward_backward(self, microbatches: list[dict], loss_fn: Callable | None,
-                         forward_only: bool = False, collect: Callable | None = None) -> list:
+                         forward_only: bool = False, collect: Callable | None = None,
+                         reference: "Policy | None" = None) -> list:
         """Run all microbatches through the pipeline schedule.
 
         microbatches: dicts with "tokens" [b, s] (int64), optional "position_ids" [b, s] and
-        "attention_mask" [b, 1, s, s] (bool, True = masked out); all of equal shape. loss_fn(batch, logits) -> (loss, metrics dict) with logits the
-        vocab-parallel [b, s, V/TP] output; it runs on the last stage only. When `collect` is
-        given (forward_only), collect(batch, logits) -> tensor is stored instead of a loss.
+        "attention_mask" [b, 1, s, s] (bool, True = masked out); all of equal shape.
+        loss_fn(batch, logits) -> (loss, metrics dict) with logits the vocab-parallel
+        [b, s, V/TP] output; it runs on the last stage only. When `collect` is given
+        (forward_only), collect(batch, logits) -> tensor is stored instead of a loss.
         Returns the list of metrics dicts (or collected values) on the last stage, [] elsewhere.
+
+        reference: a frozen Policy in the same layout (the KL's reference model). Each
+        microbatch then also runs through the reference's stage, under no_grad, inside the same
+        forward step, and loss_fn / collect get its logits too: fn(batch, logits, ref_logits).
+        This is how the "exact" KL estimator, which needs both full next-token distributions,
+        gets the reference's logits without storing them: [B, L, V] per batch (152k vocab:
+        ~0.6 MB per token in fp32) cannot be precomputed and streamed, while the reference's
+        forward costs about a third of the policy's forward+backward and its logits live only
+        until the microbatch's backward. Pipeline parallelism: the reference's activations
+        travel with the policy's through megatron's unchanged schedule: each stage sends
+        cat([policy hidden, reference hidden]) along the sequence dim (the schedule is told a
+        sequence twice as long, so its p2p buffers have that shape), the next stage splits the
+        received tensor and feeds each half to its model; the reference half is detached, so
+        backward sends it a zero gradient and nothing else changes.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not microbatches:
             return []
+        if reference is not None:
+            self._check_same_layout(reference)
         b, s = microbatches[0]["tokens"].shape
         scale = _schedule_scale(len(microbatches), self.dp_size)
         dev = next(self.module.parameters()).device
@@ -217,12 +235,15 @@ class Policy:
         # the logits before the loss
         padded = -(-s // self.tp_size) * self.tp_size if self.sequence_parallel else s
 
-        def loss_wrapper(batch, logits):
+        def loss_wrapper(batch, ref_logits, logits):
             if padded != s:
                 logits = logits[:, :s].contiguous()
+                if ref_logits is not None:
+                    ref_logits = ref_logits[:, :s].contiguous()
+            extra = () if reference is None else (ref_logits,)
             if collect is not None:
-                return torch.zeros((), device=logits.device), collect(batch, logits)
-            loss, metrics = loss_fn(batch, logits)
+                return torch.zeros((), device=logits.device), collect(batch, logits, *extra)
+            loss, metrics = loss_fn(batch, logits, *extra)
             return loss * scale, metrics
 
         def forward_step(data_iterator, model):
@@ -234,22 +255,57 @@ class Policy:
             mask = None if mask is None else mask.to(dev)
             if padded != s:
                 tokens, pos, mask = _pad_sequence(tokens, pos, mask, padded)
+            if reference is None:
+                return model(tokens, pos, mask), functools.partial(loss_wrapper, batch, None)
+            received = self.module.decoder.input_tensor  # set by the schedule; None on stage 0
+            if received is not None:
+                half = received.shape[0] // 2
+                self.module.set_input_tensor(received[:half])
+                reference.module.set_input_tensor(received[half:])
             out = model(tokens, pos, mask)
-            return out, functools.partial(loss_wrapper, batch)
+            with torch.no_grad():
+                ref_out = reference.model[0](tokens, pos, mask)
+            if self.is_last_stage:
+                return out, functools.partial(loss_wrapper, batch, ref_out)
+            return torch.cat([out, ref_out]), functools.partial(loss_wrapper, batch, None)
 
         for m in self.model:
             m.train(not forward_only)
+        if reference is not None:
+            for m in reference.model:
+                m.train(False)
         if not forward_only and hasattr(self.model[0], "zero_grad_buffer"):
             self.model[0].zero_grad_buffer()
         if self.optimizer is not None and not forward_only:
             self.optimizer.zero_grad()
         fb = get_forward_backward_func()
         context = torch.no_grad() if forward_only else contextlib.nullcontext()
+        # with a reference, the stages exchange [2 s, b, h]: both models' hidden states
+        seq_length = padded if reference is None or self.pp_size == 1 else 2 * padded
         with context:
             out = fb(forward_step_func=forward_step, data_iterator=iter(microbatches),
-                     model=self.model, num_microbatches=len(microbatches), seq_length=padded,
+                     model=self.model, num_microbatches=len(microbatches), seq_length=seq_length,
                      micro_batch_size=b, forward_only=forward_only)
+        if reference is not None:
+            reference.module.set_input_tensor(None)
         return out if self.is_last_stage else []
+
+    def _check_same_layout(self, other: "Policy") -> None:
+        """`other` must be a frozen model of the same architecture in this rank's layout (the
+        reference run inside forward_backward)."""
+        mine = (self.tp_size, self.pp_size, self.pp_rank, self.sequence_parallel,
+                self.args.vocab_size, self.args.hidden_size, self.args.num_hidden_layers,
+                self.params_dtype)
+        theirs = (other.tp_size, other.pp_size, other.pp_rank, other.sequence_parallel,
+                  other.args.vocab_size, other.args.hidden_size, other.args.num_hidden_layers,
+                  other.params_dtype)
+        if mine != theirs:
+            raise ValueError("the reference must have the policy's layout and architecture "
+                             "(TP, PP, stage, sequence parallelism, vocab, hidden size, layers, "
+                             f"dtype): policy {mine}, reference {theirs}")
+        if other.trainable:
+            raise ValueError("the reference run inside forward_backward must be frozen "
+                             "(Policy(trainable=False))")
 
     def broadcast_from_last_stage(self, t: torch.Tensor | None, shape, dtype) -> torch.Tensor:
         """Give every pipeline stage the last stage's tensor `t` (same shape/dtype everywhere)."""

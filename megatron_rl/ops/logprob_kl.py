@@ -21,6 +21,12 @@ Gradient conventions:
   computed redundantly on each TP rank, as Megatron does); each rank then gets the gradient of
   its own shard.
 
+`exact_kl` (bottom of this file) is the exact per-position KL(pi || pi_ref) of the "exact" KL
+estimator, from the policy's and the reference's logits shards, built the same way: per-rank
+partials (both row maxima and normalizers, and the KL partial sum) in one pass over both logits,
+one MAX and one SUM all-reduce, and a backward that recomputes p and q from the saved logits
+(no communication, nothing [N, V] saved).
+
 Three kernels compute the same per-rank partials and gradient: "torch" (reference.py, any
 device), "cpu" (csrc/logprob_kl_cpu.cpp) and "cuda" (csrc/logprob_kl_cuda.cu). They are
 wrapped as `torch.library.custom_op`s with fake implementations, so torch.compile can trace
@@ -58,12 +64,15 @@ class TokenLogprobOutput:
     log_ratio: ref_logprobs - logprobs, or None without ref_logprobs.
     k3:        exp(log_ratio) - 1 - log_ratio (the K3 estimator of KL(pi || ref)), or None.
     entropy:   entropy of the full (all TP shards) distribution, or None unless requested.
+    exact_kl:  the exact per-position KL(pi || pi_ref) from the reference's logits (see
+               `exact_kl`), or None without ref_logits.
     """
 
     logprobs: torch.Tensor
     log_ratio: Optional[torch.Tensor] = None
     k3: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
+    exact_kl: Optional[torch.Tensor] = None
 
 
 def extension_backends() -> tuple:
@@ -184,7 +193,7 @@ def _combine_partials(row_max, sum_exp, target_z, ent_w, owned, tp_group):
 class _TokenLogprobKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_NV, targets_N, ref_N, inv_temperature, vocab_start, tp_group,
-                with_entropy, backend):
+                with_entropy, backend, ref_logits_NV=None):
         row_max, sum_exp, target_z, ent_w = logprob_partials(
             logits_NV, targets_N, vocab_start, inv_temperature, with_entropy, backend)
         vocab_local = logits_NV.shape[1]
@@ -195,16 +204,31 @@ class _TokenLogprobKL(torch.autograd.Function):
         if ref_N is not None:
             log_ratio = ref_N - logprobs
             k3 = torch.expm1(log_ratio) - log_ratio      # exp(r) - 1 - r, accurate near r = 0
+        exact_stats, kl = (None,) * 5, None
+        ctx.exact_backend = None
+        if ref_logits_NV is not None:  # the exact KL (temperature 1), sharing backward's buffer
+            ctx.exact_backend = _exact_backend(backend)
+            exact_stats = _combine_exact_partials(
+                *exact_kl_partials(logits_NV, ref_logits_NV, ctx.exact_backend), tp_group)
+            kl = exact_stats[-1]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits_NV, targets_N, global_max, shifted_lse, log_ratio, entropy)
+        ctx.save_for_backward(logits_NV, targets_N, global_max, shifted_lse, log_ratio, entropy,
+                              ref_logits_NV, *exact_stats)
         ctx.inv_temperature, ctx.vocab_start, ctx.backend = inv_temperature, vocab_start, backend
-        return logprobs, log_ratio, k3, entropy
+        return logprobs, log_ratio, k3, entropy, kl
 
     @staticmethod
-    def backward(ctx, g_logprobs, g_log_ratio, g_k3, g_entropy):
-        logits_NV, targets_N, global_max, shifted_lse, log_ratio, entropy = ctx.saved_tensors
+    def backward(ctx, g_logprobs, g_log_ratio, g_k3, g_entropy, g_kl=None):
+        (logits_NV, targets_N, global_max, shifted_lse, log_ratio, entropy, ref_logits_NV,
+         *exact_stats) = ctx.saved_tensors
+        exact_grad = None
+        if g_kl is not None and ref_logits_NV is not None:
+            exact_grad = (ref_logits_NV, *exact_stats,
+                          g_kl.to(exact_stats[-1].dtype).contiguous(), ctx.exact_backend)
         if g_logprobs is None and g_log_ratio is None and g_k3 is None and g_entropy is None:
-            return (None,) * 8
+            if exact_grad is None:
+                return (None,) * 9
+            return (exact_kl_grad(logits_NV, *exact_grad),) + (None,) * 8
         # Everything flows through logp: d log_ratio/d logp = -1, dK3/d logp = 1 - exp(r).
         grad_coef = torch.zeros_like(shifted_lse)
         if g_logprobs is not None:
@@ -220,7 +244,9 @@ class _TokenLogprobKL(torch.autograd.Function):
         grad_logits = logprob_grad(logits_NV, targets_N, ctx.vocab_start, ctx.inv_temperature,
                                    global_max, shifted_lse, grad_coef, entropy_grad,
                                    entropy if entropy_grad is not None else None, ctx.backend)
-        return grad_logits, None, None, None, None, None, None, None
+        if exact_grad is not None:  # added in place: one [N, V] gradient buffer for both terms
+            exact_kl_grad_accumulate_(grad_logits, logits_NV, *exact_grad)
+        return grad_logits, None, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,7 +255,8 @@ class _TokenLogprobKL(torch.autograd.Function):
 def token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor, *,
                           ref_logprobs: Optional[torch.Tensor] = None, temperature: float = 1.0,
                           vocab_start: int = 0, tp_group=None, return_entropy: bool = False,
-                          backend: str = "auto") -> TokenLogprobOutput:
+                          backend: str = "auto",
+                          ref_logits: Optional[torch.Tensor] = None) -> TokenLogprobOutput:
     """Token log-probs of `targets`, and optionally log-ratio / K3 to a reference and entropy.
 
     Args:
@@ -246,6 +273,12 @@ def token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor, *,
             (Megatron: parallel_state.get_tensor_model_parallel_group()); None = full vocab.
         return_entropy: also return the per-token entropy (differentiable).
         backend: "auto" | "torch" | "cpu" | "cuda"; see `resolve_backend`.
+        ref_logits: [..., V_local] the reference model's logits over the same shard: also
+            return `exact_kl`, the exact per-position KL(pi || pi_ref) at temperature 1 (see
+            `exact_kl`; the same numbers), differentiable in `logits`. Its backward adds its
+            gradient into the log-prob op's gradient buffer in place (peak memory: one [N, V]
+            gradient, as without it), where calling `exact_kl` separately makes a second one
+            and autograd a third for the sum.
 
     Returns:
         TokenLogprobOutput with [...]-shaped fp32 tensors (fp64 for fp64 logits).
@@ -281,12 +314,21 @@ def token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor, *,
             raise ValueError(f"targets must lie in [{vocab_start}, {vocab_start + vocab_local}) "
                              f"when tp_group is None")
     concrete = resolve_backend(backend, logits.device)
+    ref_logits_NV = None
+    if ref_logits is not None:
+        if tuple(ref_logits.shape) != tuple(logits.shape):
+            raise ValueError(f"ref_logits shape {tuple(ref_logits.shape)} must equal logits "
+                             f"shape {tuple(logits.shape)}")
+        if temperature != 1.0:
+            raise ValueError("the exact KL (ref_logits) is defined at temperature 1")
+        ref_logits_NV = ref_logits.detach().to(logits.dtype).reshape(-1, vocab_local).contiguous()
 
-    logprobs, log_ratio, k3, entropy = _TokenLogprobKL.apply(
+    logprobs, log_ratio, k3, entropy, kl = _TokenLogprobKL.apply(
         logits_NV, targets_N, ref_N, 1.0 / float(temperature), int(vocab_start), tp_group,
-        bool(return_entropy), concrete)
+        bool(return_entropy), concrete, ref_logits_NV)
     reshape = lambda t: None if t is None else t.reshape(lead_shape)  # noqa: E731
-    return TokenLogprobOutput(reshape(logprobs), reshape(log_ratio), reshape(k3), reshape(entropy))
+    return TokenLogprobOutput(reshape(logprobs), reshape(log_ratio), reshape(k3), reshape(entropy),
+                              reshape(kl))
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group=None,
@@ -299,3 +341,155 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     """
     return token_logprobs_and_kl(logits, targets, temperature=temperature,
                                  vocab_start=vocab_start, tp_group=tp_group).logprobs
+
+
+# --------------------------------------------------------------------------------------------
+# The exact per-position KL(pi || pi_ref) from both full distributions ("exact" estimator).
+# --------------------------------------------------------------------------------------------
+def _exact_backend(backend: str) -> str:
+    """`backend` (concrete, from resolve_backend), or "torch" when the extension was built
+    before the exact-KL kernels existed (a stale build: warned once)."""
+    if backend in ("cpu", "cuda") and not hasattr(_ext, f"exact_kl_partials_{backend}"):
+        key = f"exact:{backend}"
+        if key not in _warned_fallback:
+            _warned_fallback.add(key)
+            warnings.warn(f"megatron_rl._C has no {backend!r} exact-KL kernel (rebuild the "
+                          f"extension); using the 'torch' backend", stacklevel=3)
+        return "torch"
+    return backend
+
+
+@torch.library.custom_op("megatron_rl::exact_kl_partials", mutates_args=())
+def exact_kl_partials(logits: torch.Tensor, ref_logits: torch.Tensor, backend: str
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                 torch.Tensor]:
+    """(max_p, sum_p, max_q, sum_q, w) for contiguous [N, V_local] shards; see reference.py."""
+    if backend == "cpu":
+        return tuple(_ext.exact_kl_partials_cpu(logits, ref_logits))
+    if backend == "cuda":
+        return tuple(_ext.exact_kl_partials_cuda(logits, ref_logits))
+    return reference.exact_kl_partials_torch(logits, ref_logits)
+
+
+@exact_kl_partials.register_fake
+def _(logits, ref_logits, backend):
+    acc = reference.compute_dtype(logits.dtype)
+    n = logits.shape[0]
+    return tuple(logits.new_empty(n, dtype=acc) for _ in range(5))
+
+
+@torch.library.custom_op("megatron_rl::exact_kl_grad", mutates_args=())
+def exact_kl_grad(logits: torch.Tensor, ref_logits: torch.Tensor, max_p: torch.Tensor,
+                  lse_p: torch.Tensor, max_q: torch.Tensor, lse_q: torch.Tensor,
+                  kl: torch.Tensor, grad_kl: torch.Tensor, backend: str) -> torch.Tensor:
+    """grad w.r.t. the policy logits [N, V_local] (logits dtype); see reference.py."""
+    args = (logits, ref_logits, max_p, lse_p, max_q, lse_q, kl, grad_kl, None)
+    if backend == "cpu":
+        return _ext.exact_kl_grad_cpu(*args)
+    if backend == "cuda":
+        return _ext.exact_kl_grad_cuda(*args)
+    return reference.exact_kl_grad_torch(*args)
+
+
+@exact_kl_grad.register_fake
+def _(logits, ref_logits, max_p, lse_p, max_q, lse_q, kl, grad_kl, backend):
+    return torch.empty_like(logits)
+
+
+@torch.library.custom_op("megatron_rl::exact_kl_grad_accumulate_", mutates_args=("grad",))
+def exact_kl_grad_accumulate_(grad: torch.Tensor, logits: torch.Tensor, ref_logits: torch.Tensor,
+                              max_p: torch.Tensor, lse_p: torch.Tensor, max_q: torch.Tensor,
+                              lse_q: torch.Tensor, kl: torch.Tensor, grad_kl: torch.Tensor,
+                              backend: str) -> None:
+    """grad += the exact-KL gradient, in place (shares the log-prob op's gradient buffer)."""
+    args = (logits, ref_logits, max_p, lse_p, max_q, lse_q, kl, grad_kl, grad)
+    if backend == "cpu":
+        _ext.exact_kl_grad_cpu(*args)
+    elif backend == "cuda":
+        _ext.exact_kl_grad_cuda(*args)
+    else:
+        reference.exact_kl_grad_torch(*args)
+
+
+@exact_kl_grad_accumulate_.register_fake
+def _(grad, logits, ref_logits, max_p, lse_p, max_q, lse_q, kl, grad_kl, backend):
+    return None
+
+
+def _combine_exact_partials(max_p, sum_p, max_q, sum_q, w, tp_group):
+    """Global (max_p, lse_p, max_q, lse_q, kl) from this rank's partials: one MAX all-reduce of
+    the two row maxima, one SUM all-reduce of the three rescaled sums."""
+    if tp_group is not None:
+        maxes = torch.stack([max_p, max_q])
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
+        delta_p, delta_q = max_p - maxes[0], max_q - maxes[1]      # <= 0
+        scale_p = torch.exp(delta_p)
+        # sum_j e^(z-M_p) ((z-M_p) - (r-M_q)) = e^(m_p-M_p) (w + (delta_p - delta_q) sum_p)
+        stacked = torch.stack([sum_p * scale_p, sum_q * torch.exp(delta_q),
+                               (w + (delta_p - delta_q) * sum_p) * scale_p])
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=tp_group)
+        max_p, max_q = maxes[0], maxes[1]
+        sum_p, sum_q, w = stacked[0], stacked[1], stacked[2]
+    lse_p, lse_q = torch.log(sum_p), torch.log(sum_q)
+    kl = w / sum_p - lse_p + lse_q
+    return max_p, lse_p, max_q, lse_q, kl
+
+
+class _ExactKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NV, ref_NV, tp_group, backend):
+        partials = exact_kl_partials(logits_NV, ref_NV, backend)
+        max_p, lse_p, max_q, lse_q, kl = _combine_exact_partials(*partials, tp_group)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits_NV, ref_NV, max_p, lse_p, max_q, lse_q, kl)
+        ctx.backend = backend
+        return kl
+
+    @staticmethod
+    def backward(ctx, g_kl):
+        if g_kl is None:
+            return None, None, None, None
+        logits_NV, ref_NV, max_p, lse_p, max_q, lse_q, kl = ctx.saved_tensors
+        grad = exact_kl_grad(logits_NV, ref_NV, max_p, lse_p, max_q, lse_q, kl,
+                             g_kl.to(kl.dtype).contiguous(), ctx.backend)
+        return grad, None, None, None
+
+
+def exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor, *, tp_group=None,
+             backend: str = "auto") -> torch.Tensor:
+    """The exact per-position KL(pi || pi_ref) = sum_v p_v (log p_v - log q_v), p = softmax(logits),
+    q = softmax(ref_logits), over the full (all TP shards) vocabulary, without sampling noise.
+
+    Args:
+        logits: [..., V_local] policy logits (bf16/fp16/fp32; fp64 for testing), this rank's vocab
+            shard; finite. Differentiable: d KL / d z_v = p_v (log p_v - log q_v - KL).
+        ref_logits: the reference model's logits over the same shard, same shape; frozen (no
+            gradient flows into them). Cast to the logits dtype if it differs (a copy).
+        tp_group: tensor-parallel group over which the vocab is sharded; None = full vocab.
+            Forward does one MAX all-reduce ([2, N]: both row maxima) and one SUM all-reduce
+            ([3, N]: both normalizers and the KL partial sum); backward communicates nothing.
+        backend: as in token_logprobs_and_kl ("auto" | "torch" | "cpu" | "cuda").
+
+    Returns: [...] KL per row, fp32 (fp64 for fp64 logits). Rounding can make it -O(1e-7) where
+    the two distributions coincide. Saved for backward: both logits tensors (alive in the
+    caller anyway: the reference's are its forward output) and five [N] statistics; nothing of
+    size [N, V] is computed in forward or kept, backward recomputes p and q from the logits.
+    Non-contiguous inputs are copied once (pass contiguous logits and slice the result).
+    """
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError("logits must have shape [..., V_local] with V_local > 0")
+    if logits.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"logits dtype {logits.dtype} not supported; use one of "
+                         f"{[str(d) for d in _SUPPORTED_DTYPES]}")
+    if tuple(ref_logits.shape) != tuple(logits.shape):
+        raise ValueError(f"ref_logits shape {tuple(ref_logits.shape)} must equal logits shape "
+                         f"{tuple(logits.shape)}")
+    if ref_logits.device != logits.device:
+        raise ValueError(f"ref_logits on {ref_logits.device}, logits on {logits.device}")
+    lead_shape = tuple(logits.shape[:-1])
+    vocab_local = logits.shape[-1]
+    logits_NV = logits.reshape(-1, vocab_local).contiguous()
+    ref_NV = ref_logits.detach().to(logits.dtype).reshape(-1, vocab_local).contiguous()
+    concrete = _exact_backend(resolve_backend(backend, logits.device))
+    kl = _ExactKL.apply(logits_NV, ref_NV, tp_group, concrete)
+    return kl.reshape(lead_shape)

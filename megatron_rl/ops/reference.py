@@ -9,6 +9,9 @@ Two things live here:
 2. `naive_token_logprobs_and_kl`: the textbook full-vocab computation (log_softmax in the
    requested dtype, gather, K3). Tests run it in float64 as the oracle and in the input dtype
    to measure PyTorch's own error; the benchmark uses it as the naive baseline.
+3. The exact per-position KL(pi || pi_ref) from both logits: `exact_kl_partials_torch`,
+   `exact_kl_grad_torch` (the kernels' contract is written above them) and the oracle
+   `naive_exact_kl`.
 
 Kernel contract (shared by every backend; `logits_NV` is this rank's vocab shard, contiguous):
     z = logits * inv_temperature                          (computed in fp32, fp64 for fp64 input)
@@ -141,3 +144,77 @@ def naive_token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor,
         log_ratio = ref_logprobs.to(dtype) - logprobs
         k3 = torch.exp(log_ratio) - 1 - log_ratio
     return logprobs, log_ratio, k3, entropy
+
+
+# --------------------------------------------------------------------------------------------
+# The exact per-position KL(pi || pi_ref) from both full distributions ("exact" estimator).
+# --------------------------------------------------------------------------------------------
+# Kernel contract (every backend; `logits_NV` and `ref_NV` are this rank's shards of the same
+# vocab range, contiguous, same dtype; z = logits, r = ref logits, in the compute dtype):
+#     partials:  max_p[i] = max_j z_ij              sum_p[i] = sum_j exp(z_ij - max_p[i])
+#                max_q[i] = max_j r_ij              sum_q[i] = sum_j exp(r_ij - max_q[i])
+#                w[i]     = sum_j exp(z_ij - max_p[i]) * ((z_ij - max_p[i]) - (r_ij - max_q[i]))
+#     combined (global maxes M_p, M_q; S = rescaled sums; W the rescaled w, see logprob_kl.py):
+#                KL[i] = W[i] / S_p[i] - log S_p[i] + log S_q[i]
+#     grad:      log p_ij = (z_ij - M_p[i]) - lse_p[i],  log q_ij = (r_ij - M_q[i]) - lse_q[i]
+#                d z_ij   = grad_kl[i] * p_ij * (log p_ij - log q_ij - KL[i])
+#                (lse_* = log S_*: the log-normalizers relative to the global maxes)
+def exact_kl_partials_torch(logits_NV: torch.Tensor, ref_NV: torch.Tensor):
+    """Per-rank forward partials (max_p, sum_p, max_q, sum_q, w), each [N] in compute dtype."""
+    num_rows, vocab_local = logits_NV.shape
+    acc = compute_dtype(logits_NV.dtype)
+    out = [torch.empty(num_rows, dtype=acc, device=logits_NV.device) for _ in range(5)]
+    max_p, sum_p, max_q, sum_q, w = out
+    # two fp32 chunks alive at a time (policy and reference): half the rows of the log-prob op
+    step = max(1, _rows_per_chunk(vocab_local, logits_NV.device) // 2)
+    for r0 in range(0, num_rows, step):
+        r1 = min(num_rows, r0 + step)
+        z = logits_NV[r0:r1].to(acc, copy=True)
+        r = ref_NV[r0:r1].to(acc, copy=True)
+        mp, mq = z.amax(dim=1), r.amax(dim=1)
+        z.sub_(mp.unsqueeze(1))
+        r.sub_(mq.unsqueeze(1))
+        max_p[r0:r1], max_q[r0:r1] = mp, mq
+        sum_q[r0:r1] = torch.exp(r).sum(dim=1)
+        r.neg_().add_(z)                          # d = (z - max_p) - (r - max_q)
+        e = torch.exp(z)
+        sum_p[r0:r1] = e.sum(dim=1)
+        w[r0:r1] = e.mul_(r).sum(dim=1)
+        del z, r, e
+    return max_p, sum_p, max_q, sum_q, w
+
+
+def exact_kl_grad_torch(logits_NV: torch.Tensor, ref_NV: torch.Tensor, max_p: torch.Tensor,
+                        lse_p: torch.Tensor, max_q: torch.Tensor, lse_q: torch.Tensor,
+                        kl: torch.Tensor, grad_kl: torch.Tensor,
+                        accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """grad_logits [N, V_local] in the logits dtype: grad_kl * p * (log p - log q - KL); added
+    (in the compute dtype, rounded once) into `accumulate_into` when given, which is returned."""
+    num_rows, vocab_local = logits_NV.shape
+    acc = compute_dtype(logits_NV.dtype)
+    grad = torch.empty_like(logits_NV) if accumulate_into is None else accumulate_into
+    step = max(1, _rows_per_chunk(vocab_local, logits_NV.device) // 2)
+    for r0 in range(0, num_rows, step):
+        r1 = min(num_rows, r0 + step)
+        logp = logits_NV[r0:r1].to(acc, copy=True)
+        logp.sub_(max_p[r0:r1].unsqueeze(1)).sub_(lse_p[r0:r1].unsqueeze(1))
+        coef = ref_NV[r0:r1].to(acc, copy=True)      # becomes log p - log q - KL
+        coef.sub_(max_q[r0:r1].unsqueeze(1)).sub_(lse_q[r0:r1].unsqueeze(1))
+        coef.neg_().add_(logp).sub_(kl[r0:r1].unsqueeze(1))
+        g = torch.exp(logp).mul_(coef).mul_(grad_kl[r0:r1].unsqueeze(1))
+        del logp, coef
+        if accumulate_into is not None:
+            g.add_(grad[r0:r1])
+        grad[r0:r1] = g
+        del g
+    return grad
+
+
+def naive_exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor,
+                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Full-vocab textbook KL(softmax(logits) || softmax(ref_logits)) per row, in `dtype`
+    (default: the logits dtype); the fp64 oracle of the tests (differentiable in both)."""
+    dtype = dtype or logits.dtype
+    logp = torch.log_softmax(logits.to(dtype), dim=-1)
+    logq = torch.log_softmax(ref_logits.to(dtype), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)

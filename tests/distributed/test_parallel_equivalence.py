@@ -46,7 +46,8 @@ def test_qwen2_layouts_match_single_rank_and_transformers(qwen2_run, tiny_qwen2)
 @pytest.mark.parametrize("config", RL_CONFIGS)
 def test_every_kl_placement_same_loss_and_grads_across_layouts(qwen2_run, config):
     """The trainer's RL loss (policy_loss through the vocab-parallel op, with the KL placed in the
-    reward, the loss, both or nowhere) gives the TP=1 loss and gradients at TP2, PP2, TP2xPP2."""
+    reward, the loss, both or nowhere) gives the TP=1 loss and gradients at TP2, PP2, TP2xPP2;
+    so does the exact KL in reward+loss, whose reference model runs inside the step."""
     name = f"rl_{config.replace('+', '_')}.pt"
     ref = torch.load(os.path.join(qwen2_run, "1x1", name))
     assert any(float(g.abs().max()) > 1e-3 for g in ref["grads"].values())
@@ -84,11 +85,14 @@ def test_qwen3_layouts_match_transformers_and_sample_the_same(tiny_qwen3, tmp_pa
 
 
 def test_kl_placement_changes_the_gradient(qwen2_run):
-    """Guard against a switch that does nothing: reward, loss and none differ."""
+    """Guard against a switch that does nothing: reward, loss and none differ, and the exact KL
+    (reference model run inside the step, its activations carried through the pipeline) moves
+    the gradient too."""
     g = {c: torch.load(os.path.join(qwen2_run, "1x1", f"rl_{c.replace('+', '_')}.pt"))["grads"]
-         for c in ("k1:reward", "k1:loss", "k1:none", "k3:loss")}
+         for c in ("k1:reward", "k1:loss", "k1:none", "k3:loss", "exact:reward+loss")}
     key = "decoder.layers.0.mlp.linear_fc1.weight"
-    for a, b in (("k1:reward", "k1:none"), ("k1:loss", "k1:none"), ("k1:loss", "k3:loss")):
+    for a, b in (("k1:reward", "k1:none"), ("k1:loss", "k1:none"), ("k1:loss", "k3:loss"),
+                 ("exact:reward+loss", "k1:none")):
         assert float((g[a][key] - g[b][key]).abs().max()) > 1e-5, (a, b)
 
 
