@@ -7,7 +7,9 @@ reads their ``metrics.jsonl`` rows and hands them here.
    beta, a seed and a sampling regime (``REGIMES``: ``on`` = one optimizer step per rollout
    batch, ``off`` = 4 PPO minibatches per batch, ``async<k>`` = rollouts up to k steps stale).
    ``build_sweep`` crosses them; ``none`` (no KL term) is run once per seed and regime, not once
-   per beta, since beta does not enter it.
+   per beta, since beta does not enter it. ``SLICES`` names subsets of CONFIGS (``grid``: the
+   paper's Table 1, the default; ``exact``: the exact estimator beside K1 in reward, K3 in
+   loss and no KL).
 2. Verdicts. ``detect_instability`` and ``detect_collapse`` apply the explicit criteria of
    ``StabilityCriteria`` / ``CollapseCriteria`` (thresholds documented on each field) to one
    run's rows and return the reasons found; an empty list means "not detected".
@@ -35,6 +37,9 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "k3:reward": ("k3", "reward"),
     "k3:loss": ("k3", "loss"),
     "k3:reward+loss": ("k3", "reward+loss"),
+    # the exact per-position KL (issue 14; --kl-estimator exact, derivation in megatron_rl/kl.py)
+    "exact:reward": ("exact", "reward"),
+    "exact:reward+loss": ("exact", "reward+loss"),
 }
 # The paper's Table 1, "Behavior" column (on-policy), as claims to check.
 PAPER_BEHAVIOR: dict[str, str] = {
@@ -45,6 +50,17 @@ PAPER_BEHAVIOR: dict[str, str] = {
     "k3:reward": "biased, collapses",
     "k3:loss": "biased, stable, worse out of domain (GRPO default)",
     "k3:reward+loss": "unbiased on-policy",
+    # not in the paper: this repository's derivation (megatron_rl/kl.py), checked on the toy
+    "exact:reward": "biased (score-function half only)",
+    "exact:reward+loss": "unbiased on-policy, lower variance than K1 in reward",
+}
+# Named subsets of CONFIGS that tools/reproduce.py runs with --slice: "grid" is the paper's
+# Table 1 (the 162-run CPU grid; the default of build_sweep), "exact" the issue-14 slice, the
+# exact estimator beside the two references (K1 in reward, K3 in loss) and no KL.
+SLICES: dict[str, tuple[str, ...]] = {
+    "grid": ("none", "k1:reward", "k1:loss", "k1:reward+loss", "k3:reward", "k3:loss",
+             "k3:reward+loss"),
+    "exact": ("none", "k1:reward", "k3:loss", "exact:reward", "exact:reward+loss"),
 }
 # The async slice: configs run with --async-level k (name -> extra flags beyond CONFIGS).
 ASYNC_CONFIGS: dict[str, tuple[str, str, str]] = {
@@ -111,7 +127,7 @@ class RunSpec:
                 "--async-level", str(r["async_level"]), "--seed", str(self.seed)]
 
 
-def build_sweep(configs: Iterable[str] = tuple(CONFIGS), betas: Iterable[float] = DEFAULT_BETAS,
+def build_sweep(configs: Iterable[str] = SLICES["grid"], betas: Iterable[float] = DEFAULT_BETAS,
                 seeds: Iterable[int] = DEFAULT_SEEDS, regimes: Iterable[str] = ("on", "off"),
                 async_levels: Iterable[int] = (), async_configs: Iterable[str] = tuple(ASYNC_CONFIGS),
                 async_betas: Iterable[float] | None = None) -> list[RunSpec]:

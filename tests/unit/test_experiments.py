@@ -4,7 +4,7 @@ import math
 import pytest
 
 from megatron_rl.config import parse_config
-from megatron_rl.experiments import (CONFIGS, CollapseCriteria, RunSpec, StabilityCriteria,
+from megatron_rl.experiments import (CONFIGS, SLICES, CollapseCriteria, RunSpec, StabilityCriteria,
                                      aggregate, build_sweep, detect_collapse, detect_instability,
                                      format_mean_std, is_complete, markdown_table, mean_curve,
                                      mean_std, moving_average, regime_flags, summarize_run,
@@ -35,6 +35,41 @@ def test_full_sweep_size_and_none_once_per_seed_and_regime():
     nones = [s for s in specs if s.config == "none"]
     assert len(nones) == 6 and all(s.beta == 0.0 for s in nones)
     assert [s.seed for s in specs[:25]] == [1] * 25  # seed-major
+
+
+def test_exact_slice():
+    """The issue-14 slice: exact in reward and reward+loss beside K1 in reward, K3 in loss and no
+    KL; the
+    default sweep (the paper's grid) does not include the exact configs."""
+    assert set(SLICES["grid"]) | set(SLICES["exact"]) <= set(CONFIGS)
+    assert not any(s.config.startswith("exact") for s in build_sweep(betas=(1.0,), seeds=(1,)))
+    specs = build_sweep(SLICES["exact"], betas=(1.0,), seeds=(1, 2, 3), regimes=("on", "off"))
+    assert len(specs) == 5 * 3 * 2
+    assert [s.run_id for s in specs[:5]] == ["none_s1_on", "k1-reward_b1_s1_on", "k3-loss_b1_s1_on",
+                                             "exact-reward_b1_s1_on", "exact-reward_loss_b1_s1_on"]
+    flags = specs[4].train_flags()
+    assert flags[flags.index("--kl-estimator") + 1] == "exact"
+    assert flags[flags.index("--kl-placement") + 1] == "reward+loss"
+    off = [s for s in specs if s.regime == "off"][0].train_flags()
+    assert off[off.index("--ppo-minibatches") + 1] == "4"
+
+
+def test_reproduce_slice_options():
+    """tools/reproduce.py --slice exact: the slice's configs, no toy, no async, its own markers
+    and figure names; the default stays the grid (markers unchanged)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+    import reproduce
+
+    a = reproduce.parse_args(["--slice", "exact", "--betas", "1", "--steps", "40"])
+    assert a.configs == list(SLICES["exact"]) and a.async_levels == [] and a.skip_toy
+    assert a.figure_prefix == "exact_"
+    assert reproduce.markers("exact")[0] != reproduce.BEGIN
+    g = reproduce.parse_args([])
+    assert g.configs == list(SLICES["grid"]) and g.async_levels == [2] and not g.skip_toy
+    assert reproduce.markers("grid") == (reproduce.BEGIN, reproduce.END) and g.figure_prefix == ""
 
 
 def test_async_slice():
