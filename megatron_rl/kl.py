@@ -73,7 +73,7 @@ In the trainer (`--kl-estimator exact`, any placement; "reward+loss" is the unbi
   on-policy; with stale batches, --async-level, still the current policy's KL, which the
   derivation asks for, where K1's reward side uses the behaviour log-probs) and the reference's
   token log-probs; the return of token t is R - beta sum_{s>t} KL_s
-  (`kl_reward_later_penalty`: later positions only, whatever --kl-reward-to-go), then the
+  (`kl_reward_to_go_penalty`: later positions only for "exact", whatever --kl-reward-to-go), then the
   baseline. Loss side: the loss function computes KL_t with its gradient from the policy's and
   the reference's logits of the microbatch (`train.make_rl_loss_fn`). "seq-is" takes the
   reward side out of the advantage as for K1 (`kl_reward_is_surrogate`, per-decision weights
@@ -218,12 +218,17 @@ class KLConfig:
         return self.estimator in FULL_DISTRIBUTION_ESTIMATORS
 
     @property
+    def differentiated(self) -> bool:
+        """A KL term is differentiated in the loss function: the loss placement, or the reward
+        under "seq-is" (its surrogate, `kl_reward_is_surrogate`), which needs the reference."""
+        return self.in_loss or (self.in_reward and not self.reward_in_advantage)
+
+    @property
     def exact_kl_in_loss(self) -> bool:
         """The loss function needs the exact KL with its gradient (so the reference's logits):
         in the loss, or in the reward under "seq-is" (its surrogate takes the KL at the current
         policy)."""
-        return self.exact and (self.in_loss
-                               or (self.in_reward and not self.reward_in_advantage))
+        return self.exact and self.differentiated
 
     @property
     def reward_in_advantage(self) -> bool:
@@ -247,37 +252,31 @@ def _token_kl(logprobs, ref_logprobs, loss_mask, cfg: KLConfig,
     return get_estimator(cfg.estimator)(logprobs, ref_logprobs) * loss_mask
 
 
-def _reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
-    """[B, T] -> [B, T] with out[:, t] = sum_{s >= t} x[:, s]."""
-    return x.flip(-1).cumsum(-1).flip(-1)
+def _reverse_cumsum(x: torch.Tensor, exclusive: bool = False) -> torch.Tensor:
+    """[B, T] -> [B, T] with out[:, t] = sum_{s >= t} x[:, s] (s > t when exclusive)."""
+    out = x.flip(-1).cumsum(-1).flip(-1)
+    return out - x if exclusive else out
 
 
-def kl_reward_penalty(logprobs, ref_logprobs, loss_mask, cfg: KLConfig,
-                      token_kl: torch.Tensor | None = None) -> torch.Tensor:
+def kl_reward_penalty(logprobs, ref_logprobs, loss_mask, cfg: KLConfig) -> torch.Tensor:
     """[B] sequence penalty beta * sum_t K_t, stop-gradient (to be subtracted from the return).
 
-    logprobs, ref_logprobs, loss_mask: [B, T]; token_kl: KL_t for "exact" (see _token_kl).
+    logprobs, ref_logprobs, loss_mask: [B, T]. Not for "exact" (see kl_reward_to_go_penalty).
     """
     with torch.no_grad():
-        return cfg.coef * _token_kl(logprobs, ref_logprobs, loss_mask, cfg, token_kl).sum(-1)
+        return cfg.coef * _token_kl(logprobs, ref_logprobs, loss_mask, cfg).sum(-1)
 
 
 def kl_reward_to_go_penalty(logprobs, ref_logprobs, loss_mask, cfg: KLConfig,
                             token_kl: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T] per-token penalty beta * sum_{s>=t} K_s (paper App. F.3), stop-gradient, 0 on padding."""
+    """[B, T] per-token penalty beta * sum_{s>=t} K_s (paper App. F.3), stop-gradient, 0 on padding.
+
+    For "exact" (token_kl = KL_t, see _token_kl) beta * sum_{s>t} KL_s: the return of the
+    score-function term (b) of the module docstring. KL_t itself is left out, as it does not
+    depend on y_t (s_t KL_t has mean zero: noise)."""
     with torch.no_grad():
         kl = _token_kl(logprobs, ref_logprobs, loss_mask, cfg, token_kl)
-        return cfg.coef * _reverse_cumsum(kl) * loss_mask
-
-
-def kl_reward_later_penalty(token_kl: torch.Tensor, loss_mask: torch.Tensor,
-                            cfg: KLConfig) -> torch.Tensor:
-    """[B, T] per-token penalty beta * sum_{s>t} KL_s for the "exact" estimator, stop-gradient,
-    0 on padding: the return of the score-function term (b) of the module docstring. KL_t itself
-    is left out, as it does not depend on y_t (s_t KL_t has mean zero: noise)."""
-    with torch.no_grad():
-        kl = token_kl * loss_mask
-        return cfg.coef * (_reverse_cumsum(kl) - kl) * loss_mask
+        return cfg.coef * _reverse_cumsum(kl, exclusive=cfg.exact) * loss_mask
 
 
 def importance_weights(logprobs, old_logprobs, loss_mask, level: str,
@@ -360,10 +359,8 @@ def kl_reward_is_surrogate(logprobs, ref_logprobs, old_logprobs, loss_mask,
     with torch.no_grad():
         kl = _token_kl(logprobs, ref_logprobs, loss_mask, cfg, token_kl)
         prefix_w = importance_weights(logprobs, old_logprobs, loss_mask, "prefix", cfg.is_truncation)
-        if cfg.exact:
-            returns = _reverse_cumsum(prefix_w * kl) - prefix_w * kl
-        elif cfg.reward_to_go:
-            returns = _reverse_cumsum(prefix_w * kl)
+        if cfg.exact or cfg.reward_to_go:
+            returns = _reverse_cumsum(prefix_w * kl, exclusive=cfg.exact)
         else:
             last = (loss_mask.cumsum(-1) == loss_mask.sum(-1, keepdim=True)) & (loss_mask > 0)
             seq_w = (prefix_w * last).sum(-1, keepdim=True)

@@ -19,7 +19,7 @@ import torch
 
 from megatron_rl.advantages import compute_advantages, get_advantage_estimator
 from megatron_rl.kl import (KLConfig, k1, k3, kl_loss_term, kl_reward_is_surrogate,
-                            kl_reward_later_penalty, kl_reward_penalty, kl_reward_to_go_penalty)
+                            kl_reward_penalty, kl_reward_to_go_penalty)
 
 
 def _token_sum_over(per_token, loss_mask, num_global_tokens=None, num_global_seqs=None):
@@ -104,20 +104,16 @@ def compute_rewards_with_kl(rewards: torch.Tensor, logprobs: torch.Tensor, ref_l
     the policy the KL regularizes (current on-policy; see kl_reward_is_surrogate off-policy).
     Output [B]: R - beta sum_t K_t; with kl_cfg.reward_to_go, [B, T]: (R - beta sum_{s>=t} K_s) m_t.
     "exact" (token_kl [B, T] = KL_t, see megatron_rl.kl): [B, T] (R - beta sum_{s>t} KL_s) m_t,
-    the later positions only (kl_reward_later_penalty), with or without reward_to_go.
+    the later positions only (kl_reward_to_go_penalty), with or without reward_to_go.
     Unchanged rewards when the KL is not in the advantage (placement without "reward", or
     off_policy_correction "seq-is", where the loss handles it). Always detached.
     """
     rewards = rewards.detach().to(logprobs.dtype)
-    if kl_cfg.exact and kl_cfg.reward_in_advantage:
-        if token_kl is None:
-            raise ValueError("the exact KL in the reward needs token_kl (KL_t per position)")
-        return (rewards.unsqueeze(-1) * loss_mask
-                - kl_reward_later_penalty(token_kl.detach(), loss_mask, kl_cfg))
-    if kl_cfg.reward_to_go:
+    if kl_cfg.reward_to_go or (kl_cfg.exact and kl_cfg.reward_in_advantage):
         returns = rewards.unsqueeze(-1) * loss_mask
         if kl_cfg.reward_in_advantage:
-            returns = returns - kl_reward_to_go_penalty(logprobs, ref_logprobs, loss_mask, kl_cfg)
+            returns = returns - kl_reward_to_go_penalty(logprobs, ref_logprobs, loss_mask, kl_cfg,
+                                                        token_kl)
         return returns
     if kl_cfg.reward_in_advantage:
         return rewards - kl_reward_penalty(logprobs, ref_logprobs, loss_mask, kl_cfg)
@@ -163,8 +159,7 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
     per_token = pg
 
     kl_cfg = cfg.kl
-    needs_ref = kl_cfg.in_loss or (kl_cfg.in_reward and not kl_cfg.reward_in_advantage)
-    if needs_ref and (token_kl if kl_cfg.exact else ref_logprobs) is None:
+    if kl_cfg.differentiated and (token_kl if kl_cfg.exact else ref_logprobs) is None:
         raise ValueError(f"KL placement {kl_cfg.placement!r} with off_policy_correction "
                          f"{kl_cfg.off_policy_correction!r} needs "
                          + ("token_kl (estimator 'exact')" if kl_cfg.exact else "ref_logprobs"))
