@@ -53,18 +53,23 @@ def loss_metrics(results: list[dict], group=None) -> dict[str, float]:
     return {k: v / max(weight, 1e-9) for k, v in zip(keys, sums)}
 
 
-def forward_kl_sums(ref_lp: torch.Tensor, old_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[2]: (sum over response tokens of r log r with r = pi_ref / pi_theta, token count)."""
-    lr_ = (ref_lp - old_lp) * mask
-    return torch.stack([(lr_.exp() * lr_ * mask).sum(), mask.sum()]).double()
+def token_mean_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[2]: (sum of `values` over response tokens, token count), on their device."""
+    return torch.stack([(values * mask).sum(), mask.sum()]).double()
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, group=None) -> float:
+    """Mean of a per-token quantity [B, T] over the response tokens of the global batch."""
+    total, n = all_reduce(token_mean_sums(values, mask), group).tolist()
+    return total / max(n, 1.0)
 
 
 def forward_kl(ref_lp: torch.Tensor, old_lp: torch.Tensor, mask: torch.Tensor,
                group=None) -> float:
     """Forward KL(pi_ref || pi_theta) per response token, estimated on the policy's samples:
-    E[r log r]."""
-    total, n = all_reduce(forward_kl_sums(ref_lp, old_lp, mask), group).tolist()
-    return total / max(n, 1.0)
+    E[r log r] with r = pi_ref / pi_theta."""
+    lr_ = (ref_lp - old_lp) * mask
+    return token_mean(lr_.exp() * lr_, mask, group)
 
 
 def _gather_objects(obj, group) -> list:

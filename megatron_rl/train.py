@@ -54,9 +54,7 @@ def start_rollout(rt: Runtime, step: int) -> Rollout:
     r = Rollout(step, data_state, rt.engine.weight_version, records)
     if rt.overlaps_rollout():
         if dist_rank() == 0:
-            r.future = rt.rollout_thread().submit(
-                rt.engine.generate, [rt.encode_prompt(x.text) for x in records],
-                rt.cfg.algorithm.group_size, rt.sampling_params(seed=_seed(rt, step)))
+            r.future = rt.rollout_thread().submit(_generate, rt, records, _seed(rt, step))
     else:
         r.done = _build_batch(rt, r)
     return r
@@ -79,14 +77,16 @@ def _seed(rt: Runtime, step: int) -> int:
 def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
     cfg, algo = rt.cfg, rt.cfg.algorithm
     if cfg.rollout.rollout_engine == "local":
-        prompt_ids, completions, rewards, reasons = _rollout(
-            rt, r.records[rt.dp_rank::rt.dp_size], _seed(rt, r.step) + rt.dp_rank)
+        mine = r.records[rt.dp_rank::rt.dp_size]
+        prompt_ids, completions, rewards, reasons = _score(
+            rt, mine, *_generate(rt, mine, _seed(rt, r.step) + rt.dp_rank))
     else:
         whole = None
         if dist_rank() == 0:  # the one client; a server pool's counts (rollout/servers_live...)
-            done = None if r.future is None else r.future.result()
+            generated = (r.future.result() if r.future is not None
+                         else _generate(rt, r.records, _seed(rt, r.step)))
             stats = getattr(rt.engine, "stats", dict)()
-            whole = (*_rollout(rt, r.records, _seed(rt, r.step), done), stats)
+            whole = (*_score(rt, r.records, *generated), stats)
         prompt_ids, completions, rewards, reasons, server_stats = broadcast_from_rank0(whole)
         g, k = algo.group_size, slice(rt.dp_rank, None, rt.dp_size)
         rewards = [x for grp in [rewards[i:i + g] for i in range(0, len(rewards), g)][k]
@@ -110,13 +110,16 @@ def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
     return batch, metrics
 
 
-def _rollout(rt: Runtime, records, seed: int, completions=None):
-    """(prompt ids, completions per prompt, flat rewards, reward-error counts) for `records`
-    (generated here unless `completions` already are)."""
-    g = rt.cfg.algorithm.group_size
+def _generate(rt: Runtime, records, seed: int):
+    """(prompt ids, group_size completions per prompt) for `records`."""
     prompt_ids = [rt.encode_prompt(r.text) for r in records]
-    if completions is None:
-        completions = rt.engine.generate(prompt_ids, g, rt.sampling_params(seed=seed))
+    return prompt_ids, rt.engine.generate(prompt_ids, rt.cfg.algorithm.group_size,
+                                          rt.sampling_params(seed=seed))
+
+
+def _score(rt: Runtime, records, prompt_ids, completions):
+    """(prompt ids, completions, flat rewards, reward-error counts) for `records`."""
+    g = rt.cfg.algorithm.group_size
     texts = [rt.decode(c.token_ids) for group in completions for c in group]
     expand = lambda xs: [x for x in xs for _ in range(g)]  # noqa: E731
     rewards, reasons = rt.scorer.score_batch(texts, expand([r.answer for r in records]),
@@ -139,8 +142,8 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
     if loss_cfg.kl.exact:
         ref_lp, exact_kl = score_reference_exact(rt.policy, rt.reference, batch.tokens,
                                                  algo.micro_batch_size)
-        metrics["kl_exact"] = _global_sum((exact_kl * batch.loss_mask).sum()) / max(
-            _global_sum(batch.loss_mask.sum()), 1.0)
+        metrics["kl_exact"] = global_metrics.token_mean(exact_kl, batch.loss_mask,
+                                                        data_parallel_group())
     else:
         ref_lp = rt.reference.token_logprobs(batch.tokens, algo.micro_batch_size)
     advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, batch.loss_mask,
