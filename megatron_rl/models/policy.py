@@ -472,8 +472,9 @@ class Policy:
                 parts = [torch.empty_like(local[name]) for _ in range(self.tp_size)]
                 dist.all_gather(parts, local[name].contiguous(), group=tp_group)
                 gathered[name] = parts
-            # a copy also on CPU: the caller must not hold the live parameters
-            gathered[name] = [t.to("cpu", copy=True) for t in gathered[name]]
+            # at TP1 a copy also on CPU: the caller must not hold the live parameters (the
+            # all-gathered parts of TP > 1 are fresh tensors already)
+            gathered[name] = [t.to("cpu", copy=self.tp_size == 1) for t in gathered[name]]
         shards = {(r, self.pp_rank): {n: gathered[n][r] for n in names}
                   for r in range(self.tp_size)}
         if self.pp_size > 1:

@@ -159,11 +159,12 @@ class ServerPool:
         return [m for m in self.members if m.live and not getattr(m.engine, "_needs_resync", False)]
 
     def _take_out(self, member: _Member, exc: BaseException | str) -> None:
-        if not member.live:
-            return
-        member.live = False
-        member.last_error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-        left = len(self.live_members())
+        with self._cond:  # generate's chunk threads and update_weights may race to take it out
+            if not member.live:
+                return
+            member.live = False
+            member.last_error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+            left = len(self.live_members())
         if self.rank == 0:  # the client (every rank learns of a failed boot, one logs it)
             log.warning("rollout: %s failed and is out of the rotation (%d of %d servers left): "
                         "%s", self.name(member), left, len(self.members),
