@@ -63,16 +63,22 @@ class DataConfig:
 
 @dataclasses.dataclass
 class RolloutConfig:
-    rollout_engine: str = "local"         # local | vllm | sglang
+    # local: the training model itself; process: the same decoder in a process of its own (own
+    # weights, overlaps training under --async-level); vllm | sglang: servers
+    rollout_engine: str = "local"
     # attach to running servers (one URL or several) instead of starting them
     rollout_url: list[str] = _field(default_factory=list)
     rollout_num_servers: int = 1          # servers to start (vLLM/SGLang), one engine over all
     rollout_host: str = "127.0.0.1"       # bind address of a started server; 0.0.0.0: other nodes
     # how the trainer's weights reach a server after every step: auto = the fastest that works
-    # here (SGLang: tensor, in memory; vLLM: disk); disk = an HF export reloaded by the server;
-    # tensor = SGLang update_weights_from_tensor; distributed = SGLang NCCL broadcast (GPUs)
+    # here (process, SGLang: tensor, in memory; vLLM: disk); disk = an HF export reloaded by the
+    # server; tensor = in memory (process: shared-memory buckets, SGLang:
+    # update_weights_from_tensor); distributed = SGLang NCCL broadcast (GPUs)
     weight_sync: str = "auto"
-    weight_sync_bucket_mb: int = 512     # NCCL broadcast bucket (--weight-sync distributed)
+    weight_sync_bucket_mb: int = 512     # bucket of a bucketed transfer (tensor, distributed)
+    # CPU cores the process engine's child is pinned to (its torch threads: their count);
+    # empty: the trainer's affinity and thread count
+    rollout_process_cores: list[int] = _field(default_factory=list)
     # GPU memory share of a vLLM/SGLang server started on the trainer's GPUs (vLLM's
     # --gpu-memory-utilization, SGLang's --mem-fraction-static); None: the server's default
     rollout_gpu_memory_utilization: float | None = None
@@ -93,8 +99,11 @@ class RolloutConfig:
         if self.rollout_num_servers > 1 and self.rollout_url:
             raise ValueError("--rollout-num-servers starts servers, --rollout-url attaches to "
                              "running ones: give one of them")
-        if self.rollout_num_servers > 1 and self.rollout_engine == "local":
+        if self.rollout_num_servers > 1 and self.rollout_engine in ("local", "process"):
             raise ValueError("--rollout-num-servers needs --rollout-engine vllm or sglang")
+        if self.rollout_url and self.rollout_engine in ("local", "process"):
+            raise ValueError(f"--rollout-url needs --rollout-engine vllm or sglang, not "
+                             f"{self.rollout_engine}")
 
 
 @dataclasses.dataclass
@@ -155,22 +164,24 @@ class TrainConfig:
 
     def use_rollout_logprobs(self) -> bool:
         """Whether the engine's log-probs serve as the behaviour policy's (see old_logprobs).
-        The local engine samples from the live fp32 weights, so at temperature 1 without
-        truncation its log-probs are the policy's up to float rounding (~1e-6) and the trainer's
-        recompute forward would only repeat them."""
+        The local engine samples from the live fp32 weights (the process engine from an fp32
+        copy of them), so at temperature 1 without truncation its log-probs are the policy's up
+        to float rounding (~1e-6) and the trainer's recompute forward would only repeat them."""
         mode = self.algorithm.old_logprobs
         if mode != "auto":
             return mode == "rollout"
         if self.overlaps_rollout():
             return True  # the generating weights are gone by the time the batch is trained on
         r = self.rollout
-        return (r.rollout_engine == "local" and not self.model.bf16 and r.temperature == 1.0
+        return (r.rollout_engine in ("local", "process") and not self.model.bf16
+                and r.temperature == 1.0
                 and r.top_p == 1.0)
 
     def overlaps_rollout(self) -> bool:
-        """Whether a server engine generates ahead in the background while the trainer trains
-        (--async-level >= 1): the batch of step s comes from weights up to k updates old, and
-        its behaviour log-probs are the engine's (those weights' own)."""
+        """Whether an engine with weights of its own (a server, or the process engine) generates
+        ahead in the background while the trainer trains (--async-level >= 1): the batch of step
+        s comes from weights up to k updates old, and its behaviour log-probs are the engine's
+        (those weights' own)."""
         return self.rollout.rollout_engine != "local" and self.algorithm.async_level >= 1
 
     def validate(self) -> None:
@@ -186,9 +197,13 @@ class TrainConfig:
                              "weights unless --load gives them)")
         if not self.data.train_data:
             raise ValueError("--train-data is required (JSONL files from tools/prepare_data.py)")
-        if self.rollout.rollout_engine == "vllm" and self.rollout.weight_sync not in ("auto", "disk"):
-            raise ValueError(f"--weight-sync {self.rollout.weight_sync} is SGLang's; vLLM reloads "
+        engine, sync = self.rollout.rollout_engine, self.rollout.weight_sync
+        if engine == "vllm" and sync not in ("auto", "disk"):
+            raise ValueError(f"--weight-sync {sync} is SGLang's; vLLM reloads "
                              "exported weights (--weight-sync disk)")
+        if engine == "process" and sync not in ("auto", "disk", "tensor"):
+            raise ValueError(f"--weight-sync {sync}: the process engine takes tensor (shared "
+                             "memory, the default) or disk")
         if self.overlaps_rollout() and self.algorithm.old_logprobs == "recompute":
             raise ValueError("--async-level >= 1 with a server engine generates in the background:"
                              " the generating weights are gone when the batch is trained on, so "
@@ -204,7 +219,7 @@ _CHOICES = {
     "kl_estimator": list(ESTIMATOR_NAMES), "kl_placement": list(PLACEMENTS),
     "kl_off_policy_correction": list(OFF_POLICY_CORRECTIONS),
     "loss_aggregation": sorted(AGGREGATIONS), "advantage_estimator": sorted(ADVANTAGE_ESTIMATORS),
-    "rollout_engine": ["local", "vllm", "sglang"], "old_logprobs": ["auto", "recompute", "rollout"],
+    "rollout_engine": ["local", "process", "vllm", "sglang"], "old_logprobs": ["auto", "recompute", "rollout"],
     "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
     "recompute_method": list(RECOMPUTE_METHODS), "attention_backend": list(ATTENTION_BACKENDS),
     "lr_decay_style": list(LR_DECAY_STYLES),
@@ -271,6 +286,8 @@ def _argparse_kwargs(name: str, kind) -> dict[str, Any]:
         kw["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(kind) is list:
         kw["nargs"] = "+"
+        if typing.get_args(kind) in ((int,), (float,)):
+            kw["type"] = typing.get_args(kind)[0]
     elif base in (int, float):
         kw["type"] = base
     if name in _CHOICES:

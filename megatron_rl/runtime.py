@@ -141,11 +141,20 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
         from megatron_rl.rollout.local import LocalEngine
 
         return LocalEngine(policy, pad_token_id=pad_id)
+    r = cfg.rollout
+    dtype = "bfloat16" if cfg.model.bf16 else "float32"
+    if engine == "process":
+        from megatron_rl.rollout.process import ProcessConfig, ProcessEngine
+
+        return ProcessEngine(ProcessConfig(
+            hf_checkpoint=cfg.model.hf_checkpoint, work_dir=os.path.join(cfg.checkpoint.save,
+                                                                         engine),
+            dtype=dtype, seed=cfg.seed, pad_token_id=pad_id, cores=tuple(r.rollout_process_cores),
+            sync="tensor" if r.weight_sync == "auto" else r.weight_sync,
+            bucket_bytes=r.weight_sync_bucket_mb << 20), policy=policy)
     # servers start from the initial HF weights and are synced after every step
     work_dir = os.path.join(cfg.checkpoint.save, engine)
-    dtype = "bfloat16" if cfg.model.bf16 else "float32"
     max_len = policy.args.max_position_embeddings  # servers refuse a longer context
-    r = cfg.rollout
     hf = cfg.model.hf_checkpoint
     mem = r.rollout_gpu_memory_utilization if use_cuda() else None
     # several servers (--rollout-url a b ..., or --rollout-num-servers N): one ServerPool over

@@ -299,10 +299,13 @@ def train(cfg: TrainConfig) -> dict:
                                      f"{step}: stopping (--max-nonfinite-steps)")
         t_train = time.perf_counter() - t1
         # weights change between requests: what is in flight finishes with the old ones
+        t2 = time.perf_counter()
         for r in pending:
             if r.future is not None:
                 r.future.result()
+        t3 = time.perf_counter()
         rt.engine.update_weights(step + 1)
+        metrics.update({"time/rollout_wait": t3 - t2, "time/weight_sync": time.perf_counter() - t3})
         reset = cfg.algorithm.ref_reset_interval
         if reset and (step + 1) % reset == 0:
             rt.reset_reference()

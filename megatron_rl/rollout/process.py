@@ -1,0 +1,248 @@
+"""`--rollout-engine process`: the embedded decoder in a process of its own, with its own copy of
+the weights, so that generation overlaps training (`--async-level 1`) without a server.
+
+Global rank 0 spawns one child process. The child builds the policy at TP1 / PP1 from the HF
+checkpoint and generates with `LocalEngine` (the same KV-cached decoder and sampling as the
+embedded default) on its own CPU cores (`--rollout-process-cores`) or on the same GPU. Rank 0 is
+its one client, as for a vLLM or SGLang server: `train.py` treats it like one (the batch is
+generated once, then scattered to the data-parallel ranks, and under --async-level >= 1 in a
+background thread while the trainer trains).
+
+Requests go over a pipe and are served one at a time, so weights change only between requests:
+
+    ("generate", prompts, n, SamplingParams)  -> ("ok", completions)
+    ("bucket", path, meta)                    -> ("ok", None)      --weight-sync tensor
+    ("commit", version)                       -> ("ok", version)   load what the buckets held
+    ("load_dir", path, version)               -> ("ok", version)   --weight-sync disk
+    ("stop",)
+
+Weight sync (`update_weights`, collective over the training ranks): the policy is gathered to
+rank 0 under HF names (weight_sync.policy_hf_state_dict). `tensor` (the default) copies it into
+a shared-memory buffer bucket by bucket (shm_weights.SharedBuckets, --weight-sync-bucket-mb);
+the child copies each bucket out and loads the whole state when the last one has arrived.
+`disk` writes a versioned HF directory (weight_sync.WeightExporter) that the child reloads.
+
+Samples are a function of (seed, prompts, weights) alone: the child samples the whole batch
+with the request's seed, so the batch does not depend on the trainer's layout (TP, PP, DP).
+A child that dies is reported with its exit code; it is not restarted (resume the run from its
+last checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import traceback
+from typing import Sequence
+
+import torch
+
+from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.server import ServerError, dist_barrier, dist_rank
+from megatron_rl.rollout.shm_weights import SharedBuckets, read_bucket
+from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
+
+# torchrun's variables: the child is a world of its own
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID")
+
+
+@dataclasses.dataclass
+class ProcessConfig:
+    hf_checkpoint: str                  # model config, and the weights the child starts from
+    work_dir: str                       # --weight-sync disk exports live here
+    dtype: str = "float32"              # float32 | bfloat16
+    seed: int = 0
+    pad_token_id: int = 0
+    cores: tuple[int, ...] = ()         # CPU cores the child is pinned to (threads = their count)
+    sync: str = "tensor"                # tensor (shared memory) | disk
+    bucket_bytes: int = 512 << 20
+    startup_timeout: float = 600.0
+    request_timeout: float = 3600.0
+
+
+class ProcessEngine:
+    """RolloutEngine over a child process (see module docstring). `policy`: the trainer's
+    Policy, whose weights `update_weights` sends."""
+
+    def __init__(self, config: ProcessConfig, policy=None):
+        if config.sync not in ("tensor", "disk"):
+            raise ValueError(f"--weight-sync {config.sync}: the process engine takes tensor "
+                             "(shared memory) or disk")
+        self.config = config
+        self.policy = policy
+        self.weight_version = read_version(config.hf_checkpoint) or 0
+        self.rank = dist_rank()
+        self.last_sync_seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._conn = self._proc = None
+        self._buckets: SharedBuckets | None = None
+        self._exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
+                                        dtype=config.dtype)
+        if self.rank == 0:
+            self._start()
+
+    # -- the child -------------------------------------------------------------------------------
+    def _start(self) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited process groups
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, self.config), daemon=True,
+                                 name="megatron-rl-rollout")
+        self._proc.start()
+        child.close()
+        pid = self._call(None, self.config.startup_timeout, "start")
+        self.pid = pid
+
+    def _call(self, msg, timeout: float, what: str):
+        """Send `msg` (None: only wait) and return the child's answer; a child that died or
+        failed raises ServerError naming the request."""
+        with self._lock:
+            if self._proc is None or (msg is not None and not self._proc.is_alive()):
+                raise ServerError(f"rollout process is not running ({self._describe()}); "
+                                  f"request {what!r} not sent")
+            if msg is not None:
+                self._conn.send(msg)
+            deadline = time.monotonic() + timeout
+            while not self._conn.poll(0.5):
+                if not self._proc.is_alive():
+                    raise ServerError(f"rollout process died during {what!r} ({self._describe()})")
+                if time.monotonic() > deadline:
+                    raise ServerError(f"rollout process gave no answer to {what!r} within "
+                                      f"{timeout:.0f} s ({self._describe()})")
+            status, value = self._conn.recv()
+        if status != "ok":
+            raise ServerError(f"rollout process failed on {what!r}:\n{value}")
+        return value
+
+    def _describe(self) -> str:
+        p = self._proc
+        if p is None:
+            return "never started"
+        return f"pid {p.pid}, " + ("alive" if p.is_alive() else f"exit code {p.exitcode}")
+
+    # -- the engine contract ---------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> list[list[Completion]]:
+        if self.rank != 0:
+            raise RuntimeError("the process engine's client is global rank 0")
+        if not prompts:
+            return []
+        prompts = [[int(t) for t in p] for p in prompts]
+        out = self._call(("generate", prompts, n, params), self.config.request_timeout,
+                         f"generate {len(prompts)} prompts x {n}")
+        if len(out) != len(prompts) or any(len(g) != n for g in out):
+            raise ServerError(f"rollout process returned {[len(g) for g in out]} completions "
+                              f"for {len(prompts)} prompts x n={n}")
+        return out
+
+    def update_weights(self, version: int) -> None:
+        """Collective over all training ranks: gather the policy to rank 0, hand it over."""
+        if self.policy is None:
+            raise ValueError("update_weights needs the policy: ProcessEngine(..., policy=policy)")
+        t0 = time.perf_counter()
+        if self.config.sync == "disk":
+            path = self._exporter.export(self.policy, version)
+            t_out = time.perf_counter() - t0
+            if self.rank == 0:
+                loaded = self._call(("load_dir", path, version), self.config.request_timeout,
+                                    f"load weights version {version} from {path}")
+                self._exporter.prune(path)
+        else:
+            hf = policy_hf_state_dict(self.policy, dst=0, dtype=self.config.dtype)
+            t_out = time.perf_counter() - t0
+            if self.rank == 0:
+                if self._buckets is None:
+                    self._buckets = SharedBuckets(self.config.bucket_bytes)
+                for meta in self._buckets.fill(hf, self.config.bucket_bytes):
+                    self._call(("bucket", self._buckets.path, meta), self.config.request_timeout,
+                               f"weights version {version}, bucket of {len(meta)} tensors")
+                loaded = self._call(("commit", version), self.config.request_timeout,
+                                    f"load weights version {version}")
+                self.last_sync_seconds["bytes"] = float(sum(t.numel() * t.element_size()
+                                                            for t in hf.values()))
+        if self.rank == 0:
+            if loaded != version:
+                raise ServerError(f"rollout process reports weight version {loaded} after "
+                                  f"loading version {version}")
+            self.last_sync_seconds.update(gather=t_out, total=time.perf_counter() - t0)
+        dist_barrier()
+        self.weight_version = version
+
+    def health(self) -> bool:
+        return self.rank != 0 or (self._proc is not None and self._proc.is_alive())
+
+    def shutdown(self) -> None:
+        if self._proc is not None:
+            if self._proc.is_alive():
+                try:
+                    with self._lock:
+                        self._conn.send(("stop",))
+                except (BrokenPipeError, OSError):
+                    pass
+                self._proc.join(30)
+                if self._proc.is_alive():
+                    self._proc.terminate()
+                    self._proc.join(10)
+            self._proc = None
+        if self._buckets is not None:
+            self._buckets.close()
+            self._buckets = None
+
+
+def _serve(conn, config: ProcessConfig) -> None:
+    """The child's main: build the TP1 policy, answer requests until ("stop",)."""
+    for k in _LAUNCHER_ENV:
+        os.environ.pop(k, None)
+    try:
+        if config.cores:
+            os.sched_setaffinity(0, set(config.cores))
+            torch.set_num_threads(len(config.cores))
+        from megatron_rl.models import ModelArgs, hf_mapping
+        from megatron_rl.models.policy import Policy
+        from megatron_rl.parallel import ParallelConfig, init_distributed
+        from megatron_rl.rollout.local import LocalEngine
+        from megatron_rl.rollout.weight_sync import to_torch_dtype
+
+        init_distributed(ParallelConfig(), seed=config.seed)
+        args = ModelArgs.from_pretrained(config.hf_checkpoint)
+        policy = Policy(args, trainable=False, params_dtype=to_torch_dtype(config.dtype))
+        policy.load_hf(config.hf_checkpoint)
+        engine = LocalEngine(policy, pad_token_id=config.pad_token_id)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", os.getpid()))
+    staged: dict[str, torch.Tensor] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the trainer is gone
+            return
+        op = msg[0]
+        if op == "stop":
+            return
+        try:
+            if op == "generate":
+                result = engine.generate(*msg[1:])
+            elif op == "bucket":
+                staged.update({k: v.clone() for k, v in read_bucket(msg[1], msg[2]).items()})
+                result = None
+            elif op == "commit":
+                full = hf_mapping.hf_to_megatron(staged, args, source="shared-memory weights")
+                policy.load_full_state_dict(full, source="shared-memory weights")
+                staged = {}
+                result = msg[1]
+            elif op == "load_dir":
+                policy.load_hf(msg[1])
+                result = msg[2]
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            conn.send(("ok", result))
+        except Exception:
+            staged = {}
+            conn.send(("error", traceback.format_exc()))
