@@ -44,10 +44,11 @@ from megatron_rl.rollout.server import ServerError, dist_barrier, dist_rank
 from megatron_rl.rollout.shm_weights import SharedBuckets, read_bucket
 from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
-# torchrun's variables: the child is a world of its own
+# torchrun's variables: the child is a world of its own (TORCHELASTIC_USE_AGENT_STORE would make
+# its process group wait for torchrun's store)
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID")
+                 "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT")
 
 
 @dataclasses.dataclass
@@ -77,6 +78,8 @@ class ProcessEngine:
         self.weight_version = read_version(config.hf_checkpoint) or 0
         self.rank = dist_rank()
         self.last_sync_seconds: dict[str, float] = {}
+        self.last_sync_bytes = 0
+        self.num_generate_calls = 0
         self._lock = threading.Lock()
         self._conn = self._proc = None
         self._buckets: SharedBuckets | None = None
@@ -116,7 +119,9 @@ class ProcessEngine:
                                       f"{timeout:.0f} s ({self._describe()})")
             status, value = self._conn.recv()
         if status != "ok":
-            raise ServerError(f"rollout process failed on {what!r}:\n{value}")
+            error, tb = value
+            raise ServerError(f"rollout process ({self._describe()}) failed on {what!r}: {error}"
+                              f"\n--- the rollout process's traceback ---\n{tb}")
         return value
 
     def _describe(self) -> str:
@@ -135,6 +140,7 @@ class ProcessEngine:
         prompts = [[int(t) for t in p] for p in prompts]
         out = self._call(("generate", prompts, n, params), self.config.request_timeout,
                          f"generate {len(prompts)} prompts x {n}")
+        self.num_generate_calls += 1
         if len(out) != len(prompts) or any(len(g) != n for g in out):
             raise ServerError(f"rollout process returned {[len(g) for g in out]} completions "
                               f"for {len(prompts)} prompts x n={n}")
@@ -151,6 +157,8 @@ class ProcessEngine:
             if self.rank == 0:
                 loaded = self._call(("load_dir", path, version), self.config.request_timeout,
                                     f"load weights version {version} from {path}")
+                self.last_sync_bytes = sum(os.path.getsize(os.path.join(path, f))
+                                           for f in os.listdir(path) if f.endswith(".safetensors"))
                 self._exporter.prune(path)
         else:
             hf = policy_hf_state_dict(self.policy, dst=0, dtype=self.config.dtype)
@@ -163,8 +171,7 @@ class ProcessEngine:
                                f"weights version {version}, bucket of {len(meta)} tensors")
                 loaded = self._call(("commit", version), self.config.request_timeout,
                                     f"load weights version {version}")
-                self.last_sync_seconds["bytes"] = float(sum(t.numel() * t.element_size()
-                                                            for t in hf.values()))
+                self.last_sync_bytes = sum(t.numel() * t.element_size() for t in hf.values())
         if self.rank == 0:
             if loaded != version:
                 raise ServerError(f"rollout process reports weight version {loaded} after "
@@ -172,6 +179,12 @@ class ProcessEngine:
             self.last_sync_seconds.update(gather=t_out, total=time.perf_counter() - t0)
         dist_barrier()
         self.weight_version = version
+
+    def stats(self) -> dict[str, float]:
+        """Metrics for the trainer's log (rank 0): generate requests so far (one per batch) and
+        the last weight sync's size."""
+        return {"rollout/generate_calls": float(self.num_generate_calls),
+                "rollout/weight_sync_mb": self.last_sync_bytes / 2 ** 20}
 
     def health(self) -> bool:
         return self.rank != 0 or (self._proc is not None and self._proc.is_alive())
@@ -196,8 +209,9 @@ class ProcessEngine:
 
 def _serve(conn, config: ProcessConfig) -> None:
     """The child's main: build the TP1 policy, answer requests until ("stop",)."""
-    for k in _LAUNCHER_ENV:
-        os.environ.pop(k, None)
+    for k in list(os.environ):
+        if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_"):
+            del os.environ[k]
     try:
         if config.cores:
             os.sched_setaffinity(0, set(config.cores))
@@ -213,8 +227,8 @@ def _serve(conn, config: ProcessConfig) -> None:
         policy = Policy(args, trainable=False, params_dtype=to_torch_dtype(config.dtype))
         policy.load_hf(config.hf_checkpoint)
         engine = LocalEngine(policy, pad_token_id=config.pad_token_id)
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
+    except Exception as e:
+        conn.send(("error", (f"{type(e).__name__}: {e}", traceback.format_exc())))
         return
     conn.send(("ok", os.getpid()))
     staged: dict[str, torch.Tensor] = {}
@@ -243,6 +257,6 @@ def _serve(conn, config: ProcessConfig) -> None:
             else:
                 raise ValueError(f"unknown request {op!r}")
             conn.send(("ok", result))
-        except Exception:
+        except Exception as e:
             staged = {}
-            conn.send(("error", traceback.format_exc()))
+            conn.send(("error", (f"{type(e).__name__}: {e}", traceback.format_exc())))

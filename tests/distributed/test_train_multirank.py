@@ -6,9 +6,10 @@ are finite and are not the initial ones; the trainer resumes from it for a third
 metrics.jsonl has one finite row per step.
 
 TP2 and TP2xPP2 log TP1's metrics for 3 steps: one rank of each model-parallel group samples and
-the group follows, so every layout draws the same tokens. (DP ranks sample their shares with
-their own seeds, so DP2's local-engine batch is not DP1's; the data-parallel reduction of every
-logged metric is tested in test_metrics_reduction.py.)"""
+the group follows, so every layout draws the same tokens. (DP ranks of the local engine sample
+their shares with their own seeds, so DP2's local-engine batch is not DP1's; the data-parallel
+reduction of every logged metric is tested in test_metrics_reduction.py.) With the process
+engine the whole batch is sampled once, in one child: DP2 and TP2 log DP1's metrics end to end."""
 import json
 import math
 import os
@@ -140,5 +141,28 @@ def test_model_parallel_layouts_log_tp1_metrics(char_model, char_ref, arithmetic
                 assert b[key] == a[key], (name, a["step"], key)
             # the weights differ by float reduction order (~1e-7), which Adam's normalised step
             # at lr 1e-2 grows to ~1e-4 relative by step 3
+            for key in ("kl_k1", "kl_k3", "pg_loss", "entropy", "grad_norm", "kl_forward"):
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (name, a["step"], key)
+
+
+def test_process_engine_batches_do_not_depend_on_the_layout(char_model, char_ref,
+                                                            arithmetic_jsonl, tmp_path, torchrun):
+    """--rollout-engine process samples each step's whole batch in one child process with the
+    step's seed, then scatters it: DP2 (each replica trains on half of it) and TP2 log DP1's
+    samples, losses, KL and gradient norms for 3 steps, and call the engine once per step."""
+    flags = ["--rollout-engine", "process"]
+    run = lambda n, name, extra: _train_metrics(torchrun, n, str(tmp_path / name), char_model,  # noqa: E731
+                                                char_ref, arithmetic_jsonl, flags + extra)
+    dp1 = run(1, "dp1", [])
+    layouts = {"dp2": run(2, "dp2", []),
+               "tp2": run(2, "tp2", ["--tensor-model-parallel-size", "2"])}
+    assert dp1[-1]["grad_norm"] > 1e-4
+    for name, rows in {"dp1": dp1, **layouts}.items():
+        assert [r["rollout/generate_calls"] for r in rows] == [1.0, 2.0, 3.0], name
+    for name, rows in layouts.items():
+        assert [r["step"] for r in rows] == [1, 2, 3], name
+        for a, b in zip(dp1, rows):
+            for key in ("reward/mean", "response/length_mean", "response/truncated_fraction"):
+                assert b[key] == a[key], (name, a["step"], key)
             for key in ("kl_k1", "kl_k3", "pg_loss", "entropy", "grad_norm", "kl_forward"):
                 assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (name, a["step"], key)
