@@ -309,9 +309,9 @@ def train(cfg: TrainConfig) -> dict:
         reset = cfg.algorithm.ref_reset_interval
         if reset and (step + 1) % reset == 0:
             rt.reset_reference()
-        metrics.update({"time/rollout": t_rollout, "time/train": t_train,
-                        "throughput/tokens_per_s": _global_sum(batch.loss_mask.sum())
-                        / max(time.perf_counter() - t0, 1e-9)})
+        tokens, t_step = _global_sum(batch.loss_mask.sum()), time.perf_counter() - t0
+        metrics.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t_step,
+                        "throughput/tokens_per_s": tokens / max(t_step, 1e-9)})
         if cfg.eval.eval_interval and (step + 1) % cfg.eval.eval_interval == 0:
             metrics.update(evaluate(rt, step + 1))
         rt.log(step + 1, metrics)

@@ -155,7 +155,28 @@ def builtin_arithmetic(size: int, seed: int) -> list:
     return out
 
 
-def megatron_flags(a, inputs: dict, save: str) -> list[str]:
+# megatron-rl's sides: (rollout engine, extra flags, CPU cores of the trainer, threads). "megatron"
+# is --engine with --threads on whatever cores the OS gives; "sync" and "async" put the trainer
+# on core 0 and the process engine's generator on core 1, one thread each, without and with
+# overlap (--async-level 1); TRL gets --trl-threads (both cores) against them.
+MEGATRON_SIDES = ("megatron", "sync", "async")
+SIDES = MEGATRON_SIDES + ("trl",)
+
+
+def side_flags(side: str, a) -> list[str]:
+    if side == "megatron":
+        return ["--rollout-engine", a.engine]
+    level = "1" if side == "async" else "0"
+    return ["--rollout-engine", "process", "--rollout-process-cores", "1", "--async-level", level]
+
+
+def side_threads(side: str, a) -> int:
+    if side == "trl":
+        return a.trl_threads or a.threads
+    return a.threads if side == "megatron" else 1
+
+
+def megatron_flags(a, inputs: dict, save: str, side: str = "megatron") -> list[str]:
     batch = a.prompts * a.group_size
     return ["--hf-checkpoint", inputs["model"], "--train-data", inputs["train"], "--save", save,
             "--train-iters", str(a.warmup + a.steps),
@@ -167,8 +188,33 @@ def megatron_flags(a, inputs: dict, save: str) -> list[str]:
             "--lr", str(a.lr), "--weight-decay", "0", "--clip-grad", "1.0", "--adam-beta2", "0.999",
             "--temperature", "1.0", "--top-p", "1.0", "--max-new-tokens", str(a.max_new_tokens),
             "--prompt-template", PROMPT_TEMPLATE, "--no-task-instruction",
-            "--rollout-engine", a.engine, "--seed", str(a.seed),
+            *side_flags(side, a), "--seed", str(a.seed),
             *(["--bf16"] if a.device == "cuda" else [])]
+
+
+def cpu_busy() -> dict[int, tuple[int, int]]:
+    """{cpu index: (busy jiffies, total jiffies)} from /proc/stat ({} where it does not exist)."""
+    out = {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *vals = line.split()
+                if name.startswith("cpu") and name != "cpu":
+                    v = [int(x) for x in vals]
+                    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+                    out[int(name[3:])] = (sum(v[:8]) - idle, sum(v[:8]))
+    except OSError:
+        pass
+    return out
+
+
+def cpu_util(before: dict, after: dict) -> dict[str, float]:
+    """{"cpu/<i>": busy share of core i between two cpu_busy() readings}."""
+    out = {}
+    for i, (busy, total) in after.items():
+        b0, t0 = before.get(i, (busy, total))
+        out[f"cpu/{i}"] = (busy - b0) / (total - t0) if total > t0 else 0.0
+    return out
 
 
 def _sync() -> None:
@@ -192,33 +238,41 @@ def run_megatron_worker(argv: list[str]) -> None:
     from megatron_rl.rollout.local import LocalEngine
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import threading
+
     timers: dict[str, float] = {}
-    depth = [0]  # time only the outermost timed call: forward_backward also runs inside the
-    #              engine's decode steps and token_logprobs, and must not be counted twice
+    lock = threading.Lock()
+    # time only the outermost timed call of a thread: forward_backward also runs inside the
+    # engine's decode steps and token_logprobs, and must not be counted twice; under
+    # --async-level the rollout thread's generate runs beside the trainer's calls
+    depth = threading.local()
 
     def timed(cls, name, key):
         fn = getattr(cls, name)
 
         def wrapper(*args, **kw):
-            if depth[0]:
+            if getattr(depth, "n", 0):
                 return fn(*args, **kw)
-            depth[0] += 1
+            depth.n = 1
             _sync()
             t = time.perf_counter()
             try:
                 return fn(*args, **kw)
             finally:
                 _sync()
-                depth[0] -= 1
-                timers[key] = timers.get(key, 0.0) + time.perf_counter() - t
+                depth.n = 0
+                with lock:
+                    timers[key] = timers.get(key, 0.0) + time.perf_counter() - t
 
         setattr(cls, name, wrapper)
 
     timed(LocalEngine, "generate", "phase/generate")
+    from megatron_rl.rollout.process import ProcessEngine
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.rollout.vllm_engine import VLLMEngine
 
-    for engine_cls in (VLLMEngine, SGLangEngine):  # server engines: HTTP generate, weight sync
+    # engines with weights of their own: generate (a child process or HTTP), weight sync
+    for engine_cls in (ProcessEngine, VLLMEngine, SGLangEngine):
         timed(engine_cls, "generate", "phase/generate")
         timed(engine_cls, "update_weights", "phase/weight_sync")
     timed(RewardScorer, "score_batch", "phase/reward")
@@ -228,9 +282,15 @@ def run_megatron_worker(argv: list[str]) -> None:
     timed(Policy, "step", "phase/optimizer")
     log = runtime.Runtime.log
 
+    last_cpu = [cpu_busy()]
+
     def log_with_phases(self, step, metrics):
-        metrics.update(timers)
-        timers.clear()
+        with lock:
+            metrics.update(timers)
+            timers.clear()
+        now = cpu_busy()
+        metrics.update(cpu_util(last_cpu[0], now))
+        last_cpu[0] = now
         log(self, step, metrics)
 
     runtime.Runtime.log = log_with_phases
@@ -282,7 +342,8 @@ def run_trl_worker(work: str, a) -> None:
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, st, control, **kw):
             _sync()
-            state.update(t0=time.perf_counter(), tokens=0, generate=0.0, reward=0.0)
+            state.update(t0=time.perf_counter(), tokens=0, generate=0.0, reward=0.0,
+                         cpu=cpu_busy())
             state["score"] = 0.0
 
         def on_step_end(self, args, st, control, **kw):
@@ -298,7 +359,8 @@ def run_trl_worker(work: str, a) -> None:
                                     "phase/ref_logprobs_and_rest": state["score"]
                                     - state["generate"] - state["reward"],
                                     # policy forward/backward (loss), optimizer step
-                                    "phase/train_fwd_bwd_and_optimizer": dt - state["score"]})
+                                    "phase/train_fwd_bwd_and_optimizer": dt - state["score"],
+                                    **cpu_util(state["cpu"], cpu_busy())})
                         + "\n")
 
     class Trainer(GRPOTrainer):
@@ -357,20 +419,23 @@ def run_side(side: str, round_: int, a, inputs: dict) -> dict:
 
         shutil.rmtree(work)
     os.makedirs(work)
-    env = _env(a.threads)
-    if side == "megatron":
+    env = _env(side_threads(side, a))
+    if side in MEGATRON_SIDES:
         cmd = [sys.executable, __file__, "--worker", "megatron", "--",
-               *megatron_flags(a, inputs, work)]
+               *megatron_flags(a, inputs, work, side)]
+        if side != "megatron":  # the trainer on core 0 (its generator pins itself to core 1)
+            cmd = ["taskset", "-c", "0", *cmd]
         wall = _run(cmd, env, os.path.join(work, "log.txt"))
         rows = [json.loads(line) for line in open(os.path.join(work, "metrics.jsonl"))]
         steps = [{"tokens_per_s": r["throughput/tokens_per_s"],
-                  "time": r["time/rollout"] + r["time/train"],
-                  **{k: v for k, v in r.items() if k.startswith(("phase/", "time/"))}}
+                  "time": r["time/step"],
+                  **{k: v for k, v in r.items() if k.startswith(("phase/", "time/", "cpu/"))}}
                  for r in rows]
     else:
         with open(os.path.join(work, "inputs.json"), "w") as f:
             json.dump(inputs, f)
-        cmd = [trl_python(a), __file__, "--worker", "trl", "--workdir", work, *_shared_argv(a)]
+        cmd = [trl_python(a), __file__, "--worker", "trl", "--workdir", work,
+               *_shared_argv(a, side_threads(side, a))]
         wall = _run(cmd, env, os.path.join(work, "log.txt"))
         steps = [json.loads(line) for line in open(os.path.join(work, "trl_steps.jsonl"))]
     if len(steps) != a.warmup + a.steps:
@@ -378,10 +443,10 @@ def run_side(side: str, round_: int, a, inputs: dict) -> dict:
     return {"side": side, "round": round_, "wall_s": wall, "cmd": cmd, "timed": steps[a.warmup:]}
 
 
-def _shared_argv(a) -> list[str]:
+def _shared_argv(a, threads: int | None = None) -> list[str]:
     return ["--prompts", str(a.prompts), "--group-size", str(a.group_size),
             "--max-new-tokens", str(a.max_new_tokens), "--steps", str(a.steps),
-            "--warmup", str(a.warmup), "--threads", str(a.threads), "--lr", str(a.lr),
+            "--warmup", str(a.warmup), "--threads", str(threads or a.threads), "--lr", str(a.lr),
             "--beta", str(a.beta), "--seed", str(a.seed), "--device", a.device]
 
 
@@ -393,12 +458,14 @@ def trl_python(a) -> str:
     return sys.executable if a.device == "cuda" else os.path.join(a.trl_venv, "bin", "python")
 
 
-def _versions(trl_py: str) -> dict:
+def _versions(trl_py: str | None) -> dict:
     code = ("import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in "
             "['torch', 'transformers', 'trl', 'accelerate', 'datasets', 'megatron-core'] "
             "if __import__('importlib.util').util.find_spec(p.replace('-', '.').split('.')[0])}))")
     out = {}
     for name, py in (("megatron-rl env", sys.executable), ("TRL env", trl_py)):
+        if py is None:
+            continue
         res = subprocess.run([py, "-c", code], capture_output=True, text=True)
         out[name] = json.loads(res.stdout) if res.returncode == 0 else res.stderr[-300:]
     return out
@@ -415,23 +482,79 @@ def _cpu() -> str:
 
 def summarize(results: list[dict], a) -> dict:
     by_side = {}
-    for side in ("megatron", "trl"):
+    for side in [x for x in SIDES if any(r["side"] == x for r in results)]:
         steps = [s for r in results if r["side"] == side for s in r["timed"]]
         tps = [s["tokens_per_s"] for s in steps]
-        phases = sorted({k for s in steps for k in s if k.startswith("phase/")})
+        phases = sorted({k for s in steps for k in s if k.startswith(("phase/", "cpu/"))})
         by_side[side] = {
+            "threads": side_threads(side, a),
             "median_tokens_per_s": statistics.median(tps), "min": min(tps), "max": max(tps),
             "n_steps": len(tps), "median_step_s": statistics.median(s["time"] for s in steps),
-            "phases_median_s": {p: statistics.median(s.get(p, 0.0) for s in steps) for p in phases},
+            "phases_median_s": {p: statistics.median(s.get(p, 0.0) for s in steps) for p in phases
+                                if p.startswith("phase/")},
+            "cpu_util_mean": {p: statistics.mean(s.get(p, 0.0) for s in steps) for p in phases
+                              if p.startswith("cpu/")},
             "per_round_median": [statistics.median(s["tokens_per_s"] for s in r["timed"])
                                  for r in results if r["side"] == side],
             "wall_s": [round(r["wall_s"], 1) for r in results if r["side"] == side]}
-    ratio = by_side["megatron"]["median_tokens_per_s"] / by_side["trl"]["median_tokens_per_s"]
-    return {"config": {k: getattr(a, k) for k in ("prompts", "group_size", "max_new_tokens",
-                                                  "steps", "warmup", "rounds", "threads", "lr",
-                                                  "beta", "seed", "hidden_size", "num_layers",
-                                                  "engine", "device", "model_shape")},
-            "sides": by_side, "ratio_megatron_over_trl": ratio}
+    out = {"config": {k: getattr(a, k) for k in ("prompts", "group_size", "max_new_tokens",
+                                                 "steps", "warmup", "rounds", "threads",
+                                                 "trl_threads", "lr", "beta", "seed",
+                                                 "hidden_size", "num_layers", "engine", "device",
+                                                 "model_shape", "sides")},
+           "sides": by_side}
+    trl = by_side.get("trl")
+    for side in MEGATRON_SIDES:
+        if side in by_side and trl:
+            key = ("ratio_megatron_over_trl" if side == "megatron"
+                   else f"ratio_{side}_over_trl")
+            out[key] = by_side[side]["median_tokens_per_s"] / trl["median_tokens_per_s"]
+    if "sync" in by_side and "async" in by_side:
+        out["overlap"] = overlap_analysis(by_side["sync"], by_side["async"])
+    return out
+
+
+def overlap_analysis(sync: dict, asyn: dict) -> dict:
+    """The issue's goal for --async-level 1: the async step <= 1.1 x max(generation, the rest)
+    of the sync step's phases (the ideal overlap), from medians."""
+    step = sync["median_step_s"]
+    gen = sync["phases_median_s"].get("phase/generate", 0.0)
+    rest = step - gen
+    ideal = max(gen, rest)
+    return {"sync_step_s": step, "sync_generate_s": gen, "sync_rest_s": rest,
+            "generate_share_of_sync_step": gen / step if step else 0.0,
+            "ideal_async_step_s": ideal, "async_step_s": asyn["median_step_s"],
+            "async_over_ideal": asyn["median_step_s"] / ideal if ideal else float("nan"),
+            "async_speedup_over_sync": step / asyn["median_step_s"],
+            "goal_met": asyn["median_step_s"] <= 1.1 * ideal}
+
+
+def markdown(summary: dict) -> str:
+    """The result as a table (tokens/s per side, phases, core utilisation)."""
+    sides = summary["sides"]
+    cpus = sorted({c for d in sides.values() for c in d["cpu_util_mean"]},
+                  key=lambda c: int(c.split("/")[1]))
+    head = ("| side | threads | tokens/s median (min-max) | step s | generate s | "
+            + " | ".join(f"core {c.split('/')[1]} busy" for c in cpus) + " |")
+    lines = [head, "|" + "---|" * (5 + len(cpus))]
+    for side, d in sides.items():
+        util = " | ".join(f"{d['cpu_util_mean'].get(c, 0.0):.0%}" for c in cpus)
+        gen = d["phases_median_s"].get("phase/generate", 0.0)
+        lines.append(f"| {side} | {d['threads']} | {d['median_tokens_per_s']:.0f} "
+                     f"({d['min']:.0f}-{d['max']:.0f}) | {d['median_step_s']:.3f} | {gen:.3f} | "
+                     f"{util} |")
+    for key, v in summary.items():
+        if key.startswith("ratio_"):
+            lines.append(f"\n{key}: {v:.2f}x")
+    ov = summary.get("overlap")
+    if ov:
+        lines.append(f"\nsync step {ov['sync_step_s']:.3f} s = generate {ov['sync_generate_s']:.3f}"
+                     f" ({ov['generate_share_of_sync_step']:.0%}) + rest {ov['sync_rest_s']:.3f}; "
+                     f"ideal async {ov['ideal_async_step_s']:.3f} s, measured "
+                     f"{ov['async_step_s']:.3f} s = {ov['async_over_ideal']:.2f}x ideal "
+                     f"(goal <= 1.10x: {'met' if ov['goal_met'] else 'not met'}), "
+                     f"{ov['async_speedup_over_sync']:.2f}x sync")
+    return "\n".join(lines)
 
 
 def dry_run(a) -> int:
@@ -475,7 +598,13 @@ def main(argv=None) -> int:
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--engine", choices=["local", "vllm", "sglang"], default="local",
-                   help="megatron-rl's rollout engine (servers need their venv, docs/rollout.md)")
+                   help="the 'megatron' side's rollout engine (servers need their venv, "
+                   "docs/rollout.md)")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=["megatron", "trl"],
+                   help="what runs, in this order each round: megatron (--engine, --threads), "
+                   "sync / async (trainer on core 0, process engine on core 1, --async-level "
+                   "0 / 1), trl (--trl-threads)")
+    p.add_argument("--trl-threads", type=int, help="TRL's threads (default --threads)")
     p.add_argument("--json", help="also write the summary here")
     p.add_argument("--worker", choices=["megatron", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -497,22 +626,22 @@ def main(argv=None) -> int:
     if a.setup:
         setup_trl_venv(a.trl_venv)
         return 0
-    if not os.path.exists(trl_python(a)):
+    if "trl" in a.sides and not os.path.exists(trl_python(a)):
         raise SystemExit(f"no TRL venv at {a.trl_venv}: run `python {__file__} --setup` first")
     a.out = os.path.abspath(a.out)
     os.makedirs(a.out, exist_ok=True)
     inputs = make_inputs(a.out, a)
     results = []
     for r in range(a.rounds):
-        for side in ("megatron", "trl"):
+        for side in a.sides:
             res = run_side(side, r, a, inputs)
             med = statistics.median(s["tokens_per_s"] for s in res["timed"])
             print(f"round {r} {side:8s}: median {med:8.1f} tokens/s over {len(res['timed'])} "
                   f"steps (process wall {res['wall_s']:.0f} s)", flush=True)
             results.append(res)
     summary = summarize(results, a)
-    summary["commands"] = {res["side"]: " ".join(res["cmd"]) for res in results[:2]}
-    summary["versions"] = _versions(trl_python(a))
+    summary["commands"] = {res["side"]: " ".join(res["cmd"]) for res in results[:len(a.sides)]}
+    summary["versions"] = _versions(trl_python(a) if "trl" in a.sides else None)
     summary["cpu"] = _cpu()
     if a.device == "cuda":
         import torch
@@ -523,8 +652,7 @@ def main(argv=None) -> int:
     print(text)
     with open(a.json or os.path.join(a.out, "summary.json"), "w") as f:
         f.write(text + "\n")
-    print(f"\nmegatron-rl / TRL tokens/s (median of timed steps): "
-          f"{summary['ratio_megatron_over_trl']:.2f}x")
+    print("\n" + markdown(summary))
     return 0
 
 
