@@ -129,6 +129,7 @@ class ServerPool:
         # in flight, and calls wait for a load in progress
         self._cond = threading.Condition()
         self._active_calls = 0
+        self.num_generate_calls = 0  # pool-level calls (each spread over the servers)
         self._loading = False
         if start:
             self.start()
@@ -232,7 +233,8 @@ class ServerPool:
         """Metrics for the trainer's log (global rank 0 holds the servers)."""
         restarts = sum(getattr(getattr(m.engine, "server", None), "num_restarts", 0) or 0
                        for m in self.members)
-        return {"rollout/servers_live": float(len(self.live_members())),
+        return {"rollout/generate_calls": float(self.num_generate_calls),
+                "rollout/servers_live": float(len(self.live_members())),
                 "rollout/servers_total": float(len(self.members)),
                 "rollout/server_restarts": float(restarts)}
 
@@ -246,7 +248,9 @@ class ServerPool:
             self._cond.wait_for(lambda: not self._loading)
             self._active_calls += 1
         try:
-            return self._generate(prompts, n, params)
+            out = self._generate(prompts, n, params)
+            self.num_generate_calls += 1
+            return out
         finally:
             with self._cond:
                 self._active_calls -= 1

@@ -375,6 +375,11 @@ class ServerBackedEngine:
 
     server: "ManagedServer | None"
     url: str | None
+    num_generate_calls: int = 0  # generate requests answered (the trainer makes one per batch)
+
+    def stats(self) -> dict[str, float]:
+        """Metrics for the trainer's log (global rank 0, the one client)."""
+        return {"rollout/generate_calls": float(self.num_generate_calls)}
 
     def start(self, wait: bool = True) -> None:
         """Start the server (rank 0) and share its URL with every rank (collective when

