@@ -71,9 +71,10 @@ class RolloutConfig:
     rollout_num_servers: int = 1          # servers to start (vLLM/SGLang), one engine over all
     rollout_host: str = "127.0.0.1"       # bind address of a started server; 0.0.0.0: other nodes
     # how the trainer's weights reach a server after every step: auto = the fastest that works
-    # here (process, SGLang: tensor, in memory; vLLM: disk); disk = an HF export reloaded by the
-    # server; tensor = in memory (process: shared-memory buckets, SGLang:
-    # update_weights_from_tensor); distributed = SGLang NCCL broadcast (GPUs)
+    # here (tensor for the process engine, SGLang and started vLLM servers; disk for attached
+    # vLLM servers); disk = an HF export reloaded by the server; tensor = in memory, same host
+    # (process, vLLM: shared-memory buckets; SGLang: update_weights_from_tensor);
+    # distributed = SGLang NCCL broadcast (GPUs)
     weight_sync: str = "auto"
     weight_sync_bucket_mb: int = 512     # bucket of a bucketed transfer (tensor, distributed)
     # CPU cores the process engine's child is pinned to (its torch threads: their count);
@@ -198,9 +199,9 @@ class TrainConfig:
         if not self.data.train_data:
             raise ValueError("--train-data is required (JSONL files from tools/prepare_data.py)")
         engine, sync = self.rollout.rollout_engine, self.rollout.weight_sync
-        if engine == "vllm" and sync not in ("auto", "disk"):
-            raise ValueError(f"--weight-sync {sync} is SGLang's; vLLM reloads "
-                             "exported weights (--weight-sync disk)")
+        if engine == "vllm" and sync not in ("auto", "disk", "tensor"):
+            raise ValueError(f"--weight-sync {sync} is SGLang's; vLLM takes disk (an HF export "
+                             "it reloads) or tensor (shared memory, servers on this host)")
         if engine == "process" and sync not in ("auto", "disk", "tensor"):
             raise ValueError(f"--weight-sync {sync}: the process engine takes tensor (shared "
                              "memory, the default) or disk")

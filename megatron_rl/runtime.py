@@ -170,7 +170,9 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
         engines = [VLLMEngine(hf, VLLMConfig(work_dir=d, url=url, dtype=dtype, seed=cfg.seed,
                                              kv_cache_memory_bytes=kv_bytes,
                                              max_model_len=max_len, gpu_memory_utilization=mem,
-                                             host=r.rollout_host),
+                                             host=r.rollout_host,
+                                             sync=_vllm_sync(r.weight_sync, url),
+                                             bucket_bytes=r.weight_sync_bucket_mb << 20),
                               policy=policy, start=False) for d, url in zip(dirs, urls)]
     else:
         from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
@@ -190,6 +192,14 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
     from megatron_rl.rollout.multi import ServerPool
 
     return ServerPool(engines, policy=policy)  # boots the managed servers at once
+
+
+def _vllm_sync(mode: str, url: str | None) -> str:
+    """--weight-sync for a vLLM server: auto = tensor (shared memory) for a server this run
+    starts (same host, with the worker extension), disk for an attached one (any host)."""
+    if mode == "auto":
+        return "tensor" if url is None else "disk"
+    return mode
 
 
 def checkpoints_to_load(cfg: TrainConfig) -> tuple[str | None, str | None]:

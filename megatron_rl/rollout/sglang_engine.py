@@ -38,6 +38,7 @@ from typing import Sequence
 from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.rollout.server import (ManagedServer, ServerBackedEngine, ServerError,
                                         dist_barrier, dist_rank, http_json)
+from megatron_rl.rollout.shm_weights import bucket_names
 from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -246,16 +247,7 @@ class SGLangEngine(ServerBackedEngine):
         t0 = time.perf_counter()
         if self._nccl_group is None:
             self._nccl_group = self._init_update_group()
-        names = sorted(hf)
-        buckets, cur, size = [], [], 0
-        for name in names:
-            nbytes = hf[name].numel() * hf[name].element_size()
-            if cur and size + nbytes > self.config.nccl_bucket_bytes:
-                buckets.append(cur)
-                cur, size = [], 0
-            cur.append(name)
-            size += nbytes
-        buckets.append(cur)
+        buckets = bucket_names({n: hf[n] for n in sorted(hf)}, self.config.nccl_bucket_bytes)
         for i, bucket in enumerate(buckets):
             tensors = [hf[n].to(device(), non_blocking=True) for n in bucket]
             payload = {"names": bucket, "dtypes": [str(t.dtype).replace("torch.", "")

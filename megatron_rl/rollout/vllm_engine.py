@@ -32,7 +32,8 @@ from typing import Sequence
 from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.rollout.server import (ManagedServer, ServerBackedEngine, ServerError,
                                         dist_barrier, dist_rank)
-from megatron_rl.rollout.weight_sync import WeightExporter, read_version
+from megatron_rl.rollout.shm_weights import SharedBuckets
+from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON_ENV_VAR = "MEGATRON_RL_VLLM_PYTHON"
@@ -66,6 +67,10 @@ class VLLMConfig:
     kv_cache_memory_bytes: int | None = None   # CPU: bytes of KV cache (None: vLLM's default)
     gpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1
+    # weights after each step: "disk" (an HF export the workers reload) or "tensor" (shared-
+    # memory buckets of bucket_bytes, same host; needs the worker extension)
+    sync: str = "disk"
+    bucket_bytes: int = 512 << 20
     extra_args: tuple[str, ...] = ()
     startup_timeout: float = 600.0
     request_timeout: float = 3600.0
@@ -88,6 +93,10 @@ class VLLMEngine(ServerBackedEngine):
         self.exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
                                        dtype=config.dtype)
         self.last_sync_seconds: dict[str, float] = {}
+        self.last_sync_bytes = 0
+        self._buckets: SharedBuckets | None = None
+        if config.sync not in ("disk", "tensor"):
+            raise ValueError(f"VLLMConfig.sync {config.sync!r}: disk or tensor")
         self.rank = dist_rank()
         self.python = config.python or vllm_python()
         self.server: ManagedServer | None = None
@@ -133,8 +142,14 @@ class VLLMEngine(ServerBackedEngine):
         # /collective_rpc and /reset_prefix_cache.
         return {"PYTHONPATH": pythonpath, "VLLM_SERVER_DEV_MODE": "1"}
 
+    _needs_resync = False
+
     def _on_start(self, server: ManagedServer) -> None:
-        """After every (re)start: the worker's version tag is that of the directory it loaded."""
+        """After every (re)start: the worker's version tag is that of the directory it loaded.
+        Under tensor sync a restart serves the initial checkpoint: flagged, the server takes no
+        request until the next update_weights (a ServerPool sits it out meanwhile)."""
+        if self.config.sync == "tensor" and server.num_restarts and self.last_sync_bytes:
+            self._needs_resync = True
         if self.has_extension:
             version = read_version(server.model_path) if server.managed else None
             if version is not None:
@@ -147,6 +162,10 @@ class VLLMEngine(ServerBackedEngine):
                  params: SamplingParams) -> list[list[Completion]]:
         if not prompts:
             return []
+        if self._needs_resync:
+            raise ServerError("vLLM server restarted from the initial checkpoint under "
+                              "--weight-sync tensor; call update_weights before generating "
+                              "(or use --weight-sync disk, whose restarts serve the last export)")
         payload = {
             "model": SERVED_MODEL_NAME, "prompt": [[int(t) for t in p] for p in prompts],
             "n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
@@ -180,17 +199,52 @@ class VLLMEngine(ServerBackedEngine):
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, version: int) -> None:
-        """Collective over all training ranks: export the policy, reload it on the server."""
+        """Collective over all training ranks: the policy's weights into the server (an HF
+        export it reloads, or shared-memory buckets: config.sync)."""
         if self.policy is None:
             raise ValueError("update_weights needs the policy: VLLMEngine(..., policy=policy)")
         t0 = time.perf_counter()
-        path = self.exporter.export(self.policy, version)
-        t_export = time.perf_counter() - t0
+        if self.config.sync == "tensor":
+            payload = policy_hf_state_dict(self.policy, dst=0, dtype=self.config.dtype)
+        else:
+            payload = self.exporter.export(self.policy, version)
+        t_out = time.perf_counter() - t0
         if self.rank == 0:
-            self.load_weights_from_path(path, version)
-            self.last_sync_seconds["export"] = t_export
+            if self.config.sync == "tensor":
+                self.load_weights_from_tensors(payload, version)
+            else:
+                self.load_weights_from_path(payload, version)
+            self.last_sync_seconds["gather" if self.config.sync == "tensor" else "export"] = t_out
             self.last_sync_seconds["total"] = time.perf_counter() - t0
         dist_barrier()
+        self.weight_version = version
+
+    def load_weights_from_tensors(self, hf: dict, version: int) -> None:
+        """Colocated (same host): HF-named tensors through a shared-memory buffer, bucket by
+        bucket (`shm_weights`); the workers stage each bucket, then load them all in place
+        (`mrl_load_staged`: vLLM's layer-wise reload), and echo the version."""
+        if not self.has_extension:
+            raise ServerError("--weight-sync tensor needs the worker extension in the vLLM "
+                              f"server (--worker-extension-cls {WORKER_EXTENSION})")
+        t0 = time.perf_counter()
+        server = self.server
+        if self._buckets is None:
+            self._buckets = SharedBuckets(self.config.bucket_bytes)
+        for meta in self._buckets.fill(hf, self.config.bucket_bytes):
+            server.post("/collective_rpc", {"method": "mrl_stage_bucket",
+                                            "kwargs": {"path": self._buckets.path, "meta": meta}},
+                        retry=False)
+        resp = server.post("/collective_rpc", {"method": "mrl_load_staged",
+                                               "kwargs": {"version": str(version),
+                                                          "expected": len(hf)}}, retry=False)
+        loaded = {r["version"] for r in resp["results"]}
+        if loaded != {str(version)}:
+            raise ServerError(f"vLLM workers report weight versions {sorted(loaded)} after "
+                              f"loading version {version}")
+        server.post("/reset_prefix_cache", None)
+        self._needs_resync = False
+        self.last_sync_seconds["load"] = time.perf_counter() - t0
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for t in hf.values())
         self.weight_version = version
 
     def load_weights_from_path(self, path: str, version: int) -> None:
@@ -237,6 +291,9 @@ class VLLMEngine(ServerBackedEngine):
     # -- health ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._stop_server()
+        if self._buckets is not None:
+            self._buckets.close()
+            self._buckets = None
 
 
 def _tied(model_path: str) -> bool:

