@@ -70,10 +70,10 @@ class RolloutConfig:
     rollout_url: list[str] = _field(default_factory=list)
     rollout_num_servers: int = 1          # servers to start (vLLM/SGLang), one engine over all
     rollout_host: str = "127.0.0.1"       # bind address of a started server; 0.0.0.0: other nodes
-    # how the trainer's weights reach a server after every step: auto = the fastest that works
-    # here (tensor for the process engine, SGLang and started vLLM servers; disk for attached
-    # vLLM servers); disk = an HF export reloaded by the server; tensor = in memory, same host
-    # (process, vLLM: shared-memory buckets; SGLang: update_weights_from_tensor);
+    # how the trainer's weights reach a server after every step: auto = the fastest measured
+    # (benchmarks/RESULTS.md "Weight sync": tensor for the process engine, disk for vLLM,
+    # SGLang: see there); disk = an HF export reloaded by the server; tensor = in memory, same
+    # host (process, vLLM: shared-memory buckets; SGLang: update_weights_from_tensor);
     # distributed = SGLang NCCL broadcast (GPUs)
     weight_sync: str = "auto"
     weight_sync_bucket_mb: int = 512     # bucket of a bucketed transfer (tensor, distributed)

@@ -171,7 +171,7 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
                                              kv_cache_memory_bytes=kv_bytes,
                                              max_model_len=max_len, gpu_memory_utilization=mem,
                                              host=r.rollout_host,
-                                             sync=_vllm_sync(r.weight_sync, url),
+                                             sync=_vllm_sync(r.weight_sync),
                                              bucket_bytes=r.weight_sync_bucket_mb << 20),
                               policy=policy, start=False) for d, url in zip(dirs, urls)]
     else:
@@ -194,12 +194,10 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
     return ServerPool(engines, policy=policy)  # boots the managed servers at once
 
 
-def _vllm_sync(mode: str, url: str | None) -> str:
-    """--weight-sync for a vLLM server: auto = tensor (shared memory) for a server this run
-    starts (same host, with the worker extension), disk for an attached one (any host)."""
-    if mode == "auto":
-        return "tensor" if url is None else "disk"
-    return mode
+def _vllm_sync(mode: str) -> str:
+    """--weight-sync for a vLLM server: auto = disk, the faster of the two on the CPU machines
+    measured (benchmarks/RESULTS.md, "Weight sync"; tensor needs a server on this host)."""
+    return "disk" if mode == "auto" else mode
 
 
 def checkpoints_to_load(cfg: TrainConfig) -> tuple[str | None, str | None]:

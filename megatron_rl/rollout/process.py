@@ -18,8 +18,9 @@ Requests go over a pipe and are served one at a time, so weights change only bet
 
 Weight sync (`update_weights`, collective over the training ranks): the policy is gathered to
 rank 0 under HF names (weight_sync.policy_hf_state_dict). `tensor` (the default) copies it into
-a shared-memory buffer bucket by bucket (shm_weights.SharedBuckets, --weight-sync-bucket-mb);
-the child copies each bucket out and loads the whole state when the last one has arrived.
+a shared-memory buffer (shm_weights.SharedBuckets) and names it to the child bucket by bucket
+(--weight-sync-bucket-mb); the child stages views of each bucket and loads the whole state when
+the last one has arrived.
 `disk` writes a versioned HF directory (weight_sync.WeightExporter) that the child reloads.
 
 Samples are a function of (seed, prompts, weights) alone: the child samples the whole batch
@@ -165,7 +166,7 @@ class ProcessEngine:
             t_out = time.perf_counter() - t0
             if self.rank == 0:
                 if self._buckets is None:
-                    self._buckets = SharedBuckets(self.config.bucket_bytes)
+                    self._buckets = SharedBuckets()
                 for meta in self._buckets.fill(hf, self.config.bucket_bytes):
                     self._call(("bucket", self._buckets.path, meta), self.config.request_timeout,
                                f"weights version {version}, bucket of {len(meta)} tensors")
@@ -244,7 +245,7 @@ def _serve(conn, config: ProcessConfig) -> None:
             if op == "generate":
                 result = engine.generate(*msg[1:])
             elif op == "bucket":
-                staged.update({k: v.clone() for k, v in read_bucket(msg[1], msg[2]).items()})
+                staged.update(read_bucket(msg[1], msg[2]))  # views, loaded at "commit"
                 result = None
             elif op == "commit":
                 full = hf_mapping.hf_to_megatron(staged, args, source="shared-memory weights")

@@ -1,22 +1,29 @@
 """Weights through shared memory: the trainer writes HF-named tensors into one memory-mapped
-file, bucket by bucket, and a generator process on the same host reads them from there.
+file and hands them over bucket by bucket; a generator process on the same host reads them
+from there.
 
-Used by `--weight-sync tensor` on CPU: the process engine (rollout/process.py) and the vLLM
-worker extension (rollout/vllm_worker.py) read the buckets. No disk, no serialisation: one copy
-into the shared buffer on the trainer's side, one copy out of it into the generator's
-parameters.
+Used by `--weight-sync tensor` on CPU (and for same-host servers on GPUs): the process engine
+(rollout/process.py) and the vLLM worker extension (rollout/vllm_worker.py) read the buckets.
+No disk, no serialisation: one copy into the shared buffer on the trainer's side, one copy out
+of it into the generator's parameters.
 
-    writer = SharedBuckets(capacity)           # trainer, global rank 0
-    for meta in writer.fill(hf_tensors):       # a bucket at a time; the buffer is reused
-        tell_reader(writer.path, meta)         # the reader copies out before the next bucket
+    writer = SharedBuckets()                   # trainer, global rank 0; reused every sync
+    for meta in writer.fill(hf_tensors, bucket_bytes):
+        tell_reader(writer.path, meta)         # one request per bucket
+    load_in_reader()                           # the reader loads the views it was given
     writer.close()                             # unlinks the file
 
     tensors = read_bucket(path, meta)          # reader: {name: view into the mapping}
 
+Every tensor of a sync has a region of its own (the buffer grows to the model's size once and is
+reused by the next sync), so the reader can stage views of all buckets and load them together
+without copying them first: a reload that must see all of a layer's weights at once (vLLM's
+layer-wise reload, the fused QKV of megatron) gets them. The bucket size only sets how many
+tensors each request names. The views stay valid until the writer's next fill.
+
 The buffer lives in /dev/shm (RAM) when it has room, else in the temp directory (still page
-cache, but it may reach disk). Its capacity is max(bucket size, largest tensor): a tensor is
-never split. This module imports only torch and the standard library, so it loads inside a
-vLLM server's venv.
+cache, but it may reach disk). This module imports only torch and the standard library, so it
+loads inside a vLLM server's venv.
 """
 
 from __future__ import annotations
@@ -71,9 +78,9 @@ def _shm_dir(nbytes: int) -> str:
 
 
 class SharedBuckets:
-    """The writer: a shared, memory-mapped buffer of `capacity` bytes (grown on demand)."""
+    """The writer: a shared, memory-mapped buffer (grown to the size of what it is given)."""
 
-    def __init__(self, capacity: int, prefix: str = "megatron-rl-weights"):
+    def __init__(self, capacity: int = ALIGN, prefix: str = "megatron-rl-weights"):
         self.capacity = 0
         self.prefix = prefix
         self.path: str | None = None
@@ -91,21 +98,19 @@ class SharedBuckets:
         self._buf = torch.from_file(self.path, shared=True, size=capacity, dtype=torch.uint8)
         self.capacity = capacity
 
-    def fill(self, tensors: dict[str, torch.Tensor], bucket_bytes: int | None = None
+    def fill(self, tensors: dict[str, torch.Tensor], bucket_bytes: int = 512 << 20
              ) -> Iterator[list[dict]]:
-        """Copy `tensors` into the buffer a bucket at a time; yields each bucket's metadata
-        (name, dtype, shape, byte offset per tensor). The next bucket overwrites the buffer, so
-        the reader must have copied the previous one out before the generator resumes."""
-        bucket_bytes = bucket_bytes or self.capacity
-        largest = max((_aligned(_nbytes(t)) for t in tensors.values()), default=0)
-        self._reserve(max(largest, min(bucket_bytes, self.capacity)))
-        for names in bucket_names(tensors, min(bucket_bytes, self.capacity)):
-            meta, off = [], 0
+        """Copy `tensors` into the buffer, each at an offset of its own; yields the metadata
+        (name, dtype, shape, byte offset per tensor) of one bucket of at most `bucket_bytes`
+        (a larger tensor: a bucket of its own) as soon as it is written."""
+        self._reserve(sum(_aligned(_nbytes(t)) for t in tensors.values()))
+        off = 0
+        for names in bucket_names(tensors, bucket_bytes):
+            meta = []
             for name in names:
                 t = tensors[name].detach()
                 n = _nbytes(t)
-                dst = self._buf[off:off + n].view(t.dtype).view(t.shape)
-                dst.copy_(t)
+                self._buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
                 meta.append({"name": name, "dtype": str(t.dtype).replace("torch.", ""),
                              "shape": list(t.shape), "offset": off})
                 off += _aligned(n)
@@ -127,7 +132,7 @@ class SharedBuckets:
 
 def read_bucket(path: str, meta: list[dict]) -> dict[str, torch.Tensor]:
     """{name: tensor} of one bucket written by SharedBuckets.fill: views into the mapped file,
-    valid until the writer fills the next bucket (copy them out)."""
+    valid until the writer's next fill."""
     if not meta:
         return {}
     end = max(m["offset"] + _aligned(_numel(m["shape"]) * _DTYPES[m["dtype"]].itemsize)

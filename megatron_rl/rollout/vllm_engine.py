@@ -229,7 +229,7 @@ class VLLMEngine(ServerBackedEngine):
         t0 = time.perf_counter()
         server = self.server
         if self._buckets is None:
-            self._buckets = SharedBuckets(self.config.bucket_bytes)
+            self._buckets = SharedBuckets()
         for meta in self._buckets.fill(hf, self.config.bucket_bytes):
             server.post("/collective_rpc", {"method": "mrl_stage_bucket",
                                             "kwargs": {"path": self._buckets.path, "meta": meta}},

@@ -38,12 +38,13 @@ class WeightSyncExtension:
                 "lm_head_refreshed": refreshed}
 
     def mrl_stage_bucket(self, path: str, meta: list) -> int:
-        """Copy one bucket of HF-named tensors out of the trainer's shared-memory buffer
-        (megatron_rl.rollout.shm_weights); returns how many tensors are staged so far."""
+        """Stage one bucket of HF-named tensors: views into the trainer's shared-memory buffer
+        (megatron_rl.rollout.shm_weights), valid until its next sync; returns how many tensors
+        are staged so far."""
         from megatron_rl.rollout.shm_weights import read_bucket  # torch + stdlib only
 
         staged = self.__dict__.setdefault("_mrl_staged", {})
-        staged.update({k: v.clone() for k, v in read_bucket(path, meta).items()})
+        staged.update(read_bucket(path, meta))
         return len(staged)
 
     def mrl_load_staged(self, version: str = "", expected: int = -1) -> dict:

@@ -118,12 +118,14 @@ def test_eval_command_prints_the_accuracy_table(tiny_char_model, arithmetic_json
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_training_loop_with_server_engine_serves_current_weights(engine, arithmetic_jsonl,
+@pytest.mark.parametrize("engine,sync", [("vllm", "disk"), ("vllm", "tensor"),
+                                         ("sglang", "auto")])
+def test_training_loop_with_server_engine_serves_current_weights(engine, sync, arithmetic_jsonl,
                                                                  tmp_path):
-    """Three RL steps with a real server engine. After every step the trainer syncs its weights;
-    the next step's rollout log-probs (from the server) must match the trainer's recomputation,
-    which holds only if the server serves exactly the trainer's current weights."""
+    """Three RL steps with a real server engine, in each of its weight-sync modes. After every
+    step the trainer syncs its weights; the next step's rollout log-probs (from the server) must
+    match the trainer's recomputation, which holds only if the server serves exactly the
+    trainer's current weights."""
     from conftest import _char_model
 
     python = {"vllm": "megatron_rl.rollout.vllm_engine", "sglang": "megatron_rl.rollout.sglang_engine"}
@@ -137,7 +139,8 @@ def test_training_loop_with_server_engine_serves_current_weights(engine, arithme
                         num_key_value_heads=1)
     save = str(tmp_path / "run")
     args = train_args(model, arithmetic_jsonl, save, 3,
-                      ["--rollout-engine", engine, "--kl-placement", "reward+loss",
+                      ["--rollout-engine", engine, "--weight-sync", sync,
+                       "--kl-placement", "reward+loss",
                        "--kl-estimator", "k3", "--kl-coef", "1.0"],
                       ref=_char_model(str(tmp_path / "ref"), seed=1, num_attention_heads=2,
                                       num_key_value_heads=1))
