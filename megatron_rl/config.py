@@ -71,8 +71,8 @@ class RolloutConfig:
     rollout_num_servers: int = 1          # servers to start (vLLM/SGLang), one engine over all
     rollout_host: str = "127.0.0.1"       # bind address of a started server; 0.0.0.0: other nodes
     # how the trainer's weights reach a server after every step: auto = the fastest measured
-    # (benchmarks/RESULTS.md "Weight sync": tensor for the process engine, disk for vLLM,
-    # SGLang: see there); disk = an HF export reloaded by the server; tensor = in memory, same
+    # (benchmarks/RESULTS.md "Weight sync": tensor for the process engine; disk for vLLM, and
+    # for SGLang on CPU, its tensor path on GPUs); disk = an HF export reloaded by the server; tensor = in memory, same
     # host (process, vLLM: shared-memory buckets; SGLang: update_weights_from_tensor);
     # distributed = SGLang NCCL broadcast (GPUs)
     weight_sync: str = "auto"

@@ -177,7 +177,9 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
     else:
         from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
 
-        sync = "tensor" if r.weight_sync == "auto" else r.weight_sync
+        # auto: disk on CPU (measured the faster, benchmarks/RESULTS.md "Weight sync"); on GPUs
+        # update_weights_from_tensor, SGLang's colocated path (not measured here)
+        sync = r.weight_sync if r.weight_sync != "auto" else ("tensor" if use_cuda() else "disk")
         if mem is None and len(urls) > 1 and not use_cuda():
             # on CPU each server would size its KV cache from all the free RAM it sees at boot
             mem = 0.3 / len(urls)
