@@ -53,3 +53,34 @@ class RolloutEngine(Protocol):
     def health(self) -> bool: ...
 
     def shutdown(self) -> None: ...
+
+
+def check_completions(out, num_prompts: int, n: int, vocab_size: int | None,
+                      max_new_tokens: int) -> None:
+    """Raise ValueError, naming the first problem, unless `out` is what a generate call for
+    `num_prompts` prompts x `n` must return: n completions per prompt, token ids in
+    [0, vocab_size), one finite log-prob <= 0 per token, at most max_new_tokens tokens."""
+    if not isinstance(out, list) or len(out) != num_prompts:
+        raise ValueError(f"{len(out) if isinstance(out, list) else type(out).__name__} groups "
+                         f"for {num_prompts} prompts")
+    for i, group in enumerate(out):
+        if len(group) != n:
+            raise ValueError(f"prompt {i}: {len(group)} completions, asked for n={n}")
+        for j, c in enumerate(group):
+            where = f"prompt {i} completion {j}"
+            if len(c.token_ids) > max_new_tokens:
+                raise ValueError(f"{where}: {len(c.token_ids)} tokens > max_new_tokens "
+                                 f"{max_new_tokens}")
+            if len(c.rollout_logprobs) != len(c.token_ids):
+                raise ValueError(f"{where}: {len(c.rollout_logprobs)} log-probs for "
+                                 f"{len(c.token_ids)} tokens")
+            bad = [t for t in c.token_ids if not isinstance(t, int) or t < 0
+                   or (vocab_size is not None and t >= vocab_size)]
+            if bad:
+                raise ValueError(f"{where}: token id {bad[0]} outside the vocabulary "
+                                 f"[0, {vocab_size})")
+            lp = [x for x in c.rollout_logprobs if not (x == x and x <= 1e-4 and x > -1e30)]
+            if lp:
+                raise ValueError(f"{where}: log-prob {lp[0]} is not a finite value <= 0")
+            if c.finish_reason not in ("stop", "length"):
+                raise ValueError(f"{where}: finish reason {c.finish_reason!r}")

@@ -15,7 +15,8 @@ not the initial checkpoint). It
   so no vLLM EngineCore / SGLang scheduler child outlives the trainer.
 Or it attaches to a server someone else runs (`ManagedServer.attach(url)`): no restarts then.
 
-Only the standard library is used, so this module also imports inside the server venvs.
+Only the standard library (and rollout/base.py, which uses only it) is used, so this module
+also imports inside the server venvs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import contextlib
 import ctypes
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -36,11 +38,20 @@ import urllib.request
 import weakref
 from typing import Any, Callable, Sequence
 
+from megatron_rl.rollout.base import Completion, SamplingParams, check_completions
+
+log = logging.getLogger(__name__)
+
 HOST = "127.0.0.1"
 
 
 class ServerError(RuntimeError):
     """The server could not be started, died, or failed a request after a restart."""
+
+
+class BadAnswer(ServerError):
+    """The server answered a generate request, but not with what was asked (malformed JSON,
+    fewer completions, token ids outside the vocabulary, no answer within the timeout)."""
 
 
 class ServerRequestError(RuntimeError):
@@ -343,6 +354,15 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def read_hf_config(model_path: str) -> dict:
+    """The config.json of an HF checkpoint directory ({} when there is none)."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 # -- collectives shared by the server engines (no-ops without torch.distributed) ----------------
 
 def dist_rank() -> int:
@@ -371,11 +391,61 @@ def broadcast_from_rank0(obj):
 
 class ServerBackedEngine:
     """What the vLLM and SGLang engines share: the server process (`self.server`, a
-    ManagedServer on rank 0 or None elsewhere) and its URL (`self.url`, on every rank)."""
+    ManagedServer on rank 0 or None elsewhere), its URL (`self.url`, on every rank), and
+    `generate`: one request (the engine's `_request`), its answer checked
+    (`base.check_completions`), retried on a bad answer."""
 
+    NAME = "server"
     server: "ManagedServer | None"
     url: str | None
+    vocab_size: int | None = None  # token ids at or above it are a bad answer
+    max_bad_answers: int = 2       # retries of a generate request whose answer is bad
+    request_timeout: float = 3600.0
     num_generate_calls: int = 0  # generate requests answered (the trainer makes one per batch)
+    _needs_resync = False        # restarted from the initial weights: no request until a sync
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> list[list[Completion]]:
+        """`n` samples per prompt. A bad answer (BadAnswer from `_request`, a failed check, no
+        answer within `request_timeout`) is asked again with the same request (same seed) up to
+        `max_bad_answers` times, then raises BadAnswer naming the server, the request and every
+        failure; the caller's batch is untouched, so the step can be generated again."""
+        if not prompts:
+            return []
+        if self._needs_resync:
+            raise ServerError(f"{self.NAME} server {self.url} restarted from the initial "
+                              "checkpoint; call update_weights before generating")
+        prompts = [[int(t) for t in p] for p in prompts]
+        what = (f"generate {len(prompts)} prompts x n={n}, seed {params.seed}, "
+                f"max_new_tokens {params.max_new_tokens}")
+        failures = []
+        for attempt in range(1 + self.max_bad_answers):
+            try:
+                out = self._request(prompts, n, params)
+                check_completions(out, len(prompts), n, self.vocab_size, params.max_new_tokens)
+            except ValueError as e:  # BadAnswer is a ServerError, not a ValueError
+                failures.append(f"bad answer: {e}")
+            except BadAnswer as e:
+                failures.append(str(e))
+            except TimeoutError:
+                failures.append(f"no answer within {self.request_timeout:.0f} s")
+            except urllib.error.URLError as e:
+                if not isinstance(e.reason, TimeoutError):
+                    raise
+                failures.append(f"no answer within {self.request_timeout:.0f} s")
+            else:
+                self.num_generate_calls += 1
+                return out
+            if attempt < self.max_bad_answers:
+                log.warning("%s server %s: %s (%s); asking again", self.NAME, self.url,
+                            failures[-1], what)
+        raise BadAnswer(f"{self.NAME} server {self.url}: {what}: {len(failures)} bad answers: "
+                        + "; ".join(failures))
+
+    def _request(self, prompts: list[list[int]], n: int,
+                 params: SamplingParams) -> list[list[Completion]]:
+        """One generate request and its parsed answer (BadAnswer when it cannot be parsed)."""
+        raise NotImplementedError
 
     def stats(self) -> dict[str, float]:
         """Metrics for the trainer's log (global rank 0, the one client)."""

