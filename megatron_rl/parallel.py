@@ -122,11 +122,17 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600
 
 
 def destroy_distributed() -> None:
+    """Tear down megatron's groups and the process group. A barrier comes first: a collective
+    on a host tensor leaves its work object to gloo's thread, and if that thread releases it
+    (dropping the tensor's Python object) while the interpreter exits, the process aborts
+    ("terminate called without an active exception"); after the barrier it has been released."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

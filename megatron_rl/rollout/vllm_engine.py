@@ -30,7 +30,8 @@ import time
 
 from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.rollout.server import (BadAnswer, ManagedServer, ServerBackedEngine,
-                                        ServerError, dist_barrier, dist_rank, read_hf_config)
+                                        ServerError, ServerRequestError, dist_barrier, dist_rank,
+                                        read_hf_config)
 from megatron_rl.rollout.shm_weights import SharedBuckets
 from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
@@ -93,7 +94,7 @@ class VLLMEngine(ServerBackedEngine):
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         self.vocab_size = hf_config.get("vocab_size")
         self.request_timeout = config.request_timeout
-        self.has_extension = config.url is None
+        self.has_extension = config.url is None  # an attached server is probed at start
         self.exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
                                        dtype=config.dtype)
         self.last_sync_seconds: dict[str, float] = {}
@@ -152,6 +153,13 @@ class VLLMEngine(ServerBackedEngine):
         request until the next update_weights (a ServerPool sits it out meanwhile)."""
         if self.config.sync == "tensor" and server.num_restarts and self.last_sync_bytes:
             self._needs_resync = True
+        if not server.managed:  # an attached server: does it run the worker extension?
+            try:
+                resp = server.post("/collective_rpc", {"method": "mrl_weight_version"},
+                                   retry=False)
+                self.has_extension = isinstance(resp, dict) and "results" in resp
+            except ServerRequestError:
+                self.has_extension = False
         if self.has_extension:
             version = read_version(server.model_path) if server.managed else None
             if version is not None:

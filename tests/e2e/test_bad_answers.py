@@ -151,3 +151,11 @@ def test_bad_answers_end_in_an_error_naming_server_and_request(setup):
     assert not proxy.faults
     # the server itself is fine: the next request is answered
     assert len(engine.generate(PROMPTS, 2, PARAMS)) == len(PROMPTS)
+
+
+def test_attached_server_is_probed_for_the_worker_extension(setup):
+    """The engine attached through the proxy found the server's worker extension (version tags,
+    tied-model reloads, tensor sync work on attached servers too)."""
+    server, _, engine = setup
+    assert engine.has_extension
+    assert engine.server_weight_version() == server.server_weight_version()

@@ -27,8 +27,16 @@ def test_unknown_choice_is_refused():
 def test_weight_sync_modes_are_checked_against_the_engine():
     assert parse_config(BASE + ["--rollout-engine", "sglang", "--weight-sync",
                                 "distributed"]).rollout.weight_sync == "distributed"
-    with pytest.raises(ValueError, match="--weight-sync tensor is SGLang's"):
-        parse_config(BASE + ["--rollout-engine", "vllm", "--weight-sync", "tensor"])
+    assert parse_config(BASE + ["--rollout-engine", "vllm", "--weight-sync",
+                                "tensor"]).rollout.weight_sync == "tensor"
+    with pytest.raises(ValueError, match="--weight-sync distributed is SGLang's"):
+        parse_config(BASE + ["--rollout-engine", "vllm", "--weight-sync", "distributed"])
+    with pytest.raises(ValueError, match="the process engine takes tensor"):
+        parse_config(BASE + ["--rollout-engine", "process", "--weight-sync", "distributed"])
+    with pytest.raises(ValueError, match="--rollout-url needs --rollout-engine vllm or sglang"):
+        parse_config(BASE + ["--rollout-engine", "process", "--rollout-url", "http://x:1"])
+    assert parse_config(BASE + ["--rollout-process-cores", "1", "2"]
+                        ).rollout.rollout_process_cores == [1, 2]
 
 
 def test_grouped_config_keeps_flat_flags():
