@@ -83,6 +83,10 @@ class RolloutConfig:
     # GPU memory share of a vLLM/SGLang server started on the trainer's GPUs (vLLM's
     # --gpu-memory-utilization, SGLang's --mem-fraction-static); None: the server's default
     rollout_gpu_memory_utilization: float | None = None
+    # a vLLM/SGLang server on the trainer's GPUs frees its GPU memory while the trainer trains
+    # (weights to host memory, KV cache dropped: vLLM sleep mode, SGLang
+    # release_memory_occupation) and takes it back before the weight sync; GPUs, --async-level 0
+    rollout_release_memory: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 256
@@ -210,6 +214,18 @@ class TrainConfig:
                              " the generating weights are gone when the batch is trained on, so "
                              "the behaviour log-probs are the engine's (--old-logprobs auto or "
                              "rollout), not a recompute")
+        if self.rollout.rollout_release_memory:
+            if engine not in ("vllm", "sglang"):
+                raise ValueError("--rollout-release-memory frees a vLLM or SGLang server's GPU "
+                                 f"memory; --rollout-engine is {engine}")
+            if self.algorithm.async_level:
+                raise ValueError("--rollout-release-memory needs --async-level 0: under async "
+                                 "the server generates while the trainer trains")
+            from megatron_rl.parallel import use_cuda
+
+            if not use_cuda():
+                raise ValueError("--rollout-release-memory frees GPU memory (vLLM sleep mode, "
+                                 "SGLang release_memory_occupation): it needs GPUs")
         if self.checkpoint.finetune and not self.checkpoint.load:
             raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
         self.model.options.validate()

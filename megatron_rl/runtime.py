@@ -172,6 +172,7 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
                                              max_model_len=max_len, gpu_memory_utilization=mem,
                                              host=r.rollout_host,
                                              sync=_vllm_sync(r.weight_sync),
+                                             sleep_mode=r.rollout_release_memory,
                                              bucket_bytes=r.weight_sync_bucket_mb << 20),
                               policy=policy, start=False) for d, url in zip(dirs, urls)]
     else:
@@ -186,6 +187,7 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
         engines = [SGLangEngine(hf, SGLangConfig(work_dir=d, url=url, dtype=dtype, seed=cfg.seed,
                                                  context_length=max_len, mem_fraction_static=mem,
                                                  host=r.rollout_host, sync=sync,
+                                                 memory_saver=r.rollout_release_memory,
                                                  nccl_bucket_bytes=r.weight_sync_bucket_mb << 20),
                                 policy=policy, start=False) for d, url in zip(dirs, urls)]
     if len(engines) == 1:

@@ -286,6 +286,8 @@ def train(cfg: TrainConfig) -> dict:
         current = pending.popleft()
         batch, metrics = finish_rollout(rt, current)
         metrics["rollout/staleness"] = float(step - current.version)
+        if cfg.rollout.rollout_release_memory:  # the training phase gets the server's memory
+            rt.engine.release_memory()
         t_rollout = time.perf_counter() - t0
         metrics.update(global_metrics.batch_metrics(batch.rewards, batch.response_lengths,
                                                     batch.finish_reasons, data_parallel_group()))
@@ -304,6 +306,8 @@ def train(cfg: TrainConfig) -> dict:
             if r.future is not None:
                 r.future.result()
         t3 = time.perf_counter()
+        if cfg.rollout.rollout_release_memory:
+            rt.engine.resume_memory()
         rt.engine.update_weights(step + 1)
         metrics.update({"time/rollout_wait": t3 - t2, "time/weight_sync": time.perf_counter() - t3})
         reset = cfg.algorithm.ref_reset_interval

@@ -407,6 +407,28 @@ class ServerPool:
         except Exception as exc:  # noqa: BLE001 - the caller sorts it
             return exc
 
+    def release_memory(self) -> None:
+        """Every live server frees its GPU memory (see ServerBackedEngine.release_memory)."""
+        self._on_every_server("release_memory")
+
+    def resume_memory(self) -> None:
+        self._on_every_server("resume_memory")
+
+    def _on_every_server(self, method: str) -> None:
+        if self.rank != 0:
+            return
+        members = self.live_members()
+        futures = [m.executor.submit(getattr(m.engine, method)) for m in members]
+        for m, f in zip(members, futures):
+            try:
+                f.result()
+            except Exception as exc:  # noqa: BLE001 - a broken server leaves the rotation
+                if not is_server_failure(exc):
+                    raise
+                self._take_out(m, exc)
+        if not self.live_members():
+            raise self._no_server_left(method)
+
     def server_weight_versions(self) -> dict[str, int | None]:
         """Each live server's reported weight version, by name."""
         return {self.name(m): m.engine.server_weight_version() for m in self.live_members()}

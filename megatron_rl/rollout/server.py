@@ -447,6 +447,22 @@ class ServerBackedEngine:
         """One generate request and its parsed answer (BadAnswer when it cannot be parsed)."""
         raise NotImplementedError
 
+    # (path, payload) of the server's endpoints that free and retake its GPU memory
+    RELEASE: tuple[str, Any] = ("", None)
+    RESUME: tuple[str, Any] = ("", None)
+
+    def release_memory(self) -> None:
+        """A server on the trainer's GPUs frees its GPU memory for the training phase (weights
+        offloaded to host memory, KV cache dropped); `resume_memory` takes it back. The server
+        must run with its memory-saving mode on (VLLMConfig.sleep_mode, SGLangConfig.
+        memory_saver). Rank 0, which owns the server; a no-op elsewhere."""
+        if self.server is not None:
+            self._post(*self.RELEASE)
+
+    def resume_memory(self) -> None:
+        if self.server is not None:
+            self._post(*self.RESUME)
+
     def stats(self) -> dict[str, float]:
         """Metrics for the trainer's log (global rank 0, the one client)."""
         return {"rollout/generate_calls": float(self.num_generate_calls)}

@@ -68,6 +68,7 @@ class SGLangConfig:
     seed: int = 0
     tp_size: int = 1
     mem_fraction_static: float | None = None
+    memory_saver: bool = False          # --enable-memory-saver: release_memory / resume_memory
     extra_args: tuple[str, ...] = ()
     startup_timeout: float = 600.0
     request_timeout: float = 3600.0
@@ -82,6 +83,8 @@ class SGLangEngine(ServerBackedEngine):
     """RolloutEngine backed by an SGLang server (see module docstring)."""
 
     NAME = "SGLang"
+    RELEASE = ("/release_memory_occupation", {})
+    RESUME = ("/resume_memory_occupation", {})
 
     def __init__(self, model_path: str, config: SGLangConfig, policy=None, start: bool = True):
         if config.sync not in SYNC_MODES:
@@ -135,6 +138,8 @@ class SGLangEngine(ServerBackedEngine):
                      "--disable-cuda-graph"]
         if c.mem_fraction_static is not None:
             argv += ["--mem-fraction-static", str(c.mem_fraction_static)]
+        if c.memory_saver:
+            argv.append("--enable-memory-saver")
         return argv + list(c.extra_args)
 
     def _env(self) -> dict[str, str]:

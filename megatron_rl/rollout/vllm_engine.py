@@ -71,6 +71,7 @@ class VLLMConfig:
     # memory buckets of bucket_bytes, same host; needs the worker extension)
     sync: str = "disk"
     bucket_bytes: int = 512 << 20
+    sleep_mode: bool = False            # --enable-sleep-mode: release_memory / resume_memory
     extra_args: tuple[str, ...] = ()
     startup_timeout: float = 600.0
     request_timeout: float = 3600.0
@@ -85,6 +86,8 @@ class VLLMEngine(ServerBackedEngine):
     """
 
     NAME = "vLLM"
+    RELEASE = ("/sleep?level=1", None)  # level 1: weights to host memory, KV cache dropped
+    RESUME = ("/wake_up", None)
 
     def __init__(self, model_path: str, config: VLLMConfig, policy=None, start: bool = True):
         self.config = config
@@ -135,6 +138,8 @@ class VLLMEngine(ServerBackedEngine):
                 "--worker-extension-cls", WORKER_EXTENSION]
         if c.enforce_eager:
             argv.append("--enforce-eager")
+        if c.sleep_mode:
+            argv.append("--enable-sleep-mode")
         if c.kv_cache_memory_bytes is not None:
             argv += ["--kv-cache-memory-bytes", str(c.kv_cache_memory_bytes)]
         if c.gpu_memory_utilization is not None:

@@ -53,3 +53,17 @@ def test_grouped_config_keeps_flat_flags():
     assert cfg.model.options.recompute_granularity == "selective"
     flat = to_flat_dict(cfg)
     assert set(flat) == set(flag_fields()) and flat["kl_estimator"] == "k3"
+
+
+def test_release_memory_is_checked():
+    """--rollout-release-memory: a vLLM/SGLang server's GPU memory, freed around training."""
+    with pytest.raises(ValueError, match="--rollout-engine is local"):
+        parse_config(BASE + ["--rollout-release-memory"])
+    with pytest.raises(ValueError, match="needs --async-level 0"):
+        parse_config(BASE + ["--rollout-engine", "vllm", "--rollout-release-memory",
+                             "--async-level", "1"])
+    from megatron_rl.parallel import use_cuda
+
+    if not use_cuda():
+        with pytest.raises(ValueError, match="it needs GPUs"):
+            parse_config(BASE + ["--rollout-engine", "sglang", "--rollout-release-memory"])
