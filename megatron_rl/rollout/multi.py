@@ -21,8 +21,13 @@ Failures. A managed server that dies is restarted by its ManagedServer and the r
 (server.py, at most `max_restarts` times). A request that still fails with a server failure
 (ServerError, a transport error, HTTP 5xx; an attached URL's first failure) takes that server
 out of the rotation, with a logged warning naming it; its chunk goes to the least-loaded
-remaining server, and the call goes on. A managed server out of the rotation is stopped; none
-comes back during the run (it would serve stale weights). An HTTP 4xx is the request's fault:
+remaining server, and the call goes on. A managed server out of the rotation is stopped.
+
+Rejoining. At each `update_weights`, a server out of the rotation is brought back up in the
+background (a managed one booted again, an attached one asked for its health; at most
+`max_rejoins` times each); the first weight update after it is up loads the current weights
+into it with the others, and once its version checks out it is back in the rotation (logged).
+It never serves before that: it would serve stale weights. An HTTP 4xx is the request's fault:
 it is raised and the server stays. When no server is left, `ServerError` names every server
 and its last error. An SGLang server restarted from its initial checkpoint (tensor/NCCL sync)
 sits out until the next `update_weights` resyncs it.
@@ -103,6 +108,10 @@ class _Member:
     last_error: str | None = None
     served_prompts: int = 0
     requests: int = 0
+    stopping: threading.Thread | None = None   # the stop of a managed server taken out
+    rejoin: cf.Future | None = None            # its background bring-up
+    rejoins: int = 0                           # bring-ups started so far
+    boot_path: str | None = None               # the checkpoint a bring-up boots from
 
 
 class ServerPool:
@@ -113,14 +122,19 @@ class ServerPool:
     policy: the trainer's Policy, needed by update_weights.
     """
 
-    def __init__(self, engines: Sequence, policy=None, start: bool = True):
+    def __init__(self, engines: Sequence, policy=None, start: bool = True, max_rejoins: int = 3):
         if not engines:
             raise ValueError("ServerPool needs at least one engine")
         self.policy = policy
         self.rank = dist_rank()
+        self.max_rejoins = max_rejoins
+        self.num_rejoined = 0
         self.members = [_Member(i, e, cf.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"rollout-server-{i}"))
             for i, e in enumerate(engines)]
+        for m in self.members:  # never pruned, unlike the exports (the weights come after)
+            server = getattr(m.engine, "server", None)
+            m.boot_path = getattr(server, "model_path", None)
         first = engines[0]
         self.weight_version = getattr(first, "weight_version", 0)
         self.exporter = getattr(first, "exporter", None)
@@ -173,8 +187,50 @@ class ServerPool:
         server = getattr(member.engine, "server", None)
         if server is not None and getattr(server, "managed", False):
             # free its resources, without waiting (a hung request may still hold the server)
-            threading.Thread(target=_quiet_shutdown, args=(member.engine,), daemon=True,
-                             name=f"stop-rollout-server-{member.index}").start()
+            member.stopping = threading.Thread(target=_quiet_shutdown, args=(member.engine,),
+                                               daemon=True,
+                                               name=f"stop-rollout-server-{member.index}")
+            member.stopping.start()
+
+    def _start_rejoins(self) -> None:
+        """Rank 0: bring each server out of the rotation back up in the background (see the
+        module docstring); the next update_weights loads and re-admits the ones that are up."""
+        for m in self.members:
+            if (m.live or m.rejoin is not None or m.rejoins >= self.max_rejoins
+                    or (m.stopping is not None and m.stopping.is_alive())):
+                continue
+            m.rejoins += 1
+            m.rejoin = m.executor.submit(self._bring_up, m)
+
+    @staticmethod
+    def _bring_up(member: _Member) -> None:
+        e = member.engine
+        server = getattr(e, "server", None)
+        if server is None:
+            raise ServerError("no server to bring up")
+        if server.managed:
+            # the initial checkpoint: an export may be pruned while it boots; the next weight
+            # update loads the current weights before it serves
+            server.model_path = member.boot_path or server.model_path
+            server.start()
+        elif not server.healthy():
+            raise ServerError("does not answer its health check")
+        e.url = server.url
+
+    def _rejoin_candidates(self) -> list[_Member]:
+        """Servers out of the rotation whose bring-up has finished well (a failed one records
+        its error and is tried again at a later update)."""
+        ready = []
+        for m in self.members:
+            if m.live or m.rejoin is None or not m.rejoin.done():
+                continue
+            exc, m.rejoin = m.rejoin.exception(), None
+            if exc is None:
+                ready.append(m)
+            else:
+                m.last_error = f"rejoin {m.rejoins}: {type(exc).__name__}: {exc}"
+                log.warning("rollout: %s could not come back: %s", self.name(m), m.last_error)
+        return ready
 
     def _no_server_left(self, what: str) -> ServerError:
         lines = [f"  {self.name(m)}: {m.last_error or 'not usable (needs a weight resync)'}"
@@ -236,7 +292,8 @@ class ServerPool:
         return {"rollout/generate_calls": float(self.num_generate_calls),
                 "rollout/servers_live": float(len(self.live_members())),
                 "rollout/servers_total": float(len(self.members)),
-                "rollout/server_restarts": float(restarts)}
+                "rollout/server_restarts": float(restarts),
+                "rollout/server_rejoins": float(self.num_rejoined)}
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
@@ -356,7 +413,8 @@ class ServerPool:
                 self._loading = True
                 self._cond.wait_for(lambda: self._active_calls == 0)
             try:
-                members = self.live_members()
+                back = self._rejoin_candidates()
+                members = self.live_members() + back
                 if mode == "distributed":  # one NCCL broadcast at a time
                     outcomes = [self._load_into(m, mode, payload, version) for m in members]
                 else:
@@ -364,13 +422,16 @@ class ServerPool:
                                for m in members]
                     outcomes = [f.result() for f in futures]
                 for m, exc in zip(members, outcomes):
-                    if exc is not None:
+                    if m in back:
+                        self._readmit(m, exc, version)
+                    elif exc is not None:
                         if not is_server_failure(exc):
                             raise exc
                         self._take_out(m, exc)
                 if not self.live_members():
                     raise self._no_server_left(f"weight update {version}")
                 self._set_version(version)
+                self._start_rejoins()
             finally:
                 with self._cond:
                     self._loading = False
@@ -381,6 +442,22 @@ class ServerPool:
             self.last_sync_seconds["total"] = time.perf_counter() - t0
         dist_barrier()
         self._set_version(version)
+
+    def _readmit(self, member: _Member, exc: BaseException | None, version: int) -> None:
+        """A server that came back up got the weights of `version`: back in the rotation, or
+        (the load failed) out again until a later bring-up."""
+        if exc is not None:
+            member.last_error = f"rejoin {member.rejoins}: {type(exc).__name__}: {exc}"
+            log.warning("rollout: %s came back up but failed the weight load: %s",
+                        self.name(member), member.last_error)
+            _quiet_shutdown(member.engine)
+            return
+        with self._cond:
+            member.live, member.last_error = True, None
+            left = len(self.live_members())
+        self.num_rejoined += 1
+        log.warning("rollout: %s is back in the rotation with weight version %d (%d of %d "
+                    "servers live)", self.name(member), version, left, len(self.members))
 
     def _set_version(self, version: int) -> None:
         for m in self.members:

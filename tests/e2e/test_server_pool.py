@@ -140,3 +140,32 @@ def test_dead_server_leaves_rotation_and_the_run_goes_on(pool, caplog):
     after = pool.generate(MANY, n=2, params=params)
     assert mismatch(pool.policy, after, MANY).abs_delta_max < TOL
     assert pool.health()
+
+
+def test_server_out_of_rotation_comes_back_with_current_weights(pool, caplog):
+    """A server out of the rotation is booted again in the background at a weight update; the
+    next update loads the current weights into it, and it serves again: both servers report
+    the version, the new weights reach both, and a generate call spreads over both."""
+    params = SamplingParams(max_new_tokens=8, seed=37)
+    dead = pool.members[1]
+    if dead.live:  # run alone: take it out first
+        os.killpg(dead.engine.server.proc.pid, signal.SIGKILL)
+        dead.engine.server.proc.wait(timeout=30)
+        pool.generate(MANY, n=2, params=params)
+    assert not dead.live
+    train_step(pool.policy, MANY, pool.generate(MANY, n=2, params=params))
+    version = pool.weight_version + 1
+    pool.update_weights(version)  # the live server gets it; the dead one starts booting
+    assert dead.rejoin is not None and not dead.live
+    dead.rejoin.result(timeout=600)
+    train_step(pool.policy, MANY, pool.generate(MANY, n=2, params=params))
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.multi"):
+        pool.update_weights(version + 1)
+    assert dead.live and pool.stats()["rollout/servers_live"] == 2.0
+    assert pool.stats()["rollout/server_rejoins"] == 1.0
+    assert any("back in the rotation" in r.getMessage() for r in caplog.records)
+    assert set(pool.server_weight_versions().values()) == {version + 1}
+    before = served_requests(dead.engine)
+    out = pool.generate(MANY, n=2, params=params)
+    assert served_requests(dead.engine) > before  # it serves again
+    assert mismatch(pool.policy, out, MANY).abs_delta_max < TOL  # with the current weights
