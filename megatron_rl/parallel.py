@@ -109,7 +109,9 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600
         if "WORLD_SIZE" in os.environ:  # launched by torchrun: MASTER_ADDR/PORT from the env
             init_method = "env://"
         else:  # a plain single process: a private port, and the environment left untouched
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            from megatron_rl.rollout.server import free_port  # standard library only
+
+            init_method = f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(backend=process_group_backend(), init_method=init_method, rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
     if not parallel_state.model_parallel_is_initialized():
@@ -134,11 +136,3 @@ def destroy_distributed() -> None:
         if dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

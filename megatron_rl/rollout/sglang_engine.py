@@ -36,8 +36,8 @@ import time
 
 from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.rollout.server import (BadAnswer, ManagedServer, ServerBackedEngine,
-                                        ServerError, dist_barrier, dist_rank, http_json,
-                                        read_hf_config)
+                                        ServerError, dist_barrier, dist_rank, free_port,
+                                        http_json, read_hf_config)
 from megatron_rl.rollout.shm_weights import bucket_names
 from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
@@ -278,7 +278,7 @@ class SGLangEngine(ServerBackedEngine):
         from torch.distributed.distributed_c10d import (PrefixStore, _new_process_group_helper,
                                                         _world, rendezvous)
 
-        port = self.config.nccl_master_port or _free_port()
+        port = self.config.nccl_master_port or free_port("0.0.0.0")
         world = 1 + self.config.tp_size
         addr = self.config.nccl_master_address
         result = {}
@@ -367,8 +367,3 @@ def _forking_pickle(obj) -> str:
     ForkingPickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode()
 
-
-def _free_port() -> int:
-    from megatron_rl.rollout.server import free_port
-
-    return free_port("0.0.0.0")

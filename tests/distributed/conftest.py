@@ -1,16 +1,11 @@
 """Launching multi-process tests with torchrun on CPU (gloo, one thread per rank)."""
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_rl.rollout.server import free_port
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +16,7 @@ def torchrun():
     def run(nproc: int, args: list[str], timeout: int = 300) -> str:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *args]
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         out = proc.stdout + proc.stderr
         if proc.returncode != 0:

@@ -261,23 +261,9 @@ def _tp2_worker(rank, world_size, init_method, backends, result_file):
         if rank == 0:
             torch.save(results, result_file)
     finally:
-        _destroy(dist)
+        from megatron_rl.parallel import destroy_distributed
 
-
-def _destroy(dist) -> None:
-    """A barrier first: gloo's thread then has released the last broadcast, whose tensors are
-    Python objects; released during interpreter exit, it aborted the process (see
-    megatron_rl.parallel.destroy_distributed)."""
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        destroy_distributed()  # a barrier first: see its docstring
 
 
 @pytest.mark.distributed
@@ -288,7 +274,9 @@ def test_tp2_matches_tp1():
         result_file = os.path.join(tmp, "results.pt")
         # a TCP store: with a file store, gloo ranks aborted at interpreter exit about one run
         # in four ("terminate called without an active exception", after their work was done)
-        mp.spawn(_tp2_worker, args=(2, f"tcp://127.0.0.1:{_free_port()}", backends,
+        from megatron_rl.rollout.server import free_port
+
+        mp.spawn(_tp2_worker, args=(2, f"tcp://127.0.0.1:{free_port()}", backends,
                                     result_file), nprocs=2, join=True)
         results = torch.load(result_file)
     assert len(results) == len(TP2_SPLITS) * len(backends) * 2
