@@ -195,7 +195,9 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
         return engines[0]
     from megatron_rl.rollout.multi import ServerPool
 
-    return ServerPool(engines, policy=policy)  # boots the managed servers at once
+    # boots the managed servers at once; on GPUs a lost managed server is not booted again
+    # during the run (it would take its memory share from the training phase)
+    return ServerPool(engines, policy=policy, reboot_managed=not use_cuda())
 
 
 def _vllm_sync(mode: str) -> str:

@@ -85,6 +85,8 @@ def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
         if dist_rank() == 0:  # the one client; a server pool's counts (rollout/servers_live...)
             generated = (r.future.result() if r.future is not None
                          else _generate(rt, r.records, _seed(rt, r.step)))
+            if cfg.rollout.rollout_release_memory:  # generated: the GPUs are the trainer's now
+                rt.engine.release_memory()
             stats = getattr(rt.engine, "stats", dict)()
             whole = (*_score(rt, r.records, *generated), stats)
         prompt_ids, completions, rewards, reasons, server_stats = broadcast_from_rank0(whole)
@@ -286,8 +288,6 @@ def train(cfg: TrainConfig) -> dict:
         current = pending.popleft()
         batch, metrics = finish_rollout(rt, current)
         metrics["rollout/staleness"] = float(step - current.version)
-        if cfg.rollout.rollout_release_memory:  # the training phase gets the server's memory
-            rt.engine.release_memory()
         t_rollout = time.perf_counter() - t0
         metrics.update(global_metrics.batch_metrics(batch.rewards, batch.response_lengths,
                                                     batch.finish_reasons, data_parallel_group()))

@@ -24,8 +24,8 @@ out of the rotation, with a logged warning naming it; its chunk goes to the leas
 remaining server, and the call goes on. A managed server out of the rotation is stopped.
 
 Rejoining. At each `update_weights`, a server out of the rotation is brought back up in the
-background (a managed one booted again, an attached one asked for its health; at most
-`max_rejoins` times each); the first weight update after it is up loads the current weights
+background (a managed one booted again, on CPU only: on GPUs it shares the trainer's memory; an
+attached one asked for its health; at most `max_rejoins` times each); the first weight update after it is up loads the current weights
 into it with the others, and once its version checks out it is back in the rotation (logged).
 It never serves before that: it would serve stale weights. An HTTP 4xx is the request's fault:
 it is raised and the server stays. When no server is left, `ServerError` names every server
@@ -122,12 +122,16 @@ class ServerPool:
     policy: the trainer's Policy, needed by update_weights.
     """
 
-    def __init__(self, engines: Sequence, policy=None, start: bool = True, max_rejoins: int = 3):
+    def __init__(self, engines: Sequence, policy=None, start: bool = True, max_rejoins: int = 3,
+                 reboot_managed: bool = True):
         if not engines:
             raise ValueError("ServerPool needs at least one engine")
         self.policy = policy
         self.rank = dist_rank()
         self.max_rejoins = max_rejoins
+        # managed servers share the trainer's GPUs: one booting while the trainer trains would
+        # take its memory share mid-step (runtime passes False on GPUs)
+        self.reboot_managed = reboot_managed
         self.num_rejoined = 0
         self.members = [_Member(i, e, cf.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"rollout-server-{i}"))
@@ -196,7 +200,9 @@ class ServerPool:
         """Rank 0: bring each server out of the rotation back up in the background (see the
         module docstring); the next update_weights loads and re-admits the ones that are up."""
         for m in self.members:
+            managed = getattr(getattr(m.engine, "server", None), "managed", False)
             if (m.live or m.rejoin is not None or m.rejoins >= self.max_rejoins
+                    or (managed and not self.reboot_managed)
                     or (m.stopping is not None and m.stopping.is_alive())):
                 continue
             m.rejoins += 1
@@ -476,7 +482,8 @@ class ServerPool:
             else:
                 e.load_weights_distributed(payload, version)
             got = e.server_weight_version()
-            if got is not None and got != version:
+            # in memory, a server restarted mid-load reports no version (the initial weights)
+            if (got is not None or mode != "disk") and got != version:
                 raise ServerError(f"reports weight version {got} after loading {version}")
             if hasattr(e, "_needs_resync"):
                 e._needs_resync = False

@@ -41,7 +41,8 @@ from typing import Sequence
 import torch
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import ServerError, dist_barrier, dist_rank
+from megatron_rl.rollout.server import (ServerError, broadcast_from_rank0, dist_barrier,
+                                        dist_rank)
 from megatron_rl.rollout.shm_weights import SharedBuckets, read_bucket
 from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
@@ -86,8 +87,18 @@ class ProcessEngine:
         self._buckets: SharedBuckets | None = None
         self._exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
                                         dtype=config.dtype)
+        # rank 0 starts the child; every rank learns whether it came up (no rank may go on to
+        # the next collective while rank 0 raises)
+        error = None
         if self.rank == 0:
-            self._start()
+            try:
+                self._start()
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                self.shutdown()
+                error = f"{type(e).__name__}: {e}"
+        error = broadcast_from_rank0(error)
+        if error is not None:
+            raise ServerError(f"the rollout process did not start: {error}")
 
     # -- the child -------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -109,16 +120,24 @@ class ProcessEngine:
             if self._proc is None or (msg is not None and not self._proc.is_alive()):
                 raise ServerError(f"rollout process is not running ({self._describe()}); "
                                   f"request {what!r} not sent")
-            if msg is not None:
-                self._conn.send(msg)
-            deadline = time.monotonic() + timeout
-            while not self._conn.poll(0.5):
-                if not self._proc.is_alive():
-                    raise ServerError(f"rollout process died during {what!r} ({self._describe()})")
-                if time.monotonic() > deadline:
-                    raise ServerError(f"rollout process gave no answer to {what!r} within "
-                                      f"{timeout:.0f} s ({self._describe()})")
-            status, value = self._conn.recv()
+            try:
+                if msg is not None:
+                    self._conn.send(msg)
+                deadline = time.monotonic() + timeout
+                while not self._conn.poll(0.5):
+                    if not self._proc.is_alive():
+                        raise EOFError
+                    if time.monotonic() > deadline:
+                        # its late answer would be read as the next request's: stop it
+                        self._proc.terminate()
+                        self._proc.join(10)
+                        raise ServerError(f"rollout process gave no answer to {what!r} within "
+                                          f"{timeout:.0f} s; stopped ({self._describe()})")
+                status, value = self._conn.recv()
+            except (EOFError, OSError):  # the pipe closed: the child is gone
+                self._proc.join(5)
+                raise ServerError(f"rollout process died during {what!r} "
+                                  f"({self._describe()})") from None
         if status != "ok":
             error, tb = value
             raise ServerError(f"rollout process ({self._describe()}) failed on {what!r}: {error}"
@@ -193,12 +212,15 @@ class ProcessEngine:
     def shutdown(self) -> None:
         if self._proc is not None:
             if self._proc.is_alive():
-                try:
-                    with self._lock:
+                # a request in flight holds the lock: then stop the child without asking
+                if self._lock.acquire(timeout=5):
+                    try:
                         self._conn.send(("stop",))
-                except (BrokenPipeError, OSError):
-                    pass
-                self._proc.join(30)
+                    except OSError:
+                        pass
+                    finally:
+                        self._lock.release()
+                    self._proc.join(30)
                 if self._proc.is_alive():
                     self._proc.terminate()
                     self._proc.join(10)

@@ -422,6 +422,10 @@ class ServerBackedEngine:
         for attempt in range(1 + self.max_bad_answers):
             try:
                 out = self._request(prompts, n, params)
+                if self._needs_resync:  # restarted during the request: the initial weights
+                    raise ServerError(f"{self.NAME} server {self.url} restarted from the initial "
+                                      f"checkpoint during {what}; its samples are not the "
+                                      "policy's (call update_weights before generating)")
                 check_completions(out, len(prompts), n, self.vocab_size, params.max_new_tokens)
             except ValueError as e:  # BadAnswer is a ServerError, not a ValueError
                 failures.append(f"bad answer: {e}")

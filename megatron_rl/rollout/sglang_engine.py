@@ -336,7 +336,9 @@ def _completion(item: dict) -> Completion:
         raise BadAnswer("SGLang output_ids and output_token_logprobs disagree")
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else str(finish)
-    return Completion(token_ids, logprobs, "stop" if kind == "stop" else "length")
+    # "stop" / "length" (None: the length limit); anything else ("abort") fails
+    # check_completions
+    return Completion(token_ids, logprobs, "length" if kind is None else str(kind))
 
 
 def _check_success(resp, what: str) -> None:

@@ -28,9 +28,11 @@ loads inside a vLLM server's venv.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import uuid
+import weakref
 from typing import Iterator
 
 import torch
@@ -91,10 +93,21 @@ class SharedBuckets:
         if capacity <= self.capacity:
             return
         self.close()
-        self.path = os.path.join(_shm_dir(capacity),
-                                 f"{self.prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        with open(self.path, "wb") as f:
-            f.truncate(capacity)
+        name = f"{self.prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        for d in dict.fromkeys((_shm_dir(capacity), tempfile.gettempdir())):
+            path = os.path.join(d, name)
+            try:
+                with open(path, "wb") as f:  # the pages now: a full tmpfs is an error here, not
+                    os.posix_fallocate(f.fileno(), 0, capacity)  # a SIGBUS while filling
+                break
+            except OSError:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        else:
+            raise OSError(f"no room for a {capacity / 2 ** 20:.0f} MiB shared weight buffer in "
+                          f"/dev/shm or {tempfile.gettempdir()}")
+        self.path = path
+        self._unlink_at_exit = weakref.finalize(self, _unlink, path)  # also after a crash
         self._buf = torch.from_file(self.path, shared=True, size=capacity, dtype=torch.uint8)
         self.capacity = capacity
 
@@ -119,15 +132,14 @@ class SharedBuckets:
     def close(self) -> None:
         self._buf = None
         if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self._unlink_at_exit()
             self.path = None
             self.capacity = 0
 
-    def __del__(self):
-        self.close()
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def read_bucket(path: str, meta: list[dict]) -> dict[str, torch.Tensor]:
@@ -138,7 +150,9 @@ def read_bucket(path: str, meta: list[dict]) -> dict[str, torch.Tensor]:
     end = max(m["offset"] + _aligned(_numel(m["shape"]) * _DTYPES[m["dtype"]].itemsize)
               for m in meta)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"shared weight buffer {path} is gone (the trainer closed it)")
+        raise FileNotFoundError(f"shared weight buffer {path} not found: the reader must run on "
+                                "the trainer's host and see its /dev/shm (--weight-sync tensor "
+                                "is for servers on the same host), or the trainer closed it")
     size = os.path.getsize(path)
     if end > size:
         raise ValueError(f"shared weight buffer {path} has {size} bytes, the bucket needs {end}")

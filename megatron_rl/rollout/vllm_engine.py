@@ -195,9 +195,10 @@ class VLLMEngine(ServerBackedEngine):
             for i in range(len(prompts)):
                 row = []
                 for c in choices[i * n:(i + 1) * n]:
+                    # "stop" / "length"; anything else ("abort") fails check_completions
                     row.append(Completion([int(t) for t in c["token_ids"]],
                                           [float(x) for x in c["logprobs"]["token_logprobs"]],
-                                          "stop" if c["finish_reason"] == "stop" else "length"))
+                                          str(c["finish_reason"])))
                 out.append(row)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise BadAnswer(f"malformed answer ({type(e).__name__}: {e}): "
@@ -235,6 +236,7 @@ class VLLMEngine(ServerBackedEngine):
                               f"server (--worker-extension-cls {WORKER_EXTENSION})")
         t0 = time.perf_counter()
         server = self.server
+        self._needs_resync = False  # a restart during the posts below sets it again
         if self._buckets is None:
             self._buckets = SharedBuckets()
         for meta in self._buckets.fill(hf, self.config.bucket_bytes):
@@ -248,8 +250,7 @@ class VLLMEngine(ServerBackedEngine):
         if loaded != {str(version)}:
             raise ServerError(f"vLLM workers report weight versions {sorted(loaded)} after "
                               f"loading version {version}")
-        server.post("/reset_prefix_cache", None)
-        self._needs_resync = False
+        server.post("/reset_prefix_cache", None, retry=False)
         self.last_sync_seconds["load"] = time.perf_counter() - t0
         self.last_sync_bytes = sum(t.numel() * t.element_size() for t in hf.values())
         self.weight_version = version

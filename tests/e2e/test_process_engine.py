@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -89,8 +90,13 @@ def test_failed_request_and_dead_child_are_reported(tiny_char_model, tmp_path):
             engine.generate([[5] * 100000], 2, params)
         out = engine.generate([[5, 6, 7]], 2, params)  # the child lives on
         assert len(out) == 1 and len(out[0]) == 2 and all(c.token_ids for c in out[0])
-        os.kill(engine._proc.pid, signal.SIGKILL)
-        engine._proc.join(10)
+        # killed in the middle of a long request: named, with the exit code
+        threading.Timer(1.0, os.kill, (engine._proc.pid, signal.SIGKILL)).start()
+        long = SamplingParams(max_new_tokens=200, seed=1)
+        with pytest.raises(ServerError, match=r"died during 'generate 64 prompts x 8'.*"
+                                              r"exit code -9"):
+            for _ in range(20):  # until the kill lands
+                engine.generate([[5, 6, 7]] * 64, 8, long)
         assert not engine.health()
         with pytest.raises(ServerError, match=r"not running \(pid \d+, exit code -9\).*generate"):
             engine.generate([[5, 6, 7]], 2, params)

@@ -33,7 +33,7 @@ def test_round_trip_in_buckets_bitwise():
     path = writer.path
     writer.close()
     assert not os.path.exists(path)
-    with pytest.raises(FileNotFoundError, match="is gone"):
+    with pytest.raises(FileNotFoundError, match="not found: the reader must run on"):
         read_bucket(path, [{"name": "x", "dtype": "float32", "shape": [1], "offset": 0}])
 
 
