@@ -202,14 +202,15 @@ class ServerPool:
         for m in self.members:
             managed = getattr(getattr(m.engine, "server", None), "managed", False)
             if (m.live or m.rejoin is not None or m.rejoins >= self.max_rejoins
-                    or (managed and not self.reboot_managed)
-                    or (m.stopping is not None and m.stopping.is_alive())):
+                    or (managed and not self.reboot_managed)):
                 continue
             m.rejoins += 1
             m.rejoin = m.executor.submit(self._bring_up, m)
 
     @staticmethod
     def _bring_up(member: _Member) -> None:
+        if member.stopping is not None:  # the stop of the failed process first
+            member.stopping.join()
         e = member.engine
         server = getattr(e, "server", None)
         if server is None:
