@@ -26,6 +26,7 @@
 #   bench-kernel     tools/bench_logprob_kl.py --device cuda at N=32768, V=152064 and 4096 x 32000
 #   bench-exact-kl   the same with --exact: --kl-estimator exact's op against the K1 path
 #   bench-rl         tools/bench_vs_trl.py --device cuda: Qwen2.5-0.5B-shaped RL steps vs TRL
+#   bench-weight-sync  tools/bench_weight_sync.py --engines process: s/GB of a 1 GB model's sync
 #   summary          tools/gpu_summary.py write OUT_DIR
 # --only runs install, env and the listed steps (for machines that limit one command's time:
 # keep OUT_DIR outside any folder that is emptied between commands; records accumulate).
@@ -37,7 +38,7 @@ set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT="" WHEELS="$REPO/.whl" DRY=0 SKIP_BENCH=0 ONLY=""
 while (($#)); do
     case "$1" in
@@ -130,6 +131,8 @@ if ((DRY)); then
         --json "$OUT/bench_logprob_kl.json"
     step dry-bench-rl 300 "$PYTHON" tools/bench_vs_trl.py --device cuda --dry-run \
         --out "$WORK/bench_vs_trl"
+    step dry-bench-weight-sync 300 "$PYTHON" tools/bench_weight_sync.py --engines process \
+        --target-gb 0.02 --repeats 1 --json "$OUT/weight_sync.json"
     step dry-env 60 "$PYTHON" tools/gpu_summary.py env "$OUT"
 else
     # where the plugins are installed (they are on the lent H100/H200 image): 300 s per test, so
@@ -154,7 +157,7 @@ assert \"cuda\" in b, \"megatron_rl._C was built without the CUDA kernels\"'"
         "${CPU_TIER_ON_GPU[@]}"
     if ((SKIP_BENCH)); then
         skip bench-kernel "--skip-bench"; skip bench-exact-kl "--skip-bench"
-        skip bench-rl "--skip-bench"
+        skip bench-rl "--skip-bench"; skip bench-weight-sync "--skip-bench"
     else
         step bench-kernel 300 "$PYTHON" tools/bench_logprob_kl.py --device cuda \
             --shapes 32768x152064 4096x32000 --json "$OUT/bench_logprob_kl.json"
@@ -162,6 +165,8 @@ assert \"cuda\" in b, \"megatron_rl._C was built without the CUDA kernels\"'"
             --shapes 32768x152064 4096x32000 --json "$OUT/bench_exact_kl.json"
         step bench-rl 600 "$PYTHON" tools/bench_vs_trl.py --device cuda \
             --out "$WORK/bench_vs_trl" --json "$OUT/bench_vs_trl.json"
+        step bench-weight-sync 300 "$PYTHON" tools/bench_weight_sync.py --engines process \
+            --target-gb 1 --repeats 3 --work "$WORK/weight_sync" --json "$OUT/weight_sync.json"
     fi
 fi
 "$PYTHON" tools/gpu_summary.py write "$OUT"

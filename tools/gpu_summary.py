@@ -10,7 +10,8 @@ so it runs before anything is installed.
 
 Files read from OUT by `write`: steps.jsonl (one record per step; the last record of a name
 wins, so a step re-run in a later command replaces the earlier one), env.json, junit_*.xml
-(pytest), bench_logprob_kl.json and bench_vs_trl.json (the benchmarks' --json outputs).
+(pytest), bench_logprob_kl.json, bench_vs_trl.json and weight_sync.json (the benchmarks' --json
+outputs).
 Goals are reported, never asserted.
 """
 from __future__ import annotations
@@ -264,13 +265,14 @@ def build_summary(out: str) -> dict:
              for p in sorted(glob.glob(os.path.join(out, "junit_*.xml")))}
     kernel = _load_json(os.path.join(out, "bench_logprob_kl.json"))
     rl = _load_json(os.path.join(out, "bench_vs_trl.json"))
+    sync = _load_json(os.path.join(out, "weight_sync.json"))
     goals = (kernel_goals(kernel) if kernel else []) + (rl_goals(rl) if rl else [])
     failed = [s["name"] for s in steps if s["status"] in ("failed", "timeout")]
     env = _load_json(os.path.join(out, "env.json")) or {}
     dry_run = bool(steps) and all(s["name"].startswith("dry-") for s in steps)
     return {"env": env, "steps": steps,
             "total_seconds": round(sum(s["seconds"] for s in steps), 1), "tests": tests,
-            "bench_logprob_kl": kernel, "bench_vs_trl": rl, "goals": goals,
+            "bench_logprob_kl": kernel, "bench_vs_trl": rl, "weight_sync": sync, "goals": goals,
             "ok": (bool(steps) and not failed and (dry_run or bool(env.get("cuda_available")))
                    and all(not t["failures"] and not t["errors"] for t in tests.values())),
             "failed_steps": failed, "dry_run": dry_run}
@@ -338,6 +340,14 @@ def render_markdown(s: dict) -> str:
             lines.append(f"| {side} | {d['median_tokens_per_s']:.0f} | {d['median_step_s']:.2f} | "
                          f"{phases} |")
         lines.append(f"\nmegatron-rl / TRL tokens/s: {rl.get('ratio_megatron_over_trl', 0):.2f}x")
+    sync = s.get("weight_sync")
+    if sync:
+        lines += ["", f"## Weight sync: {sync.get('model_gb', 0):.2f} GB model", "",
+                  "| engine | mode | median s | s/GB |", "|---|---|---|---|"]
+        for r in sync.get("rows", []):
+            if "skipped" not in r:
+                lines.append(f"| {r['engine']} | {r['mode']} | {r['median_s']:.3f} | "
+                             f"{r['s_per_gb']:.2f} |")
     if s["goals"]:
         lines += ["", "## Goals (reported, not asserted)", "", "| goal | target | measured | met |",
                   "|---|---|---|---|"]
