@@ -57,6 +57,7 @@ from collections import deque
 from typing import Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.shm_weights import SharedBuckets
 from megatron_rl.rollout.server import (TRANSPORT_ERRORS, ServerError, ServerRequestError,
                                         broadcast_from_rank0, dist_barrier, dist_rank)
 
@@ -148,6 +149,7 @@ class ServerPool:
         self._cond = threading.Condition()
         self._active_calls = 0
         self.num_generate_calls = 0  # pool-level calls (each spread over the servers)
+        self._buckets: SharedBuckets | None = None  # tensor sync's one shared buffer
         self._loading = False
         if start:
             self.start()
@@ -273,6 +275,8 @@ class ServerPool:
     def shutdown(self) -> None:
         for m in self.members:
             _quiet_shutdown(m.engine)
+        if self._buckets is not None:
+            self._buckets.close()
         for m in self.members:
             m.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -415,6 +419,13 @@ class ServerPool:
             self.last_sync_seconds["gather"] = time.perf_counter() - t0
         if self.rank == 0:
             t1 = time.perf_counter()
+            if mode == "tensor" and hasattr(self.members[0].engine, "load_weights_from_shared"):
+                # one shared buffer for every server (vLLM): (path, metadata per bucket)
+                if self._buckets is None:
+                    self._buckets = SharedBuckets()
+                bucket = getattr(self.members[0].engine.config, "bucket_bytes", 512 << 20)
+                metas = list(self._buckets.fill(payload, bucket))  # (may move the buffer)
+                payload = (self._buckets.path, metas)
             with self._cond:  # between generate calls (see __init__)
                 self._cond.wait_for(lambda: not self._loading)
                 self._loading = True
@@ -478,6 +489,8 @@ class ServerPool:
         try:
             if mode == "disk":
                 e.load_weights_from_path(payload, version)
+            elif mode == "tensor" and isinstance(payload, tuple):
+                e.load_weights_from_shared(*payload, version)
             elif mode == "tensor":
                 e.load_weights_from_tensors(payload, version)
             else:

@@ -165,6 +165,11 @@ def read_bucket(path: str, meta: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
+def meta_nbytes(meta: list[dict]) -> int:
+    """The bytes of the tensors one bucket's metadata describes."""
+    return sum(_numel(m["shape"]) * _DTYPES[m["dtype"]].itemsize for m in meta)
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:

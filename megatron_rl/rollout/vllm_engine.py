@@ -32,7 +32,7 @@ from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.rollout.server import (BadAnswer, ManagedServer, ServerBackedEngine,
                                         ServerError, ServerRequestError, dist_barrier, dist_rank,
                                         read_hf_config)
-from megatron_rl.rollout.shm_weights import SharedBuckets
+from megatron_rl.rollout.shm_weights import SharedBuckets, meta_nbytes
 from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -228,31 +228,39 @@ class VLLMEngine(ServerBackedEngine):
         self.weight_version = version
 
     def load_weights_from_tensors(self, hf: dict, version: int) -> None:
-        """Colocated (same host): HF-named tensors through a shared-memory buffer, bucket by
-        bucket (`shm_weights`); the workers stage each bucket, then load them all in place
-        (`mrl_load_staged`: vLLM's layer-wise reload), and echo the version."""
+        """Colocated (same host): HF-named tensors through a shared-memory buffer
+        (`shm_weights`), then `load_weights_from_shared`."""
+        if self._buckets is None:
+            self._buckets = SharedBuckets()
+        metas = list(self._buckets.fill(hf, self.config.bucket_bytes))
+        self.load_weights_from_shared(self._buckets.path, metas, version)
+
+    def load_weights_from_shared(self, path: str, metas: list[list[dict]], version: int) -> None:
+        """Weights already in a shared buffer (one SharedBuckets.fill metadata list per bucket;
+        a ServerPool fills one buffer for all its servers): the workers stage each bucket, then
+        load them all in place (`mrl_load_staged`: vLLM's layer-wise reload), and echo the
+        version."""
         if not self.has_extension:
             raise ServerError("--weight-sync tensor needs the worker extension in the vLLM "
                               f"server (--worker-extension-cls {WORKER_EXTENSION})")
         t0 = time.perf_counter()
         server = self.server
         self._needs_resync = False  # a restart during the posts below sets it again
-        if self._buckets is None:
-            self._buckets = SharedBuckets()
-        for meta in self._buckets.fill(hf, self.config.bucket_bytes):
+        for meta in metas:
             server.post("/collective_rpc", {"method": "mrl_stage_bucket",
-                                            "kwargs": {"path": self._buckets.path, "meta": meta}},
+                                            "kwargs": {"path": path, "meta": meta}},
                         retry=False)
         resp = server.post("/collective_rpc", {"method": "mrl_load_staged",
                                                "kwargs": {"version": str(version),
-                                                          "expected": len(hf)}}, retry=False)
+                                                          "expected": sum(map(len, metas))}},
+                           retry=False)
         loaded = {r["version"] for r in resp["results"]}
         if loaded != {str(version)}:
             raise ServerError(f"vLLM workers report weight versions {sorted(loaded)} after "
                               f"loading version {version}")
         server.post("/reset_prefix_cache", None, retry=False)
         self.last_sync_seconds["load"] = time.perf_counter() - t0
-        self.last_sync_bytes = sum(t.numel() * t.element_size() for t in hf.values())
+        self.last_sync_bytes = sum(meta_nbytes(m) for m in metas)
         self.weight_version = version
 
     def load_weights_from_path(self, path: str, version: int) -> None:

@@ -114,6 +114,29 @@ def test_update_weights_reaches_every_server(pool):
     assert mismatch(pool.policy, pool.generate(MANY, 2, params), MANY).abs_delta_max < TOL
 
 
+def test_tensor_sync_fills_one_shared_buffer_for_every_server(pool):
+    """--weight-sync tensor through the pool: the weights are copied once into one shared
+    buffer that both servers stage from; both serve the new weights, version-checked."""
+    import dataclasses
+
+    saved = [m.engine.config for m in pool.members]
+    for m in pool.members:
+        m.engine.config = dataclasses.replace(m.engine.config, sync="tensor", bucket_bytes=64 << 10)
+    try:
+        params = SamplingParams(max_new_tokens=8, seed=41)
+        train_step(pool.policy, MANY, pool.generate(MANY, n=2, params=params))
+        version = pool.weight_version + 1
+        pool.update_weights(version)
+        assert pool._buckets is not None and all(m.engine._buckets is None for m in pool.members)
+        assert set(pool.server_weight_versions().values()) == {version}
+        out = pool.generate(MANY, n=2, params=params)
+        assert mismatch(pool.policy, out, MANY).abs_delta_max < TOL
+    finally:
+        for m, config in zip(pool.members, saved):
+            m.engine.config = config
+        pool.update_weights(pool.weight_version + 1)  # an export again, for restarts
+
+
 def test_dead_server_leaves_rotation_and_the_run_goes_on(pool, caplog):
     params = SamplingParams(max_new_tokens=8, seed=31)
     ref = pool.generate(MANY, n=2, params=params)
