@@ -13,7 +13,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from megatron_rl.loss import LossConfig, build_advantages, policy_loss_per_token
 from megatron_rl.ops import exact_kl, extension_backends, token_logprobs_and_kl
 from megatron_rl.ops import logprob_kl
 from megatron_rl.ops.reference import naive_exact_kl
+from tp2_harness import TP2_SPLITS, run_two_ranks
 
 CPU_BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
     "cpu" not in extension_backends(), reason="megatron_rl._C built without the CPU kernel"))]
@@ -217,7 +217,6 @@ def test_fake_tensor_shapes():
 # ---------------------------------------------------------------------------------------------
 # Tensor parallel over gloo: vocab shards on two ranks reproduce the full-vocab values and grads.
 # ---------------------------------------------------------------------------------------------
-TP2_SPLITS = [(500, 500), (515, 516)]
 
 
 def _tp2_case(split):
@@ -231,54 +230,25 @@ def _tp2_case(split):
     return z, r, w, targets
 
 
-def _tp2_worker(rank, world_size, init_method, backends, result_file):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        results = {}
-        for split in TP2_SPLITS:
-            z, r, w, targets = _tp2_case(split)
-            start = sum(split[:rank])
-            for backend in backends:
-                for dtype in (torch.float32, torch.bfloat16):
-                    x = z[:, start:start + split[rank]].to(dtype).requires_grad_(True)
-                    y = r[:, start:start + split[rank]].to(dtype)
-                    kl = exact_kl(x, y, tp_group=dist.group.WORLD, backend=backend)
-                    # the fused path (log-probs of the targets, KL, one gradient buffer)
-                    fused = token_logprobs_and_kl(x, targets, tp_group=dist.group.WORLD,
-                                                  vocab_start=start, backend=backend,
-                                                  ref_logits=y)
-                    torch.testing.assert_close(fused.exact_kl, kl, rtol=0, atol=0)
-                    (kl * w + fused.exact_kl * w + fused.logprobs).sum().backward()
-                    grads = []
-                    for src in range(world_size):
-                        buf = (x.grad.clone() if src == rank
-                               else torch.empty(23, split[src], dtype=dtype))
-                        dist.broadcast(buf, src=src)
-                        grads.append(buf)
-                    results[(split, backend, dtype)] = (kl.detach(), torch.cat(grads, dim=1))
-        if rank == 0:
-            torch.save(results, result_file)
-    finally:
-        from megatron_rl.parallel import destroy_distributed
-
-        destroy_distributed()  # a barrier first: see its docstring
+def _tp2_case_on_rank(rank, split, backend, dtype, group):
+    """tp2_harness case: this rank's shard of the exact KL and of the fused path (log-probs of
+    the targets, KL, one gradient buffer); both must give the same KL bit for bit."""
+    z, r, w, targets = _tp2_case(split)
+    start = sum(split[:rank])
+    x = z[:, start:start + split[rank]].to(dtype).requires_grad_(True)
+    y = r[:, start:start + split[rank]].to(dtype)
+    kl = exact_kl(x, y, tp_group=group, backend=backend)
+    fused = token_logprobs_and_kl(x, targets, tp_group=group, vocab_start=start,
+                                  backend=backend, ref_logits=y)
+    torch.testing.assert_close(fused.exact_kl, kl, rtol=0, atol=0)
+    (kl * w + fused.exact_kl * w + fused.logprobs).sum().backward()
+    return kl.detach(), x.grad
 
 
 @pytest.mark.distributed
 def test_tp2_matches_tp1():
-    import torch.multiprocessing as mp
     backends = ["torch"] + (["cpu"] if "cpu" in extension_backends() else [])
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = os.path.join(tmp, "results.pt")
-        # a TCP store: with a file store, gloo ranks aborted at interpreter exit about one run
-        # in four ("terminate called without an active exception", after their work was done)
-        from megatron_rl.rollout.server import free_port
-
-        mp.spawn(_tp2_worker, args=(2, f"tcp://127.0.0.1:{free_port()}", backends,
-                                    result_file), nprocs=2, join=True)
-        results = torch.load(result_file)
+    results = run_two_ranks(_tp2_case_on_rank, backends)
     assert len(results) == len(TP2_SPLITS) * len(backends) * 2
     for (split, backend, dtype), (kl, grad) in results.items():
         z, r, w, targets = _tp2_case(split)

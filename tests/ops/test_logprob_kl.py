@@ -14,6 +14,7 @@ from megatron_rl.ops import (BACKEND_ENV_VAR, extension_backends, resolve_backen
                              token_logprobs_and_kl, vocab_parallel_logprobs)
 from megatron_rl.ops import logprob_kl
 from megatron_rl.ops.reference import naive_token_logprobs_and_kl
+from tp2_harness import TP2_SPLITS, run_two_ranks
 
 CPU_BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
     "cpu" not in extension_backends(), reason="megatron_rl._C built without the CPU kernel"))]
@@ -246,7 +247,6 @@ def test_fake_tensor_shapes():
 # ---------------------------------------------------------------------------------------------
 # Tensor parallel over gloo: TP=2 shards must reproduce the TP=1 result.
 # ---------------------------------------------------------------------------------------------
-TP2_SPLITS = [(500, 500), (515, 516)]  # even shards, and uneven ones (any V_local works)
 
 
 def _tp2_case(split):
@@ -264,50 +264,20 @@ def _run_case(x, targets, ref, weights, backend, **kwargs):
     return [t.detach() for t in outs]
 
 
-def _tp2_worker(rank, world_size, init_method, backends, result_file):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        results = {}
-        for split in TP2_SPLITS:
-            logits, targets, ref, weights = _tp2_case(split)
-            start = sum(split[:rank])
-            for backend in backends:
-                for dtype in (torch.float32, torch.bfloat16):
-                    x = logits[:, start:start + split[rank]].to(dtype).requires_grad_(True)
-                    outs = _run_case(x, targets, ref, weights, backend, vocab_start=start,
-                                     tp_group=dist.group.WORLD)
-                    # Shards may differ in size: gather by broadcasting each one in turn.
-                    grads = []
-                    for r in range(world_size):
-                        buf = (x.grad.clone() if r == rank
-                               else torch.empty(23, split[r], dtype=dtype))
-                        dist.broadcast(buf, src=r)
-                        grads.append(buf)
-                    results[(split, backend, dtype)] = (outs, torch.cat(grads, dim=1))
-        if rank == 0:
-            torch.save(results, result_file)
-    finally:
-        from megatron_rl.parallel import destroy_distributed
-
-        destroy_distributed()  # a barrier first: see its docstring
+def _tp2_case_on_rank(rank, split, backend, dtype, group):
+    """tp2_harness case: this rank's shard of the logits through the op."""
+    logits, targets, ref, weights = _tp2_case(split)
+    start = sum(split[:rank])
+    x = logits[:, start:start + split[rank]].to(dtype).requires_grad_(True)
+    outs = _run_case(x, targets, ref, weights, backend, vocab_start=start, tp_group=group)
+    return outs, x.grad
 
 
 @pytest.mark.distributed
 def test_tp2_matches_tp1():
     """Two gloo ranks, each with half the vocab, reproduce the full-vocab values and gradients."""
-    import torch.multiprocessing as mp
     backends = ["torch"] + (["cpu"] if "cpu" in extension_backends() else [])
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = os.path.join(tmp, "results.pt")
-        # a TCP store: with a file store, gloo ranks aborted at interpreter exit about one run
-        # in four ("terminate called without an active exception", after their work was done)
-        from megatron_rl.rollout.server import free_port
-
-        mp.spawn(_tp2_worker, args=(2, f"tcp://127.0.0.1:{free_port()}", backends,
-                                    result_file), nprocs=2, join=True)
-        results = torch.load(result_file)
+    results = run_two_ranks(_tp2_case_on_rank, backends)
     assert len(results) == len(TP2_SPLITS) * len(backends) * 2
     for (split, backend, dtype), (outs, grad) in results.items():
         logits, targets, ref, weights = _tp2_case(split)
