@@ -153,8 +153,23 @@ def get_estimator(name: str):
     return ESTIMATORS[name]
 
 
+class Placement:
+    """The placement switch's two halves, in one place for KLConfig and the toy's ExactKL (a
+    class with a `placement` field, one of PLACEMENTS)."""
+
+    placement: str
+
+    @property
+    def in_reward(self) -> bool:
+        return self.placement in ("reward", "reward+loss")
+
+    @property
+    def in_loss(self) -> bool:
+        return self.placement in ("loss", "reward+loss")
+
+
 @dataclass
-class KLConfig:
+class KLConfig(Placement):
     """How the KL regularizer beta * KL(pi_theta || pi_ref) enters training.
 
     estimator: a key of ESTIMATORS, or "exact" (the per-position KL from both full next-token
@@ -203,14 +218,6 @@ class KLConfig:
             raise ValueError(f"KL coef must be >= 0, got {self.coef}")
         if self.is_truncation is not None and self.is_truncation <= 0:
             raise ValueError(f"is_truncation must be > 0 or None, got {self.is_truncation}")
-
-    @property
-    def in_reward(self) -> bool:
-        return self.placement in ("reward", "reward+loss")
-
-    @property
-    def in_loss(self) -> bool:
-        return self.placement in ("loss", "reward+loss")
 
     @property
     def exact(self) -> bool:

@@ -96,7 +96,7 @@ import torch
 from torch import nn
 
 from megatron_rl.advantages import compute_advantages
-from megatron_rl.kl import KLConfig, importance_weights
+from megatron_rl.kl import OFF_POLICY_CORRECTIONS, KLConfig, Placement, importance_weights
 from megatron_rl.loss import (LossConfig, aggregate_loss, build_advantages, compute_rewards_with_kl,
                               policy_loss_per_token)
 
@@ -282,7 +282,7 @@ def closed_form_gradients(theta, ref, seq_len, model: str = "count") -> dict:
 # ---------------------------------------------------------------- the exact estimator (toy only)
 
 @dataclass(frozen=True)
-class ExactKL:
+class ExactKL(Placement):
     """The `exact` estimator's configuration: KL_t = KL(A_theta(.|y_<t) || B(.|y_<t)), beta = 1.
 
     placement: "reward" (stop-gradient, in the return), "loss" (differentiated), "reward+loss".
@@ -305,16 +305,8 @@ class ExactKL:
             raise ValueError(f"exact: unknown placement {self.placement!r}")
         if self.kl_return not in EXACT_RETURNS:
             raise ValueError(f"exact: unknown kl_return {self.kl_return!r}; valid: {list(EXACT_RETURNS)}")
-        if self.off_policy_correction not in ("none", "token-is", "seq-is"):
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
             raise ValueError(f"exact: unknown off_policy_correction {self.off_policy_correction!r}")
-
-    @property
-    def in_reward(self) -> bool:
-        return self.placement in ("reward", "reward+loss")
-
-    @property
-    def in_loss(self) -> bool:
-        return self.placement in ("loss", "reward+loss")
 
 
 def _kl_returns(kl: torch.Tensor, kind: str) -> torch.Tensor:

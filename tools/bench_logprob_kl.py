@@ -353,6 +353,15 @@ def markdown_row(r: dict, gpu: bool) -> str:
     return line
 
 
+def _device_and_command(gpu: bool) -> tuple[str, str]:
+    """The device a result was measured on, and the command line that measured it."""
+    dev = (torch.cuda.get_device_name() if gpu else
+           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    cmd = " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "unset"),
+                    "python"] + sys.argv)
+    return dev, cmd
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -410,10 +419,7 @@ def main(argv=None):
             lines.append(markdown_row(r, gpu))
             print(lines[-1], flush=True)
 
-    dev = (torch.cuda.get_device_name() if gpu else
-           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    cmd = " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "unset"),
-                    "python"] + sys.argv)
+    dev, cmd = _device_and_command(gpu)
     if args.json:
         import json
         with open(args.json, "w") as f:
@@ -471,10 +477,7 @@ def main_exact(args) -> None:
             rows.append(r)
             lines.append(exact_markdown_row(r))
             print(lines[-1], flush=True)
-    dev = (torch.cuda.get_device_name() if gpu else
-           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    cmd = " ".join(["OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "unset"),
-                    "python"] + sys.argv)
+    dev, cmd = _device_and_command(gpu)
     if args.json:
         import json
         with open(args.json, "w") as f:

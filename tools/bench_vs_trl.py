@@ -107,14 +107,12 @@ def make_inputs(work: str, a) -> dict:
     from megatron_rl.data.prompts import PromptBuilder
     from megatron_rl.data.records import write_jsonl
     from megatron_rl.data.sources import generate_arithmetic
-    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
+    from megatron_rl.models.tiny import make_char_model
 
     model = os.path.join(work, "model")
     shape = model_config(a)
     if not os.path.exists(os.path.join(model, "config.json")):
-        make_tiny_hf_checkpoint(model, "qwen2", tie_word_embeddings=True, eos_token_id=1,
-                                pad_token_id=0, **shape)
-        make_char_tokenizer(model, vocab_size=shape["vocab_size"])
+        make_char_model(model, **shape)  # tied, eos 1, pad 0 (CHAR_MODEL), sized by `shape`
     easy = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
                 allow_parentheses=False, allow_negation=False, whitespace="no_space")
     try:

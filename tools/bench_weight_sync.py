@@ -32,7 +32,7 @@ sys.path.insert(0, REPO)
 
 
 def make_model(path: str, target_gb: float) -> dict:
-    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
+    from megatron_rl.models.tiny import make_char_model
 
     h, ffn, vocab = 1024, 2816, 32000
     per_layer = 2 * h * h + 2 * h * 256 + 3 * h * ffn + 2 * h
@@ -41,8 +41,7 @@ def make_model(path: str, target_gb: float) -> dict:
                num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False,
                max_position_embeddings=512, eos_token_id=1, pad_token_id=0, seed=0)
     if not os.path.exists(os.path.join(path, "config.json")):
-        make_tiny_hf_checkpoint(path, "qwen2", **cfg)
-        make_char_tokenizer(path, vocab_size=vocab)
+        make_char_model(path, **cfg)
     return cfg
 
 

@@ -43,6 +43,22 @@ def make_tiny_hf_checkpoint(path: str, family: str = "qwen2", *, tie_word_embedd
 CHAR_SPECIALS = ("<pad>", "<eos>", "<unk>")
 
 
+# the tests' end-to-end model: small enough for a 2-core CI, TP2-splittable (4 heads, 2 KV groups)
+CHAR_MODEL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  eos_token_id=1, pad_token_id=0)
+
+
+def make_char_model(path: str, seed: int = 0, **overrides) -> str:
+    """A random tiny Qwen2 (CHAR_MODEL, with `overrides`) and the character tokenizer at
+    `path`."""
+    kwargs = {**CHAR_MODEL, **overrides}
+    tied = kwargs.pop("tie_word_embeddings")
+    make_tiny_hf_checkpoint(path, "qwen2", tie_word_embeddings=tied, seed=seed, **kwargs)
+    make_char_tokenizer(path, vocab_size=kwargs["vocab_size"])
+    return path
+
+
 def make_char_tokenizer(path: str, vocab_size: int = 128) -> str:
     """Save a character-level HF tokenizer (printable ASCII + newline, one token per character;
     <pad>=0, <eos>=1, <unk>=2) to `path`, padded to `vocab_size` entries."""

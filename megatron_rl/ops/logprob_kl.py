@@ -56,6 +56,13 @@ except ImportError:  # pragma: no cover - depends on the build
 _warned_fallback: set = set()
 
 
+def _warn_fallback_once(key: str, message: str) -> None:
+    """Warn once per process and `key` that a kernel falls back to the torch backend."""
+    if key not in _warned_fallback:
+        _warned_fallback.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
 @dataclass
 class TokenLogprobOutput:
     """Per-token results, each shaped like `targets` (fp32; fp64 for fp64 logits).
@@ -105,10 +112,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend != device.type:
         raise ValueError(f"backend {backend!r} cannot run on {device.type} tensors")
     if backend not in available:
-        if backend not in _warned_fallback:
-            _warned_fallback.add(backend)
-            warnings.warn(f"megatron_rl._C has no {backend!r} logprob kernel (extension not built"
-                          f" or built without it); using the 'torch' backend", stacklevel=3)
+        _warn_fallback_once(backend, f"megatron_rl._C has no {backend!r} logprob kernel "
+                            "(extension not built or built without it); using the 'torch' "
+                            "backend")
         return "torch"
     return backend
 
@@ -350,11 +356,8 @@ def _exact_backend(backend: str) -> str:
     """`backend` (concrete, from resolve_backend), or "torch" when the extension was built
     before the exact-KL kernels existed (a stale build: warned once)."""
     if backend in ("cpu", "cuda") and not hasattr(_ext, f"exact_kl_partials_{backend}"):
-        key = f"exact:{backend}"
-        if key not in _warned_fallback:
-            _warned_fallback.add(key)
-            warnings.warn(f"megatron_rl._C has no {backend!r} exact-KL kernel (rebuild the "
-                          f"extension); using the 'torch' backend", stacklevel=3)
+        _warn_fallback_once(f"exact:{backend}", f"megatron_rl._C has no {backend!r} exact-KL "
+                            "kernel (rebuild the extension); using the 'torch' backend")
         return "torch"
     return backend
 

@@ -26,13 +26,9 @@ LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2": []}
 
 def _char_model(path, seed):
     """The tiny character-level Qwen2 of tests/e2e (4 heads, 2 KV groups: TP2 splits both)."""
-    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
+    from megatron_rl.models.tiny import make_char_model
 
-    make_tiny_hf_checkpoint(path, "qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            tie_word_embeddings=True, eos_token_id=1, pad_token_id=0, seed=seed)
-    make_char_tokenizer(path)
-    return path
+    return make_char_model(path, seed)
 
 
 @pytest.fixture(scope="module")
@@ -174,20 +170,15 @@ def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tm
     (one generate request per step, whatever the layout), the batch is broadcast to the
     model-parallel group and the weights gathered from every rank reach the server. All three
     log the same samples and TP1's losses for 3 steps."""
-    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
+    from megatron_rl.models.tiny import make_char_model
     from megatron_rl.rollout.vllm_engine import vllm_python
 
     if vllm_python() is None:
         pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
 
     def model(name, seed):  # vLLM's CPU attention needs head_dim >= 32; TP2 splits 2 KV heads
-        path = str(tmp_path / name)
-        make_tiny_hf_checkpoint(path, "qwen2", vocab_size=128, hidden_size=128,
-                                intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=1,
-                                pad_token_id=0, seed=seed)
-        make_char_tokenizer(path)
-        return path
+        return make_char_model(str(tmp_path / name), seed, hidden_size=128,
+                               intermediate_size=256)
 
     policy, ref = model("model", 0), model("ref", 1)
     run = lambda n, name, flags: _train_metrics(torchrun, n, str(tmp_path / name), policy, ref,  # noqa: E731

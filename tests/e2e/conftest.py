@@ -3,14 +3,9 @@ import pytest
 
 
 def _char_model(path, seed, **overrides):
-    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
+    from megatron_rl.models.tiny import make_char_model
 
-    kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                  eos_token_id=1, pad_token_id=0, seed=seed)
-    make_tiny_hf_checkpoint(path, "qwen2", **{**kwargs, **overrides})
-    make_char_tokenizer(path)
-    return path
+    return make_char_model(path, seed, **overrides)
 
 
 @pytest.fixture(scope="session")

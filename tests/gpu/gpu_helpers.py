@@ -28,15 +28,12 @@ def single_gpu_rank() -> None:
 
 
 def char_model(path: str, seed: int, **overrides) -> str:
-    """A random tiny Qwen2 with the character tokenizer, as tests/e2e and the CPU demo use."""
-    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
+    """A random tiny Qwen2 with the character tokenizer, as tests/e2e and the CPU demo use
+    (built once per path)."""
+    from megatron_rl.models.tiny import make_char_model
 
-    kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                  eos_token_id=1, pad_token_id=0, seed=seed)
     if not os.path.exists(os.path.join(path, "config.json")):
-        make_tiny_hf_checkpoint(path, "qwen2", **{**kwargs, **overrides})
-        make_char_tokenizer(path, vocab_size=kwargs["vocab_size"])
+        make_char_model(path, seed, **overrides)
     return path
 
 

@@ -335,20 +335,13 @@ def test_exact_configuration_and_errors():
 # ---------------------------------------------------------------------------------------------
 # A short train() run with --kl-estimator exact --kl-placement reward+loss.
 # ---------------------------------------------------------------------------------------------
-def _char_model(path, seed):
-    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
-    make_tiny_hf_checkpoint(path, "qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            tie_word_embeddings=True, eos_token_id=1, pad_token_id=0, seed=seed)
-    make_char_tokenizer(path)
-    return path
-
-
 @pytest.mark.distributed  # torch.distributed (world size 1) in a subprocess
 def test_train_runs_with_exact_kl_in_reward_and_loss(tmp_path):
     from megatron_rl.data.records import TaskExample, write_jsonl
 
-    model, ref = _char_model(str(tmp_path / "m"), 0), _char_model(str(tmp_path / "r"), 1)
+    from megatron_rl.models.tiny import make_char_model
+
+    model, ref = make_char_model(str(tmp_path / "m"), 0), make_char_model(str(tmp_path / "r"), 1)
     data = tmp_path / "train.jsonl"
     write_jsonl(data, [TaskExample(f"Calculate {a}+{b}.", str(a + b), "arithmetic")
                        for a in range(4) for b in range(4)])
