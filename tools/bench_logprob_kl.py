@@ -379,9 +379,6 @@ def main(argv=None):
     parser.add_argument("--exact", action="store_true",
                         help="benchmark the exact KL (k1-path vs exact-path) instead of the grid")
     args = parser.parse_args(argv)
-    if args.exact:
-        return main_exact(args)
-
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -389,6 +386,8 @@ def main(argv=None):
     shapes = parse_shapes(args, gpu)
     reps = args.reps or (10 if gpu else 3)
     dtype = getattr(torch, args.dtype)
+    if args.exact:
+        return main_exact(args, device, shapes, reps, dtype)
 
     methods = {"naive": naive}
     try:
@@ -456,14 +455,9 @@ def main(argv=None):
             f.write("\n".join(lines) + "\n")
 
 
-def main_exact(args) -> None:
-    device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def main_exact(args, device: torch.device, shapes, reps: int, dtype: torch.dtype) -> None:
+    """--exact: the exact-KL op against the K1 path (setup from main)."""
     gpu = device.type == "cuda"
-    shapes = parse_shapes(args, gpu)
-    reps = args.reps or (10 if gpu else 3)
-    dtype = getattr(torch, args.dtype)
     backends = [b for b in ("torch",) + extension_backends()
                 if b == "torch" or b == device.type]
     backends = [b for b in backends if b not in args.skip]
