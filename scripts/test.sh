@@ -13,6 +13,11 @@ fi
 if [ "${MEGATRON_RL_SKIP_SGLANG:-0}" != "1" ]; then
   bash scripts/install_sglang_cpu.sh
 fi
+# nvcc from PyPI wheels (.nvcc), so the CPU tier compiles the CUDA kernels for the image's
+# architectures (tests/ops/test_cuda_build.py); MEGATRON_RL_SKIP_NVCC=1 skips the install
+if [ "${MEGATRON_RL_SKIP_NVCC:-0}" != "1" ]; then
+  bash scripts/install_nvcc.sh
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # a private temporary root: pytest prunes old /tmp/pytest-of-$USER runs, which would delete the
 # session fixtures of a concurrent test run
