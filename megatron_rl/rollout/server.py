@@ -406,10 +406,12 @@ class ServerBackedEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:
-        """`n` samples per prompt. A bad answer (BadAnswer from `_request`, a failed check, no
-        answer within `request_timeout`) is asked again with the same request (same seed) up to
-        `max_bad_answers` times, then raises BadAnswer naming the server, the request and every
-        failure; the caller's batch is untouched, so the step can be generated again."""
+        """`n` samples per prompt. A bad answer (BadAnswer from `_request`, a failed check) is
+        asked again with the same request (same seed) up to `max_bad_answers` times, then raises
+        BadAnswer naming the server, the request and every failure; the caller's batch is
+        untouched, so the step can be generated again. No answer within `request_timeout` is not
+        asked again (a hung server would hang again: the wait stays one timeout, and a pool
+        re-dispatches the prompts to its other servers)."""
         if not prompts:
             return []
         if self._needs_resync:
@@ -431,19 +433,18 @@ class ServerBackedEngine:
                 failures.append(f"bad answer: {e}")
             except BadAnswer as e:
                 failures.append(str(e))
-            except TimeoutError:
-                failures.append(f"no answer within {self.request_timeout:.0f} s")
-            except urllib.error.URLError as e:
-                if not isinstance(e.reason, TimeoutError):
+            except (TimeoutError, urllib.error.URLError) as e:
+                if isinstance(e, urllib.error.URLError) and not isinstance(e.reason, TimeoutError):
                     raise
-                failures.append(f"no answer within {self.request_timeout:.0f} s")
+                failures.append(f"no answer within {self.request_timeout:.0f} s (not asked again)")
+                break
             else:
                 self.num_generate_calls += 1
                 return out
             if attempt < self.max_bad_answers:
                 log.warning("%s server %s: %s (%s); asking again", self.NAME, self.url,
                             failures[-1], what)
-        raise BadAnswer(f"{self.NAME} server {self.url}: {what}: {len(failures)} bad answers: "
+        raise BadAnswer(f"{self.NAME} server {self.url}: {what}: {len(failures)} bad answer(s): "
                         + "; ".join(failures))
 
     def _request(self, prompts: list[list[int]], n: int,

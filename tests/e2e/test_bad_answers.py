@@ -7,7 +7,8 @@ vocabulary, a NaN log-prob, no answer within the engine's timeout. The engine mu
 - ask again with the same request (same seed) and return exactly what the server gives without
   a fault;
 - after `max_bad_answers` retries, raise BadAnswer naming the server, the request and every
-  failure.
+  failure;
+- not ask again after a timeout (the wait stays one timeout), raising BadAnswer at once.
 """
 
 import collections
@@ -124,7 +125,7 @@ def _tokens(groups):
     return [[(c.token_ids, c.rollout_logprobs, c.finish_reason) for c in g] for g in groups]
 
 
-@pytest.mark.parametrize("fault", ["malformed", "fewer", "bad_ids", "nan_logprob", "slow"])
+@pytest.mark.parametrize("fault", ["malformed", "fewer", "bad_ids", "nan_logprob"])
 def test_one_bad_answer_is_asked_again(setup, fault, caplog):
     server, proxy, engine = setup
     expected = _tokens(server.generate(PROMPTS, 2, PARAMS))  # straight to the server
@@ -144,13 +145,27 @@ def test_bad_answers_end_in_an_error_naming_server_and_request(setup):
         engine.generate(PROMPTS, 2, PARAMS)
     msg = str(info.value)
     assert proxy.url in msg and f"generate {len(PROMPTS)} prompts x n=2, seed 5" in msg
-    assert "3 bad answers" in msg
+    assert "3 bad answer(s)" in msg
     assert "token id 1000000 outside the vocabulary" in msg
     assert f"{len(PROMPTS) * 2 - 1} choices for {len(PROMPTS)} prompts x n=2" in msg
     assert "malformed answer" in msg
     assert not proxy.faults
     # the server itself is fine: the next request is answered
     assert len(engine.generate(PROMPTS, 2, PARAMS)) == len(PROMPTS)
+
+
+def test_no_answer_within_the_timeout_is_not_asked_again(setup):
+    _, proxy, engine = setup
+    proxy.faults.extend(["slow"])
+    before = proxy.completions_requests
+    t0 = time.monotonic()
+    with pytest.raises(BadAnswer) as info:
+        engine.generate(PROMPTS, 2, PARAMS)
+    waited = time.monotonic() - t0
+    assert proxy.completions_requests - before == 1 and TIMEOUT <= waited < 2 * TIMEOUT
+    msg = str(info.value)
+    assert proxy.url in msg and f"no answer within {TIMEOUT:.0f} s (not asked again)" in msg
+    assert len(engine.generate(PROMPTS, 2, PARAMS)) == len(PROMPTS)  # the server answers again
 
 
 def test_attached_server_is_probed_for_the_worker_extension(setup):
