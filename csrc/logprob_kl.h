@@ -9,6 +9,9 @@
 //   partials -> (row_max, sum_exp, target_z, ent_w)  with z = logits * inv_temperature;
 //               target_z = 0 where the target is not in this shard; ent_w empty unless entropy
 //   grad     -> grad_logits [N, V_local] in the logits dtype
+//   non-finite logits: -inf masks an entry (probability 0, adds 0 to every sum, zero
+//               gradient); NaN makes the row's statistics NaN; sums are relative to the safe
+//               max (row_max, or 0 where row_max is -inf)
 #pragma once
 
 #include <ATen/ATen.h>

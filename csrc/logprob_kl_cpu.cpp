@@ -59,6 +59,11 @@ Isa g_isa = detect_isa();
 int64_t grain_rows(int64_t vocab) { return std::max<int64_t>(1, (int64_t{1} << 15) / vocab); }
 
 // ---- float64 reference path (gradcheck) ----------------------------------------------------
+// Non-finite logits as in the float32 kernels: sums relative to the safe max, masked (-inf)
+// entries add 0 and get no gradient, NaN propagates.
+double safe_max64(double m) { return m == -INFINITY ? 0.0 : m; }
+double times_unless_zero64(double e, double d) { return e == 0.0 ? 0.0 : e * d; }
+
 void partials_rows_f64(const double* logits, const int64_t* targets, int64_t begin, int64_t end,
                        int64_t vocab, int64_t vocab_start, double inv_t, bool with_entropy,
                        double* row_max, double* sum_exp, double* target_z, double* ent_w) {
@@ -66,12 +71,13 @@ void partials_rows_f64(const double* logits, const int64_t* targets, int64_t beg
     const double* x = logits + i * vocab;
     double m = -INFINITY;
     for (int64_t j = 0; j < vocab; ++j) m = std::max(m, x[j] * inv_t);
+    const double ms = safe_max64(m);
     double s = 0.0, w = 0.0;
     for (int64_t j = 0; j < vocab; ++j) {
-      const double d = x[j] * inv_t - m;
+      const double d = x[j] * inv_t - ms;
       const double e = std::exp(d);
       s += e;
-      w += e * d;
+      w += times_unless_zero64(e, d);
     }
     row_max[i] = m;
     sum_exp[i] = s;
@@ -93,7 +99,7 @@ void grad_rows_f64(const double* logits, const int64_t* targets, int64_t begin, 
     const double h = entropy ? entropy[i] : 0.0;
     for (int64_t j = 0; j < vocab; ++j) {
       const double logp = (x[j] * inv_t - row_max[i]) - shifted_lse[i];
-      g[j] = -std::exp(logp) * (a + b * (logp + h)) * inv_t;
+      g[j] = -times_unless_zero64(std::exp(logp), a + b * (logp + h)) * inv_t;
     }
     const int64_t t = targets[i] - vocab_start;
     if (t >= 0 && t < vocab) g[t] += a * inv_t;
@@ -111,13 +117,14 @@ void exact_partials_rows_f64(const double* logits, const double* ref, int64_t be
       mp = std::max(mp, x[j]);
       mq = std::max(mq, y[j]);
     }
+    const double mps = safe_max64(mp), mqs = safe_max64(mq);
     double sp = 0.0, sq = 0.0, w = 0.0;
     for (int64_t j = 0; j < vocab; ++j) {
-      const double dz = x[j] - mp, dr = y[j] - mq;
+      const double dz = x[j] - mps, dr = y[j] - mqs;
       const double e = std::exp(dz);
       sp += e;
       sq += std::exp(dr);
-      w += e * (dz - dr);
+      w += times_unless_zero64(e, dz - dr);
     }
     max_p[i] = mp;
     sum_p[i] = sp;
@@ -138,7 +145,7 @@ void exact_grad_rows_f64(const double* logits, const double* ref, int64_t begin,
     for (int64_t j = 0; j < vocab; ++j) {
       const double logp = (x[j] - max_p[i]) - lse_p[i];
       const double logq = (y[j] - max_q[i]) - lse_q[i];
-      const double v = grad_kl[i] * std::exp(logp) * ((logp - logq) - kl[i]);
+      const double v = grad_kl[i] * times_unless_zero64(std::exp(logp), (logp - logq) - kl[i]);
       g[j] = accumulate ? g[j] + v : v;
     }
   }

@@ -15,6 +15,9 @@
 //              plus a * inv_t at the target; one read of the logits and one write of grad
 //              (the target's vector is recomputed once more to add the one-hot term in fp32).
 // Sums of a block use kW-lane fp32 accumulators; block totals are added into a double per row.
+// Non-finite logits (as in every backend, see reference.py): -inf is a masked entry (adds 0 to
+// every sum, 0 log 0 = 0, zero gradient), NaN makes the row's statistics NaN. Sums are relative
+// to the safe max (the max, or 0 while it is -inf), so -inf - (-inf) never appears.
 
 namespace megatron_rl {
 namespace MRL_ISA {
@@ -28,6 +31,11 @@ constexpr int kW = MRL_VEC_BYTES / 4;  // fp32 lanes per vector
 constexpr int64_t kBlock = 2048;  // floats per block: 8 KiB, stays in L1 between passes
 
 static inline vf splat(float x) { return vf{} + x; }
+
+static inline float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
+
+// e * d, but 0 where e == 0 (a masked entry: 0 * -inf would be NaN); NaN stays NaN.
+static inline vf times_unless_zero(vf e, vf d) { return e == splat(0.0f) ? vf{} : e * d; }
 
 static inline float hmax(vf v) {
   float m = v[0];
@@ -171,17 +179,18 @@ void partials_rows(const T* logits, const int64_t* targets, int64_t row_begin, i
       }
       const float bm = hmax(mx0 > mx1 ? mx0 : mx1);
       if (bm > m) {  // online softmax: move the running sums to the new max
-        if (s > 0.0) {
-          const double delta = static_cast<double>(m) - bm;
+        if (s != 0.0) {  // (a NaN sum is moved and stays NaN)
+          const double delta = static_cast<double>(safe_max(m)) - safe_max(bm);
           const double c = std::exp(delta);
           if (kEntropy) w = c * (w + delta * s);
           s *= c;
         }
         m = bm;
       }
-      // Padding contributes exp(-1000) = 0 and a finite (z - m), so 0 to both sums.
-      for (int64_t j = n; j < padded; ++j) buf[j] = m - 1000.0f;
-      const vf vm = splat(m);
+      // Padding contributes exp(-1000) = 0, so 0 to both sums.
+      const float ms = safe_max(m);
+      for (int64_t j = n; j < padded; ++j) buf[j] = ms - 1000.0f;
+      const vf vm = splat(ms);
       vf s0 = vf{}, s1 = vf{}, w0 = vf{}, w1 = vf{};
       for (int64_t j = 0; j < padded; j += 2 * kW) {
         const vf d0 = vload(buf + j) - vm, d1 = vload(buf + j + kW) - vm;
@@ -189,8 +198,8 @@ void partials_rows(const T* logits, const int64_t* targets, int64_t row_begin, i
         s0 += e0;
         s1 += e1;
         if (kEntropy) {
-          w0 += e0 * d0;
-          w1 += e1 * d1;
+          w0 += times_unless_zero(e0, d0);
+          w1 += times_unless_zero(e1, d1);
         }
       }
       s += hsum(s0 + s1);
@@ -228,7 +237,7 @@ void grad_rows(const T* logits, const int64_t* targets, int64_t row_begin, int64
       const vf logp = (z - vm) - vls;
       const vf p = vexp(logp);
       const vf coef = kEntropy ? va + vb * (logp + vh) : va;
-      return -(p * coef) * vinv;
+      return -times_unless_zero(p, coef) * vinv;  // p = 0: no gradient
     };
     // Full vectors straight from logits to grad, in registers.
     const int64_t num_full = vocab / kW * kW;
@@ -289,22 +298,24 @@ void exact_partials_rows(const T* logits, const T* ref, int64_t row_begin, int64
       const float bmp = hmax(mz0 > mz1 ? mz0 : mz1), bmq = hmax(mr0 > mr1 ? mr0 : mr1);
       if (bmp > mp || bmq > mq) {  // online: move the running sums to the new maxima
         const float nmp = bmp > mp ? bmp : mp, nmq = bmq > mq ? bmq : mq;
-        if (sp > 0.0) {
-          const double dp = static_cast<double>(mp) - nmp, dq = static_cast<double>(mq) - nmq;
+        const double dp = static_cast<double>(safe_max(mp)) - safe_max(nmp);
+        const double dq = static_cast<double>(safe_max(mq)) - safe_max(nmq);
+        if (sp != 0.0) {  // s_p and s_q move independently: masked policy entries leave s_p = 0
           const double cp = std::exp(dp);
           w = cp * (w + (dp - dq) * sp);
           sp *= cp;
-          sq *= std::exp(dq);
         }
+        if (sq != 0.0) sq *= std::exp(dq);
         mp = nmp;
         mq = nmq;
       }
-      // Padding: exp(-1000) = 0 next to a finite difference, so 0 to every sum.
+      // Padding: exp(-1000) = 0, so 0 to every sum.
+      const float mps = safe_max(mp), mqs = safe_max(mq);
       for (int64_t j = n; j < padded; ++j) {
-        bz[j] = mp - 1000.0f;
-        br[j] = mq - 1000.0f;
+        bz[j] = mps - 1000.0f;
+        br[j] = mqs - 1000.0f;
       }
-      const vf vmp = splat(mp), vmq = splat(mq);
+      const vf vmp = splat(mps), vmq = splat(mqs);
       vf s0 = vf{}, s1 = vf{}, q0 = vf{}, q1 = vf{}, w0 = vf{}, w1 = vf{};
       for (int64_t j = 0; j < padded; j += 2 * kW) {
         const vf dz0 = vload(bz + j) - vmp, dz1 = vload(bz + j + kW) - vmp;
@@ -314,8 +325,8 @@ void exact_partials_rows(const T* logits, const T* ref, int64_t row_begin, int64
         s1 += ez1;
         q0 += vexp(dr0);
         q1 += vexp(dr1);
-        w0 += ez0 * (dz0 - dr0);
-        w1 += ez1 * (dz1 - dr1);
+        w0 += times_unless_zero(ez0, dz0 - dr0);  // p = 0 adds 0, whatever q
+        w1 += times_unless_zero(ez1, dz1 - dr1);
       }
       sp += hsum(s0 + s1);
       sq += hsum(q0 + q1);
@@ -346,7 +357,7 @@ void exact_grad_rows(const T* logits, const T* ref, int64_t row_begin, int64_t r
     auto grad_of = [&](vf z, vf r) {
       const vf logp = (z - vmp) - vlp;
       const vf logq = (r - vmq) - vlq;
-      return vg * vexp(logp) * ((logp - logq) - vkl);
+      return vg * times_unless_zero(vexp(logp), (logp - logq) - vkl);  // p = 0: no gradient
     };
     const int64_t num_full = vocab / kW * kW;
     for (int64_t j = 0; j < num_full; j += kW) {

@@ -92,12 +92,14 @@ def extension_backends() -> tuple:
     return tuple(names)
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Concrete backend ("torch" | "cpu" | "cuda") for tensors on `device`.
+def resolve_backend(backend: str, device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> str:
+    """Concrete backend ("torch" | "cpu" | "cuda") for `dtype` tensors on `device`.
 
     `MEGATRON_RL_LOGPROB_BACKEND` replaces "auto" (an explicit argument wins). "auto" picks the
-    compiled kernel for the device when the extension has it, else "torch". A forced "cpu" or
-    "cuda" whose kernel is missing from the build falls back to "torch" with a one-time warning.
+    compiled kernel for the device when the extension has it (the CUDA kernels take no float64:
+    "torch" serves it), else "torch". A forced "cpu" or "cuda" whose kernel is missing from the
+    build falls back to "torch" with a one-time warning.
     """
     if backend == "auto":
         backend = os.environ.get(BACKEND_ENV_VAR, "auto") or "auto"
@@ -106,6 +108,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
                          f"(argument `backend` or env {BACKEND_ENV_VAR})")
     available = extension_backends()
     if backend == "auto":
+        if device.type == "cuda" and dtype == torch.float64:
+            return "torch"
         return device.type if device.type in available else "torch"
     if backend == "torch":
         return backend
@@ -169,9 +173,8 @@ def _(logits, targets, vocab_start, inv_temperature, row_max, shifted_lse, grad_
 # --------------------------------------------------------------------------------------------
 # Combination across the TP group (O(N) work) and the autograd.Function.
 # --------------------------------------------------------------------------------------------
-def _combine_partials(row_max, sum_exp, target_z, ent_w, owned, tp_group):
+def _combine_partials(row_max, sum_exp, target_z, ent_w, owned, tp_group, with_entropy):
     """Global (row_max, shifted_lse, logprobs, entropy|None) from this rank's partials."""
-    with_entropy = ent_w.numel() > 0
     if tp_group is None:
         global_max = row_max
         target_shifted = torch.where(owned, target_z - row_max, torch.zeros_like(target_z))
@@ -179,7 +182,8 @@ def _combine_partials(row_max, sum_exp, target_z, ent_w, owned, tp_group):
     else:
         global_max = row_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-        delta = row_max - global_max                       # <= 0
+        # <= 0, between safe maxes (a shard of masked entries only: max -inf, sums 0)
+        delta = reference.safe_max(row_max) - reference.safe_max(global_max)
         scale = torch.exp(delta)
         parts = [sum_exp * scale,
                  torch.where(owned, target_z - global_max, torch.zeros_like(target_z))]
@@ -205,7 +209,7 @@ class _TokenLogprobKL(torch.autograd.Function):
         vocab_local = logits_NV.shape[1]
         owned = (targets_N >= vocab_start) & (targets_N < vocab_start + vocab_local)
         global_max, shifted_lse, logprobs, entropy = _combine_partials(
-            row_max, sum_exp, target_z, ent_w, owned, tp_group)
+            row_max, sum_exp, target_z, ent_w, owned, tp_group, with_entropy)
         log_ratio = k3 = None
         if ref_N is not None:
             log_ratio = ref_N - logprobs
@@ -267,7 +271,8 @@ def token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor, *,
 
     Args:
         logits: [..., V_local] bf16/fp16/fp32 (fp64 for testing): this rank's vocab shard
-            [vocab_start, vocab_start + V_local). Must be finite. Non-contiguous logits (e.g.
+            [vocab_start, vocab_start + V_local). -inf masks an entry (probability 0, no
+            gradient); a NaN makes its row's outputs NaN. Non-contiguous logits (e.g.
             `logits[:, :-1]`) are copied once, and that copy is what backward keeps: to avoid
             it, pass contiguous logits with shifted targets and mask the last position.
         targets: [...] global token ids (any integer dtype); each must lie in exactly one
@@ -319,7 +324,7 @@ def token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor, *,
         if bool(((targets_N < vocab_start) | (targets_N >= vocab_start + vocab_local)).any()):
             raise ValueError(f"targets must lie in [{vocab_start}, {vocab_start + vocab_local}) "
                              f"when tp_group is None")
-    concrete = resolve_backend(backend, logits.device)
+    concrete = resolve_backend(backend, logits.device, logits.dtype)
     ref_logits_NV = None
     if ref_logits is not None:
         if tuple(ref_logits.shape) != tuple(logits.shape):
@@ -425,7 +430,8 @@ def _combine_exact_partials(max_p, sum_p, max_q, sum_q, w, tp_group):
     if tp_group is not None:
         maxes = torch.stack([max_p, max_q])
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
-        delta_p, delta_q = max_p - maxes[0], max_q - maxes[1]      # <= 0
+        safe = reference.safe_max
+        delta_p, delta_q = safe(max_p) - safe(maxes[0]), safe(max_q) - safe(maxes[1])  # <= 0
         scale_p = torch.exp(delta_p)
         # sum_j e^(z-M_p) ((z-M_p) - (r-M_q)) = e^(m_p-M_p) (w + (delta_p - delta_q) sum_p)
         stacked = torch.stack([sum_p * scale_p, sum_q * torch.exp(delta_q),
@@ -465,7 +471,9 @@ def exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor, *, tp_group=None,
 
     Args:
         logits: [..., V_local] policy logits (bf16/fp16/fp32; fp64 for testing), this rank's vocab
-            shard; finite. Differentiable: d KL / d z_v = p_v (log p_v - log q_v - KL).
+            shard. -inf masks an entry (p_v = 0 adds 0, whatever q_v; a policy entry with
+            p_v > 0 where the reference's is -inf makes the KL +inf); a NaN makes its row's KL
+            NaN. Differentiable: d KL / d z_v = p_v (log p_v - log q_v - KL).
         ref_logits: the reference model's logits over the same shard, same shape; frozen (no
             gradient flows into them). Cast to the logits dtype if it differs (a copy).
         tp_group: tensor-parallel group over which the vocab is sharded; None = full vocab.
@@ -493,6 +501,6 @@ def exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor, *, tp_group=None,
     vocab_local = logits.shape[-1]
     logits_NV = logits.reshape(-1, vocab_local).contiguous()
     ref_NV = ref_logits.detach().to(logits.dtype).reshape(-1, vocab_local).contiguous()
-    concrete = _exact_backend(resolve_backend(backend, logits.device))
+    concrete = _exact_backend(resolve_backend(backend, logits.device, logits.dtype))
     kl = _ExactKL.apply(logits_NV, ref_NV, tp_group, concrete)
     return kl.reshape(lead_shape)

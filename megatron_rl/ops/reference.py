@@ -23,6 +23,11 @@ Kernel contract (shared by every backend; `logits_NV` is this rank's vocab shard
                d z_ij   = grad_coef[i] * (onehot_ij - p_ij)
                           - entropy_grad[i] * p_ij * (log p_ij + entropy[i])
                d logits = d z * inv_temperature
+
+Non-finite logits, in every backend and kernel: -inf is a masked entry (probability 0; it adds
+0 to every sum, 0 log 0 = 0, and gets a zero gradient); a NaN makes its row's statistics NaN.
+Sums are relative to the "safe max" `safe_max(row_max)`: the max, or 0 where the max is -inf
+(a shard whose entries are all masked), so -inf - (-inf) never appears.
 """
 from __future__ import annotations
 
@@ -45,6 +50,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _rows_per_chunk(vocab_local: int, device: torch.device) -> int:
     budget = CHUNK_ELEMENTS if device.type == "cpu" else GPU_CHUNK_ELEMENTS
     return max(1, budget // max(1, vocab_local))
+
+
+def safe_max(m: torch.Tensor) -> torch.Tensor:
+    """The max a partial's sums are relative to: `m`, or 0 where `m` is -inf (nothing but masked
+    entries), so that masked entries never produce -inf - (-inf)."""
+    return torch.where(m == float("-inf"), torch.zeros_like(m), m)
 
 
 def _local_targets(targets_N: torch.Tensor, vocab_start: int, vocab_local: int):
@@ -79,12 +90,12 @@ def logprob_partials_torch(logits_NV: torch.Tensor, targets_N: torch.Tensor, voc
         if inv_temperature != 1.0:
             z.mul_(inv_temperature)
         m = z.amax(dim=1)
-        z.sub_(m.unsqueeze(1))                  # z - max, exact for nearby values
+        z.sub_(safe_max(m).unsqueeze(1))        # z - max, exact for nearby values
         e = torch.exp(z)
         row_max[r0:r1] = m
         sum_exp[r0:r1] = e.sum(dim=1)
-        if with_entropy:
-            ent_w[r0:r1] = e.mul_(z).sum(dim=1)
+        if with_entropy:                        # 0 log 0 = 0 at masked entries
+            ent_w[r0:r1] = e.mul_(z.masked_fill_(e == 0, 0.0)).sum(dim=1)
         del z, e
     return row_max, sum_exp, target_z, ent_w
 
@@ -112,7 +123,8 @@ def logprob_grad_torch(logits_NV: torch.Tensor, targets_N: torch.Tensor, vocab_s
             # coef_ij = a_i + b_i * (log p_ij + H_i);  g_ij = -p_ij * coef_ij
             coef = (logp + entropy[r0:r1].unsqueeze(1)).mul_(entropy_grad[r0:r1].unsqueeze(1))
             coef.add_(grad_coef[r0:r1].unsqueeze(1))
-            g = torch.exp(logp).mul_(coef).neg_()
+            g = torch.exp(logp)
+            g.mul_(coef.masked_fill_(g == 0, 0.0)).neg_()  # p = 0: no gradient
             del coef
         else:
             g = torch.exp(logp).mul_(-grad_coef[r0:r1].unsqueeze(1))
@@ -172,14 +184,14 @@ def exact_kl_partials_torch(logits_NV: torch.Tensor, ref_NV: torch.Tensor):
         z = logits_NV[r0:r1].to(acc, copy=True)
         r = ref_NV[r0:r1].to(acc, copy=True)
         mp, mq = z.amax(dim=1), r.amax(dim=1)
-        z.sub_(mp.unsqueeze(1))
-        r.sub_(mq.unsqueeze(1))
+        z.sub_(safe_max(mp).unsqueeze(1))
+        r.sub_(safe_max(mq).unsqueeze(1))
         max_p[r0:r1], max_q[r0:r1] = mp, mq
         sum_q[r0:r1] = torch.exp(r).sum(dim=1)
         r.neg_().add_(z)                          # d = (z - max_p) - (r - max_q)
         e = torch.exp(z)
         sum_p[r0:r1] = e.sum(dim=1)
-        w[r0:r1] = e.mul_(r).sum(dim=1)
+        w[r0:r1] = e.mul_(r.masked_fill_(e == 0, 0.0)).sum(dim=1)  # p = 0 adds 0, whatever q
         del z, r, e
     return max_p, sum_p, max_q, sum_q, w
 
@@ -201,7 +213,8 @@ def exact_kl_grad_torch(logits_NV: torch.Tensor, ref_NV: torch.Tensor, max_p: to
         coef = ref_NV[r0:r1].to(acc, copy=True)      # becomes log p - log q - KL
         coef.sub_(max_q[r0:r1].unsqueeze(1)).sub_(lse_q[r0:r1].unsqueeze(1))
         coef.neg_().add_(logp).sub_(kl[r0:r1].unsqueeze(1))
-        g = torch.exp(logp).mul_(coef).mul_(grad_kl[r0:r1].unsqueeze(1))
+        g = torch.exp(logp)
+        g.mul_(coef.masked_fill_(g == 0, 0.0)).mul_(grad_kl[r0:r1].unsqueeze(1))  # p = 0: none
         del logp, coef
         if accumulate_into is not None:
             g.add_(grad[r0:r1])

@@ -210,6 +210,15 @@ def test_env_var_backend(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV_VAR)
     expected = "cpu" if "cpu" in extension_backends() else "torch"
     assert resolve_backend("auto", dev) == expected
+    # the CUDA kernels take no float64 (gradcheck on a GPU): "auto" gives it to "torch"
+    assert resolve_backend("auto", torch.device("cuda"), torch.float64) == "torch"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_no_rows_with_entropy(backend):
+    out = token_logprobs_and_kl(torch.zeros(0, 11), torch.zeros(0, dtype=torch.long),
+                                return_entropy=True, backend=backend)
+    assert out.logprobs.shape == (0,) and out.entropy is not None and out.entropy.shape == (0,)
 
 
 def test_forced_cpu_without_extension_warns_once(monkeypatch):
