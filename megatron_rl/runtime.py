@@ -52,15 +52,11 @@ class Runtime:
     def overlaps_rollout(self) -> bool:
         return self.cfg.overlaps_rollout()
 
-    def rollout_thread(self):
+    def rollout_thread(self) -> "BackgroundThreads":
         """Rank 0's background generation thread(s) (--async-level with a server engine): up to
         k requests in flight."""
         if self._rollout_pool is None:
-            import concurrent.futures
-
-            self._rollout_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(self.cfg.algorithm.async_level, 1),
-                thread_name_prefix="rollout")
+            self._rollout_pool = BackgroundThreads(max(self.cfg.algorithm.async_level, 1))
         return self._rollout_pool
 
     def sampling_params(self, seed: int) -> SamplingParams:
@@ -105,9 +101,13 @@ class Runtime:
                                    hf_config=self.policy.args.to_hf_config())
         _save_reference(self, step)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the background generation and the engine. At the end of training the generation
+        in flight finishes first; on an error (`abort`) nothing waits for it: the engine stops
+        (a managed server is killed, so its request fails at once) and the request's daemon
+        thread ends with the process, even when an attached server never answers."""
         if self._rollout_pool is not None:
-            self._rollout_pool.shutdown(wait=True)
+            self._rollout_pool.shutdown(wait=not abort)
         self.engine.shutdown()
         self.scorer.close()
         if self.writer is not None:
@@ -323,3 +323,45 @@ def _truncate_metrics(path: str, step: int) -> None:
     with open(tmp, "w") as f:
         f.writelines(rows)
     os.replace(tmp, path)
+
+
+class BackgroundThreads:
+    """`workers` daemon threads running submitted calls in order; `submit` returns a
+    concurrent.futures.Future. Unlike ThreadPoolExecutor, whose threads the interpreter joins at
+    exit, a call still running when the trainer fails (a generate request to a hung server)
+    does not hold the process: it ends with it."""
+
+    def __init__(self, workers: int):
+        import queue
+        import threading
+
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"rollout-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args):
+        import concurrent.futures
+
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the threads after the calls already submitted (`wait`: join them)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()

@@ -146,6 +146,7 @@ class ManagedServer:
         self.proc: subprocess.Popen | None = None
         self.log_path: str | None = None
         self.num_restarts = 0
+        self.closed = False  # shut down for good: a request failing after that does not restart it
         self.startup_seconds: list[float] = []
         self._attached_url: str | None = None
         self._ready = False
@@ -248,6 +249,9 @@ class ManagedServer:
     def restart(self, reason: str = "") -> None:
         """Stop (if needed) and start again, serving `self.model_path`."""
         with self._lock:
+            if self.closed:
+                raise ServerError(f"{self.name} at {self.url} was shut down ({reason}): not "
+                                  "restarting it")
             if not self.managed:
                 raise ServerError(f"{self.name} at {self.url} failed ({reason}) and is attached, "
                                   "not managed: cannot restart it")
@@ -325,6 +329,11 @@ class ManagedServer:
             return "(no log)"
         with open(self.log_path, errors="replace") as f:
             return "".join(f.readlines()[-num_lines:])
+
+    def close(self) -> None:
+        """Stop for good: a request still in flight fails instead of restarting the server."""
+        self.closed = True
+        self.stop()
 
     def __enter__(self) -> "ManagedServer":
         return self.start()
@@ -503,4 +512,4 @@ class ServerBackedEngine:
 
     def _stop_server(self) -> None:
         if self.server is not None and self.server.managed:
-            self.server.stop()
+            self.server.close()

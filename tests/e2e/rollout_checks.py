@@ -1,4 +1,12 @@
-"""Helpers shared by the rollout-server tests: trainer-side log-prob recompute and a big step."""
+"""Helpers shared by the rollout-server tests: trainer-side log-prob recompute, a big step, and
+a fault-injecting HTTP proxy."""
+
+import collections
+import http.server
+import json
+import threading
+import time
+import urllib.request
 
 import torch
 
@@ -57,3 +65,69 @@ def train_step(policy, prompts, completions):
     policy.forward_backward([{"tokens": tokens}], loss_fn)
     ok, _ = policy.step()
     assert ok
+
+
+def _spoil(fault: str, body: bytes) -> bytes:
+    if fault == "malformed":
+        return body[:len(body) // 2]  # cut mid-JSON
+    resp = json.loads(body)
+    if fault == "fewer":
+        resp["choices"] = resp["choices"][:-1]
+    elif fault == "bad_ids":
+        resp["choices"][0]["token_ids"][0] = 10 ** 6
+    elif fault == "nan_logprob":
+        resp["choices"][-1]["logprobs"]["token_logprobs"][-1] = float("nan")
+    return json.dumps(resp).encode()
+
+
+class FaultProxy:
+    """HTTP proxy on a free local port in front of a real server; `faults` (a deque) spoils the
+    next /v1/completions answers, one fault each: "malformed" (cut mid-JSON), "fewer" choices,
+    "bad_ids" (a token id outside the vocabulary), "nan_logprob", "slow" (answers after
+    `slow_seconds`), "none" (passes the answer through)."""
+
+    def __init__(self, upstream: str, slow_seconds: float):
+        self.upstream = upstream
+        self.faults: collections.deque[str] = collections.deque()
+        self.completions_requests = 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self, method):
+                length = int(self.headers.get("Content-Length") or 0)
+                data = self.rfile.read(length) if length else None
+                req = urllib.request.Request(proxy.upstream + self.path, data=data, method=method,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    status, body = resp.status, resp.read()
+                if self.path == "/v1/completions":
+                    proxy.completions_requests += 1
+                    fault = proxy.faults.popleft() if proxy.faults else None
+                    if fault == "slow":
+                        time.sleep(slow_seconds)
+                    elif fault not in (None, "none"):
+                        body = _spoil(fault, body)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (the timeout fault)
+
+            def do_GET(self):
+                self._forward("GET")
+
+            def do_POST(self):
+                self._forward("POST")
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()

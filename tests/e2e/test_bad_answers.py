@@ -11,20 +11,15 @@ vocabulary, a NaN log-prob, no answer within the engine's timeout. The engine mu
 - not ask again after a timeout (the wait stays one timeout), raising BadAnswer at once.
 """
 
-import collections
-import http.server
-import json
 import logging
-import threading
 import time
-import urllib.request
 
 import pytest
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.server import BadAnswer
 from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
-from rollout_checks import PROMPTS, TINY
+from rollout_checks import PROMPTS, TINY, FaultProxy
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -32,70 +27,7 @@ if vllm_python() is None:
     pytest.skip("no vLLM venv (.venv-vllm or $MEGATRON_RL_VLLM_PYTHON): run "
                 "scripts/install_vllm_cpu.sh", allow_module_level=True)
 
-TIMEOUT = 3.0  # the engine's request timeout; the "slow" fault answers after 2x that
-
-
-def _spoil(fault: str, body: bytes) -> bytes:
-    if fault == "malformed":
-        return body[:len(body) // 2]  # cut mid-JSON
-    resp = json.loads(body)
-    if fault == "fewer":
-        resp["choices"] = resp["choices"][:-1]
-    elif fault == "bad_ids":
-        resp["choices"][0]["token_ids"][0] = 10 ** 6
-    elif fault == "nan_logprob":
-        resp["choices"][-1]["logprobs"]["token_logprobs"][-1] = float("nan")
-    return json.dumps(resp).encode()
-
-
-class FaultProxy:
-    """HTTP proxy on a free local port; `faults` (a deque) spoils the next completions."""
-
-    def __init__(self, upstream: str):
-        self.upstream = upstream
-        self.faults: collections.deque[str] = collections.deque()
-        self.completions_requests = 0
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _forward(self, method):
-                length = int(self.headers.get("Content-Length") or 0)
-                data = self.rfile.read(length) if length else None
-                req = urllib.request.Request(proxy.upstream + self.path, data=data, method=method,
-                                             headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=120) as resp:
-                    status, body = resp.status, resp.read()
-                if self.path == "/v1/completions":
-                    proxy.completions_requests += 1
-                    fault = proxy.faults.popleft() if proxy.faults else None
-                    if fault == "slow":
-                        time.sleep(2 * TIMEOUT)
-                    elif fault is not None:
-                        body = _spoil(fault, body)
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (the timeout fault)
-
-            def do_GET(self):
-                self._forward("GET")
-
-            def do_POST(self):
-                self._forward("POST")
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
+TIMEOUT = 3.0  # the engine's request timeout; the proxy's "slow" fault answers after 2x that
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +38,7 @@ def setup(tmp_path_factory):
     path = make_tiny_hf_checkpoint(str(root / "hf"), "qwen2", tie_word_embeddings=True, **TINY)
     server = VLLMEngine(path, VLLMConfig(work_dir=str(root / "work"), dtype="float32",
                                          max_model_len=256, kv_cache_memory_bytes=64 << 20))
-    proxy = FaultProxy(server.url)
+    proxy = FaultProxy(server.url, slow_seconds=2 * TIMEOUT)
     # the engine under test talks to the server through the proxy (an attached server)
     engine = VLLMEngine(path, VLLMConfig(work_dir=str(root / "client"), url=proxy.url,
                                          request_timeout=TIMEOUT))

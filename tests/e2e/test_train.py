@@ -194,6 +194,51 @@ def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path):
     assert rows[3]["rollout/staleness"] == 1.0
 
 
+@pytest.mark.server
+def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_jsonl, tmp_path):
+    """Ctrl-C in the trainer while rank 0's background generate waits on a server that does not
+    answer (a fault proxy holds the answer for 10 minutes): the process stops at once, with the
+    KeyboardInterrupt, instead of waiting for the request (the interpreter used to join the
+    rollout thread at exit)."""
+    from conftest import _char_model
+    from rollout_checks import TINY, FaultProxy
+
+    from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
+    model = _char_model(str(tmp_path / "model"), seed=0, **TINY)
+    server = VLLMEngine(model, VLLMConfig(work_dir=str(tmp_path / "server"), dtype="float32",
+                                          max_model_len=256, kv_cache_memory_bytes=64 << 20))
+    proxy = FaultProxy(server.url, slow_seconds=600)
+    proxy.faults.extend(["none", "slow"])  # step 0's batch answers, step 1's (background) hangs
+    log = tmp_path / "train.log"
+    try:
+        args = train_args(model, arithmetic_jsonl, str(tmp_path / "run"), 3,
+                          ["--rollout-engine", "vllm", "--rollout-url", proxy.url,
+                           "--async-level", "1"])
+        with open(log, "w") as out:
+            proc = subprocess.Popen(_train_cmd(*args), env=_env(), stdout=out, stderr=out)
+        deadline = time.time() + 300
+        while proxy.completions_requests < 2:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.time() < deadline, "the trainer never sent step 1's request"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the trainer now waits for the hanging answer
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+        waited = time.monotonic() - t0
+    finally:
+        proxy.close()
+        server.shutdown()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in log.read_text()
+    assert waited < 30, f"exit took {waited:.0f} s"
+
+
 def test_async_level_trains_on_stale_rollouts(tiny_char_model, tiny_char_ref, arithmetic_jsonl,
                                               tmp_path):
     """--async-level 2: batches come from a policy two updates old. The behaviour log-probs are
