@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import dataclasses
 import io
 import os
@@ -101,6 +102,7 @@ class SGLangEngine(ServerBackedEngine):
         self.rank = dist_rank()
         self.python = config.python or sglang_python()
         self._nccl_group = None
+        self._nccl_group_name = ""
         self.server: ManagedServer | None = None
         if self.rank == 0:
             if config.url is not None:
@@ -146,6 +148,8 @@ class SGLangEngine(ServerBackedEngine):
         return {"SGLANG_USE_CPU_ENGINE": "1"} if self._device() == "cpu" else {}
 
     def _on_start(self, server: ManagedServer) -> None:
+        if server.num_restarts and self._nccl_group is not None:
+            self._drop_update_group()  # its server side died with the old process
         version = read_version(server.model_path)
         if version is not None:
             http_json("POST", server.url + "/update_weight_version",
@@ -257,7 +261,8 @@ class SGLangEngine(ServerBackedEngine):
             tensors = [hf[n].to(device(), non_blocking=True) for n in bucket]
             payload = {"names": bucket, "dtypes": [str(t.dtype).replace("torch.", "")
                                                    for t in tensors],
-                       "shapes": [list(t.shape) for t in tensors], "group_name": "mrl_weights",
+                       "shapes": [list(t.shape) for t in tensors],
+                       "group_name": self._nccl_group_name,
                        "flush_cache": i == len(buckets) - 1,
                        "weight_version": str(version) if i == len(buckets) - 1 else None}
             result = {}
@@ -280,19 +285,22 @@ class SGLangEngine(ServerBackedEngine):
 
         port = self.config.nccl_master_port or free_port("0.0.0.0")
         world = 1 + self.config.tp_size
+        # a name of its own per group: several servers (a pool) and a restarted server each get
+        # a new group in this process, and process-group names must be unique
+        name = self._nccl_group_name = f"mrl_weights_{next(_UPDATE_GROUP_IDS)}"
         addr = self.config.nccl_master_address
         result = {}
         thread = threading.Thread(target=lambda: result.update(resp=self._post(
             "/init_weights_update_group",
             {"master_address": addr, "master_port": port, "rank_offset": 1,
-             "world_size": world, "group_name": "mrl_weights", "backend": "nccl"})))
+             "world_size": world, "group_name": name, "backend": "nccl"})))
         thread.start()
         # Same construction as the server side (sglang.srt.utils.common.init_custom_process_group):
         # a TCP rendezvous hosted by this rank, keys under the group's prefix.
         store, rank, world = next(rendezvous(f"tcp://{addr}:{port}", 0, world))
-        store = PrefixStore("mrl_weights", store)
+        store = PrefixStore(name, store)
         group, _ = _new_process_group_helper(world, 0, [], dist.Backend("nccl"), store,
-                                             group_name="mrl_weights")
+                                             group_name=name)
         _world.pg_group_ranks[group] = {i: i for i in range(world)}
         thread.join()
         _check_success(result.get("resp"), "init_weights_update_group")
@@ -316,15 +324,23 @@ class SGLangEngine(ServerBackedEngine):
         self._post("/flush_cache", None)
 
     # -- health ----------------------------------------------------------------------------------
+    def _drop_update_group(self, tell_server: bool = False) -> None:
+        import torch.distributed as dist
+
+        if tell_server:
+            with contextlib.suppress(Exception):
+                self._post("/destroy_weights_update_group", {"group_name": self._nccl_group_name})
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(self._nccl_group)
+        self._nccl_group, self._nccl_group_name = None, ""
+
     def shutdown(self) -> None:
         if self._nccl_group is not None:
-            import torch.distributed as dist
-
-            with contextlib.suppress(Exception):
-                self._post("/destroy_weights_update_group", {"group_name": "mrl_weights"})
-                dist.destroy_process_group(self._nccl_group)
-            self._nccl_group = None
+            self._drop_update_group(tell_server=True)
         self._stop_server()
+
+
+_UPDATE_GROUP_IDS = itertools.count()
 
 
 def _completion(item: dict) -> Completion:
