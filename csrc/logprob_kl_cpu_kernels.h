@@ -34,14 +34,6 @@ static inline vf splat(float x) { return vf{} + x; }
 
 static inline float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
 
-// max(d, -1000): the factor that multiplies e^d (or p = e^(log p)) in a sum, clamped where
-// e^d is 0 anyway, so a masked entry (d = -inf, or -inf - (-inf)) adds 0 * -1000 = 0, not NaN.
-// One maxps per element (a compare-and-select on e == 0 measured ~8% slower). A NaN d becomes
-// -1000, but then its e^d, or the row's other sum, is NaN: the row stays NaN.
-static inline vf floor_1000(vf d) {
-  const vf lo = splat(-1000.0f);
-  return d > lo ? d : lo;
-}
 
 static inline float hmax(vf v) {
   float m = v[0];
@@ -58,10 +50,11 @@ static inline double hsum(vf v) {
 // exp(x) for x <= ~0 (all our uses: z - max, log p). Cody-Waite reduction x = k ln2 + r,
 // |r| <= ln2/2, degree-7 Taylor polynomial (truncation < 5e-9 relative), scale by 2^k through
 // the exponent bits. x < -87 returns 0 (below FLT_MIN; irrelevant next to a sum >= 1);
-// -inf gives 0 and NaN propagates.
-static inline vf vexp(vf x) {
-  const vi underflow = x < -87.0f;
-  vf xc = underflow ? splat(-87.0f) : x;
+// -inf gives 0 and NaN propagates. `vexp_core` leaves out that last select; `vexp_times`
+// multiplies in a factor that counts only where exp(x) is not 0: a masked or underflowed entry
+// adds 0 whatever its factor (-inf, +inf, or NaN from -inf - (-inf)).
+static inline vf vexp_core(vf x) {
+  vf xc = x < -87.0f ? splat(-87.0f) : x;
   xc = xc > 88.0f ? splat(88.0f) : xc;
   // Adding 1.5 * 2^23 rounds x / ln2 to an integer k held in the low mantissa bits of t, so k
   // is available both as a float (t - 1.5 * 2^23) and, by integer subtraction of the bit
@@ -81,8 +74,19 @@ static inline vf vexp(vf x) {
   p = p * r + 1.0f;
   const vi ki = (vi)t - (vi)splat(kRound);
   const vf scale = (vf)((ki + 127) << 23);
-  const vf y = p * scale;
-  return underflow ? splat(0.0f) : y;
+  return p * scale;
+}
+
+static inline vf vexp(vf x) { return x < -87.0f ? vf{} : vexp_core(x); }
+
+static inline vf vexp_times(vf x, vf f) { return x < -87.0f ? vf{} : vexp_core(x) * f; }
+
+// e = exp(x) and exp(x) * f, sharing one exp.
+static inline vf vexp_and_times(vf x, vf f, vf& times) {
+  const vi underflow = x < -87.0f;
+  const vf y = vexp_core(x);
+  times = underflow ? vf{} : y * f;
+  return underflow ? vf{} : y;
 }
 
 // ---- loads / stores of kW elements, and scalar conversions for row tails -------------------
@@ -200,12 +204,15 @@ void partials_rows(const T* logits, const int64_t* targets, int64_t row_begin, i
       vf s0 = vf{}, s1 = vf{}, w0 = vf{}, w1 = vf{};
       for (int64_t j = 0; j < padded; j += 2 * kW) {
         const vf d0 = vload(buf + j) - vm, d1 = vload(buf + j + kW) - vm;
-        const vf e0 = vexp(d0), e1 = vexp(d1);
-        s0 += e0;
-        s1 += e1;
         if (kEntropy) {
-          w0 += e0 * floor_1000(d0);
-          w1 += e1 * floor_1000(d1);
+          vf ed0, ed1;
+          s0 += vexp_and_times(d0, d0, ed0);
+          s1 += vexp_and_times(d1, d1, ed1);
+          w0 += ed0;
+          w1 += ed1;
+        } else {
+          s0 += vexp(d0);
+          s1 += vexp(d1);
         }
       }
       s += hsum(s0 + s1);
@@ -241,9 +248,8 @@ void grad_rows(const T* logits, const int64_t* targets, int64_t row_begin, int64
     const int64_t t = targets[i] - vocab_start;
     auto grad_of = [&](vf z) {
       const vf logp = (z - vm) - vls;
-      const vf p = vexp(logp);
-      const vf coef = kEntropy ? va + vb * (floor_1000(logp) + vh) : va;
-      return -(p * coef) * vinv;  // p = 0: no gradient
+      const vf coef = kEntropy ? va + vb * (logp + vh) : va;
+      return -vexp_times(logp, coef) * vinv;  // p = 0: no gradient
     };
     // Full vectors straight from logits to grad, in registers.
     const int64_t num_full = vocab / kW * kW;
@@ -308,7 +314,9 @@ void exact_partials_rows(const T* logits, const T* ref, int64_t row_begin, int64
         const double dq = static_cast<double>(safe_max(mq)) - safe_max(nmq);
         if (sp != 0.0) {  // s_p and s_q move independently: masked policy entries leave s_p = 0
           const double cp = std::exp(dp);
-          w = cp * (w + (dp - dq) * sp);
+          // cp below fp32's range: those entries have p = 0 in fp32 and count as masked, even
+          // where their w is +inf (the reference -inf); as the torch and CUDA backends
+          w = static_cast<float>(cp) == 0.0f ? 0.0 : cp * (w + (dp - dq) * sp);
           sp *= cp;
         }
         if (sq != 0.0) sq *= std::exp(dq);
@@ -326,13 +334,13 @@ void exact_partials_rows(const T* logits, const T* ref, int64_t row_begin, int64
       for (int64_t j = 0; j < padded; j += 2 * kW) {
         const vf dz0 = vload(bz + j) - vmp, dz1 = vload(bz + j + kW) - vmp;
         const vf dr0 = vload(br + j) - vmq, dr1 = vload(br + j + kW) - vmq;
-        const vf ez0 = vexp(dz0), ez1 = vexp(dz1);
-        s0 += ez0;
-        s1 += ez1;
+        vf wz0, wz1;  // p = 0 adds 0 to w, whatever q
+        s0 += vexp_and_times(dz0, dz0 - dr0, wz0);
+        s1 += vexp_and_times(dz1, dz1 - dr1, wz1);
         q0 += vexp(dr0);
         q1 += vexp(dr1);
-        w0 += ez0 * floor_1000(dz0 - dr0);  // p = 0 adds 0, whatever q
-        w1 += ez1 * floor_1000(dz1 - dr1);
+        w0 += wz0;
+        w1 += wz1;
       }
       sp += hsum(s0 + s1);
       sq += hsum(q0 + q1);
@@ -363,7 +371,7 @@ void exact_grad_rows(const T* logits, const T* ref, int64_t row_begin, int64_t r
     auto grad_of = [&](vf z, vf r) {
       const vf logp = (z - vmp) - vlp;
       const vf logq = (r - vmq) - vlq;
-      return vg * vexp(logp) * (floor_1000(logp - logq) - vkl);  // p = 0: no gradient
+      return vg * vexp_times(logp, (logp - logq) - vkl);  // p = 0: no gradient
     };
     const int64_t num_full = vocab / kW * kW;
     for (int64_t j = 0; j < num_full; j += kW) {

@@ -196,13 +196,19 @@ struct ExactState {
   float w;
 };
 
+// cp * w for a state's w moved to a larger policy max. When cp underflows to 0 the state's
+// policy entries have p = 0 in fp32: they count as masked and add 0, even where their w is +inf
+// (an entry that was the state's own max, where the reference is -inf). NaN stays NaN (in s_p
+// or s_q as well, so the row is NaN either way).
+MRL_HD float scaled_w(float cp, float w) { return cp == 0.f ? 0.f : cp * w; }
+
 MRL_HD ExactState empty_exact_state() { return ExactState{-INFINITY, 0.f, -INFINITY, 0.f, 0.f}; }
 
 MRL_HD void exact_rescale(ExactState& st, float new_mp, float new_mq) {
   const float dp = safe_max(st.mp) - safe_max(new_mp), dq = safe_max(st.mq) - safe_max(new_mq);
   if (st.sp != 0.f) {
     const float cp = fast_exp(dp);
-    st.w = cp * (st.w + (dp - dq) * st.sp);
+    st.w = scaled_w(cp, st.w + (dp - dq) * st.sp);
     st.sp *= cp;
   }
   if (st.sq != 0.f) st.sq *= fast_exp(dq);
@@ -228,7 +234,7 @@ MRL_HD void exact_merge_into(ExactState& r, const ExactState& a) {
   if (a.sp != 0.f) {
     const float cp = fast_exp(dp);
     r.sp += a.sp * cp;
-    r.w += cp * (a.w + (dp - dq) * a.sp);
+    r.w += scaled_w(cp, a.w + (dp - dq) * a.sp);
   }
   if (a.sq != 0.f) r.sq += a.sq * fast_exp(dq);
 }

@@ -18,6 +18,7 @@ from megatron_rl import checkpoint
 from megatron_rl.config import TrainConfig, to_flat_dict
 from megatron_rl.parallel import use_cuda
 from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.threads import BackgroundThreads
 
 
 @dataclasses.dataclass
@@ -52,7 +53,7 @@ class Runtime:
     def overlaps_rollout(self) -> bool:
         return self.cfg.overlaps_rollout()
 
-    def rollout_thread(self) -> "BackgroundThreads":
+    def rollout_thread(self) -> BackgroundThreads:
         """Rank 0's background generation thread(s) (--async-level with a server engine): up to
         k requests in flight."""
         if self._rollout_pool is None:
@@ -107,7 +108,7 @@ class Runtime:
         (a managed server is killed, so its request fails at once) and the request's daemon
         thread ends with the process, even when an attached server never answers."""
         if self._rollout_pool is not None:
-            self._rollout_pool.shutdown(wait=not abort)
+            self._rollout_pool.shutdown(wait=not abort, cancel_futures=abort)
         self.engine.shutdown()
         self.scorer.close()
         if self.writer is not None:
@@ -323,45 +324,3 @@ def _truncate_metrics(path: str, step: int) -> None:
     with open(tmp, "w") as f:
         f.writelines(rows)
     os.replace(tmp, path)
-
-
-class BackgroundThreads:
-    """`workers` daemon threads running submitted calls in order; `submit` returns a
-    concurrent.futures.Future. Unlike ThreadPoolExecutor, whose threads the interpreter joins at
-    exit, a call still running when the trainer fails (a generate request to a hung server)
-    does not hold the process: it ends with it."""
-
-    def __init__(self, workers: int):
-        import queue
-        import threading
-
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"rollout-{i}", daemon=True)
-                         for i in range(workers)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn, *args):
-        import concurrent.futures
-
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                future.set_exception(exc)
-
-    def shutdown(self, wait: bool = True) -> None:
-        """Stop the threads after the calls already submitted (`wait`: join them)."""
-        for _ in self._threads:
-            self._queue.put(None)
-        if wait:
-            for t in self._threads:
-                t.join()

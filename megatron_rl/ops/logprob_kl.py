@@ -182,8 +182,9 @@ def _combine_partials(row_max, sum_exp, target_z, ent_w, owned, tp_group, with_e
     else:
         global_max = row_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-        # <= 0, between safe maxes (a shard of masked entries only: max -inf, sums 0)
-        delta = reference.safe_max(row_max) - reference.safe_max(global_max)
+        # between safe maxes, clamped at 0: a shard of masked entries only (max -inf, safe max
+        # 0, sums 0) next to a global max below 0 would give e^(-M) = inf times 0
+        delta = (reference.safe_max(row_max) - reference.safe_max(global_max)).clamp(max=0.0)
         scale = torch.exp(delta)
         parts = [sum_exp * scale,
                  torch.where(owned, target_z - global_max, torch.zeros_like(target_z))]
@@ -430,12 +431,16 @@ def _combine_exact_partials(max_p, sum_p, max_q, sum_q, w, tp_group):
     if tp_group is not None:
         maxes = torch.stack([max_p, max_q])
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
-        safe = reference.safe_max
-        delta_p, delta_q = safe(max_p) - safe(maxes[0]), safe(max_q) - safe(maxes[1])  # <= 0
+        safe = reference.safe_max  # differences clamped at 0, as in _combine_partials
+        delta_p = (safe(max_p) - safe(maxes[0])).clamp(max=0.0)
+        delta_q = (safe(max_q) - safe(maxes[1])).clamp(max=0.0)
         scale_p = torch.exp(delta_p)
         # sum_j e^(z-M_p) ((z-M_p) - (r-M_q)) = e^(m_p-M_p) (w + (delta_p - delta_q) sum_p)
-        stacked = torch.stack([sum_p * scale_p, sum_q * torch.exp(delta_q),
-                               (w + (delta_p - delta_q) * sum_p) * scale_p])
+        # scale_p = 0: this shard's policy entries have p = 0 in fp32 and add 0 to the KL, even
+        # where w is +inf (reference -inf there); as the kernels' merges
+        w_scaled = torch.where(scale_p == 0, torch.zeros_like(w),
+                               (w + (delta_p - delta_q) * sum_p) * scale_p)
+        stacked = torch.stack([sum_p * scale_p, sum_q * torch.exp(delta_q), w_scaled])
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=tp_group)
         max_p, max_q = maxes[0], maxes[1]
         sum_p, sum_q, w = stacked[0], stacked[1], stacked[2]

@@ -25,9 +25,13 @@ Kernel contract (shared by every backend; `logits_NV` is this rank's vocab shard
                d logits = d z * inv_temperature
 
 Non-finite logits, in every backend and kernel: -inf is a masked entry (probability 0; it adds
-0 to every sum, 0 log 0 = 0, and gets a zero gradient); a NaN makes its row's statistics NaN.
-Sums are relative to the "safe max" `safe_max(row_max)`: the max, or 0 where the max is -inf
-(a shard whose entries are all masked), so -inf - (-inf) never appears.
+0 to every sum, 0 log 0 = 0, and gets a zero gradient, except the one-hot term of a masked
+target, whose log-prob is -inf); so is an entry whose probability underflows in fp32 (logit
+~87+ below the row's max), whatever the reference holds there. A NaN makes its row's
+statistics NaN; so do +inf and a row with every entry masked. Sums are relative to the "safe
+max" `safe_max(row_max)`: the max, or 0 where the max is -inf (a shard whose entries are all
+masked), so -inf - (-inf) never appears. Exact KL: a policy entry with p > 0 where the
+reference is -inf makes the KL +inf (and its gradient non-finite).
 """
 from __future__ import annotations
 

@@ -58,6 +58,7 @@ from typing import Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.rollout.shm_weights import SharedBuckets
+from megatron_rl.rollout.threads import BackgroundThreads
 from megatron_rl.rollout.server import (TRANSPORT_ERRORS, ServerError, ServerRequestError,
                                         broadcast_from_rank0, dist_barrier, dist_rank)
 
@@ -104,7 +105,7 @@ class _SitOut(Exception):
 class _Member:
     index: int
     engine: object
-    executor: cf.ThreadPoolExecutor
+    executor: BackgroundThreads
     live: bool = True
     last_error: str | None = None
     served_prompts: int = 0
@@ -134,9 +135,9 @@ class ServerPool:
         # take its memory share mid-step (runtime passes False on GPUs)
         self.reboot_managed = reboot_managed
         self.num_rejoined = 0
-        self.members = [_Member(i, e, cf.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"rollout-server-{i}"))
-            for i, e in enumerate(engines)]
+        # one daemon thread per server: a request stuck on one never holds the trainer's exit
+        self.members = [_Member(i, e, BackgroundThreads(1, name=f"rollout-server-{i}"))
+                        for i, e in enumerate(engines)]
         for m in self.members:  # never pruned, unlike the exports (the weights come after)
             server = getattr(m.engine, "server", None)
             m.boot_path = getattr(server, "model_path", None)
@@ -221,6 +222,7 @@ class ServerPool:
             # the initial checkpoint: an export may be pruned while it boots; the next weight
             # update loads the current weights before it serves
             server.model_path = member.boot_path or server.model_path
+            server.reopen()  # taken out with close(): restarts are allowed again
             server.start()
         elif not server.healthy():
             raise ServerError("does not answer its health check")

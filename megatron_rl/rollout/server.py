@@ -331,9 +331,14 @@ class ManagedServer:
             return "".join(f.readlines()[-num_lines:])
 
     def close(self) -> None:
-        """Stop for good: a request still in flight fails instead of restarting the server."""
+        """Stop for good: a request still in flight fails instead of restarting the server
+        (until `reopen`)."""
         self.closed = True
         self.stop()
+
+    def reopen(self) -> None:
+        """Undo `close`: the server may be started and restarted again (a pool's rejoin)."""
+        self.closed = False
 
     def __enter__(self) -> "ManagedServer":
         return self.start()

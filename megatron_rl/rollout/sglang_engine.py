@@ -286,8 +286,9 @@ class SGLangEngine(ServerBackedEngine):
         port = self.config.nccl_master_port or free_port("0.0.0.0")
         world = 1 + self.config.tp_size
         # a name of its own per group: several servers (a pool) and a restarted server each get
-        # a new group in this process, and process-group names must be unique
-        name = self._nccl_group_name = f"mrl_weights_{next(_UPDATE_GROUP_IDS)}"
+        # a new group in this process, and process-group names must be unique (the pid: an
+        # attached server may still hold a group of an earlier trainer)
+        name = self._nccl_group_name = f"mrl_weights_{os.getpid()}_{next(_UPDATE_GROUP_IDS)}"
         addr = self.config.nccl_master_address
         result = {}
         thread = threading.Thread(target=lambda: result.update(resp=self._post(
@@ -327,9 +328,10 @@ class SGLangEngine(ServerBackedEngine):
     def _drop_update_group(self, tell_server: bool = False) -> None:
         import torch.distributed as dist
 
-        if tell_server:
+        if tell_server and self.url is not None:  # once, briefly: no restart, no long wait
             with contextlib.suppress(Exception):
-                self._post("/destroy_weights_update_group", {"group_name": self._nccl_group_name})
+                http_json("POST", self.url + "/destroy_weights_update_group",
+                          {"group_name": self._nccl_group_name}, 10.0)
         with contextlib.suppress(Exception):
             dist.destroy_process_group(self._nccl_group)
         self._nccl_group, self._nccl_group_name = None, ""

@@ -89,13 +89,16 @@ class HostBlock:
 
 
 def _inputs(kind, vocab, seed=0):
-    """fp64 (z, r): finite rows, masked rows (test_nonfinite_logits.masked_case), or those with
-    NaN in some rows."""
+    """fp64 (z, r): finite rows, masked rows (test_nonfinite_logits.masked_case), those with
+    underflowed policy entries where the reference is masked, or with NaN in some rows."""
     if kind == "finite":
         g = torch.Generator().manual_seed(seed)
         z = torch.randn(4, vocab, generator=g, dtype=torch.float64) * 3
         return z, z + torch.randn(4, vocab, generator=g, dtype=torch.float64)
     z, r, _ = masked_case(vocab, seed)
+    if kind == "underflow":  # policy entries 200 below the max (p = 0 in fp32), reference -inf
+        z[5, 100:110] = z[5].max() - 200
+        r[5, 100:110] = float("-inf")
     if kind == "nan":
         z[0, vocab // 2] = NAN
         z[1, 0] = NAN
@@ -108,7 +111,7 @@ def _same(got, want, rtol, atol):
 
 
 CASES = [("finite", 1), ("finite", 7), ("finite", 1000), ("finite", 4099),
-         ("masked", 3000), ("nan", 3000)]
+         ("masked", 3000), ("underflow", 3000), ("nan", 3000)]
 
 
 @pytest.mark.parametrize("offset", [0, 3])  # rows starting on / off a 16-byte boundary
