@@ -28,8 +28,17 @@
 #   bench-rl         tools/bench_vs_trl.py --device cuda: Qwen2.5-0.5B-shaped RL steps vs TRL
 #   bench-weight-sync  tools/bench_weight_sync.py --engines process: s/GB of a 1 GB model's sync
 #   summary          tools/gpu_summary.py write OUT_DIR
-# --only runs install, env and the listed steps (for machines that limit one command's time:
-# keep OUT_DIR outside any folder that is emptied between commands; records accumulate).
+# --only runs install, build, env and the listed steps (for machines that limit one command's
+# time: keep OUT_DIR outside any folder that is emptied between commands; records accumulate).
+# build takes seconds when megatron_rl/_C already has the CUDA kernels (e.g. a carried .so).
+# Environment: GPU_CHECK_MAX_STEP caps every step's time limit (s), GPU_CHECK_TEST_TIMEOUT is
+# pytest's per-test limit (default 300), TORCH_CUDA_ARCH_LIST defaults to this GPU's arch.
+# Through a device tool that limits a command to 10 minutes and returns few files (e.g. the
+# lent H100: device README): carry .whl/, write OUT_DIR outside $OUT and tar it there, e.g.
+#   GPU_CHECK_MAX_STEP=500 timeout 570 bash scripts/gpu_check.sh /tmp/gc \
+#       --only gpu-tests,bench-kernel; tar czf $OUT/gc.tgz -C /tmp gc
+#   tar czf $OUT/so.tgz megatron_rl/_C*.so   # unpack here and carry it: no rebuild next call
+# then --only cpu-tier-on-gpu,bench-exact-kl and --only bench-rl,bench-weight-sync.
 # --dry-run (any machine, no CUDA call): wheels present, one version each, dependencies covered
 # and installable into a temporary target for CPython 3.12; the extension's sources and
 # setup.py; pytest collects the gpu tier and the CPU-tier files; the benchmarks import and
@@ -38,7 +47,7 @@ set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 
-usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT="" WHEELS="$REPO/.whl" DRY=0 SKIP_BENCH=0 ONLY=""
 while (($#)); do
     case "$1" in
@@ -63,6 +72,11 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null && [ -x "$REPO/.venv/bin/python" ];
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+# one compile worker per process (every training subprocess compiles megatron's fusions), and
+# the CPU oracles of 4 pytest workers sharing the machine's cores
+export TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+MAX_STEP="${GPU_CHECK_MAX_STEP:-}"
 if ((DRY)); then
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
@@ -79,13 +93,14 @@ if [ -z "$ONLY" ]; then  # a fresh report (--only adds to the one in OUT_DIR)
 fi
 
 selected() {  # selected NAME: whether --only (if given) asks for this step
-    case "$1" in install|env|dry-*) return 0 ;; esac
+    case "$1" in install|build|env|dry-*) return 0 ;; esac
     [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]]
 }
 # step NAME TIMEOUT_S CMD...: run CMD under a timeout, log to OUT/NAME.log, record the outcome
 step() {
     local name="$1" limit="$2"; shift 2
     selected "$name" || return 0
+    if [ -n "$MAX_STEP" ] && (( limit > MAX_STEP )); then limit="$MAX_STEP"; fi
     local log="$OUT/$name.log" start end rc
     if (( $(date +%s) - T0 >= BUDGET )); then
         skip "$name" "not started: ${BUDGET} s budget spent (GPU_CHECK_BUDGET)"; return 0
@@ -138,7 +153,8 @@ else
     # where the plugins are installed (they are on the lent H100/H200 image): 300 s per test, so
     # that one hang does not cost the step's junit report; 4 pytest workers sharing the GPU
     PYTEST_OPTS=()
-    "$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST_OPTS+=(--timeout 300)
+    "$PYTHON" -c "import pytest_timeout" 2>/dev/null && \
+        PYTEST_OPTS+=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-300}")
     "$PYTHON" -c "import xdist" 2>/dev/null && PYTEST_OPTS+=(-n 4)
     step install 120 bash -c "ls '$WHEELS'/*.whl >/dev/null && mkdir -p '$SITE' && \
         '$PYTHON' -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -146,9 +162,18 @@ else
         '$PYTHON' -c 'import megatron.core, trl, datasets, math_verify, torch; \
 print(\"megatron-core\", megatron.core.__version__, \"trl\", trl.__version__, \
 \"torch\", torch.__version__, \"cuda\", torch.cuda.is_available())'"
-    step build 600 bash -c "command -v nvcc && '$PYTHON' setup.py build_ext --inplace && \
-        '$PYTHON' -c 'from megatron_rl.ops import extension_backends as e; b = e(); print(b); \
-assert \"cuda\" in b, \"megatron_rl._C was built without the CUDA kernels\"'"
+    # this GPU's architecture only, unless TORCH_CUDA_ARCH_LIST says otherwise
+    : "${TORCH_CUDA_ARCH_LIST:=$("$PYTHON" -c 'import torch; print("%d.%d" % \
+torch.cuda.get_device_capability())' 2>/dev/null)}"
+    export TORCH_CUDA_ARCH_LIST
+    has_cuda_kernels="from megatron_rl.ops import extension_backends as e; b = e(); print(b); \
+assert 'cuda' in b, 'megatron_rl._C was built without the CUDA kernels'"
+    # an import error of the built module (e.g. an undefined symbol) is shown as it is
+    step build 600 bash -c "if '$PYTHON' -c \"$has_cuda_kernels\" 2>/dev/null; then \
+        echo 'megatron_rl._C already has the CUDA kernels: not rebuilt'; else \
+        command -v nvcc && echo TORCH_CUDA_ARCH_LIST=\$TORCH_CUDA_ARCH_LIST && \
+        '$PYTHON' setup.py build_ext --inplace && '$PYTHON' -c 'import torch, megatron_rl._C' && \
+        '$PYTHON' -c \"$has_cuda_kernels\"; fi"
     step env 60 "$PYTHON" tools/gpu_summary.py env "$OUT" --require-cuda
     step gpu-tests 720 "$PYTHON" -m pytest -m gpu tests -p no:cacheprovider -q -rs \
         "${PYTEST_OPTS[@]}" --junitxml "$OUT/junit_gpu.xml"

@@ -124,7 +124,12 @@ def bench_exact(backends, n, v, dtype, device, reps) -> list[dict]:
     """Rows for k1-path / exact-path / exact-op per backend, ratios to that backend's k1-path."""
     logits, targets, ref_lp = make_inputs(n, v, dtype, device)
     gen = torch.Generator(device=device).manual_seed(1)
-    ref_logits = (logits.float() + torch.randn(n, v, generator=gen, device=device)).to(dtype)
+    ref_logits = torch.empty_like(logits)  # in row chunks: at 32768 x 152064 the whole-tensor
+    step = max(1, (1 << 28) // v)          # fp32 temporaries alone would take ~60 GiB
+    for i in range(0, n, step):
+        rows = logits[i:i + step].float()
+        ref_logits[i:i + step] = rows.add_(torch.randn(rows.shape, generator=gen,
+                                                       device=device)).to(dtype)
     ref = (ref_lp, ref_logits)
     methods = {}
     for b in backends:

@@ -68,6 +68,8 @@ def run_op(z, r, targets, weights, backend, dtype):
     """The fused op (log-prob + entropy + exact KL, one gradient buffer) and the standalone
     exact_kl: per-row [logprob, entropy, KL] and the gradients of both."""
     device = "cuda" if backend == "cuda" else "cpu"
+    if backend == "cuda":  # a build without the kernel would fall back to torch and pass
+        assert "cuda" in extension_backends(), "megatron_rl._C was built without CUDA kernels"
     x = z.to(dtype).to(device).requires_grad_(True)
     ref = r.to(dtype).to(device)
     w = weights.to(device)
