@@ -9,7 +9,7 @@
       optimizer   OptimConfig      Adam and the learning-rate schedule
       eval        EvalConfig       periodic evaluation
       checkpoint  CheckpointConfig save / load / finetune
-      train_iters, seed, log_interval
+      train_iters, seed, deterministic_mode, log_interval
 
 Each setting is declared once, in the dataclass of the module that consumes it (ParallelConfig in
 parallel.py, ModelOptions in models/config.py, OptimConfig in models/policy.py, LossConfig in
@@ -161,6 +161,9 @@ class TrainConfig:
     checkpoint: CheckpointConfig = _field(default_factory=CheckpointConfig)
     train_iters: int = 100
     seed: int = 1234
+    # Megatron's --deterministic-mode: deterministic kernels (parallel.init_distributed), for
+    # bitwise-reproducible GPU runs and resumes; slower. CPU runs are deterministic already.
+    deterministic_mode: bool = False
     log_interval: int = 1
 
     @property

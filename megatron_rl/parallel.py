@@ -89,12 +89,21 @@ def set_seed(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600) -> int:
+def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600,
+                     deterministic: bool = False) -> int:
     """Initialise torch.distributed from torchrun's env vars and megatron's model-parallel groups.
 
     Works without torchrun too (a single process, world size 1). Returns the data-parallel size.
+    `deterministic` (--deterministic-mode): deterministic torch kernels (those without one warn
+    and run anyway), cuBLAS with a fixed workspace and NCCL's ring algorithm, set before CUDA
+    and NCCL start; the environment's own settings win.
     """
     from megatron.core import parallel_state
+
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
     if not use_cuda():
         from megatron_rl.compat import apply_cpu_compat

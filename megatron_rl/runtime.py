@@ -267,7 +267,7 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
     from megatron_rl.rewards import RewardScorer
 
     algo, save = cfg.algorithm, cfg.checkpoint.save
-    dp = init_distributed(cfg.parallel, seed=cfg.seed)
+    dp = init_distributed(cfg.parallel, seed=cfg.seed, deterministic=cfg.deterministic_mode)
     if algo.num_prompts_per_step % (dp * algo.ppo_minibatches):
         raise ValueError(f"--num-prompts-per-step {algo.num_prompts_per_step} must be divisible by "
                          f"data-parallel size {dp} x --ppo-minibatches {algo.ppo_minibatches}")

@@ -32,8 +32,10 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tiny_char_model, tiny_char
                                                      arithmetic_jsonl, tmp_path):
     iters = 6
     ref_dir, killed_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
-    # KL to a different reference in the loss and the reward: the policy moves from step 1 on
-    kl = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0"]
+    # KL to a different reference in the loss and the reward: the policy moves from step 1 on;
+    # deterministic kernels, so that on a GPU too both runs can agree to float rounding
+    kl = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0",
+          "--deterministic-mode"]
     subprocess.run(_train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, ref_dir, iters, kl,
                                           ref=tiny_char_ref)),
                    check=True, env=_env(), capture_output=True, timeout=600)
@@ -320,10 +322,12 @@ def test_start_from_converted_checkpoint_then_resume(tiny_char_model, tiny_char_
 def test_bf16_run_saves_and_resumes_exactly(tiny_char_model, tiny_char_ref, arithmetic_jsonl,
                                             tmp_path):
     """--bf16 (bf16 weights, fp32 main params and grads) saves and resumes: a run stopped after
-    2 of 3 steps and restarted logs the uninterrupted run's step 3 (CPU: bitwise)."""
+    2 of 3 steps and restarted logs the uninterrupted run's step 3 (bitwise, with
+    --deterministic-mode on a GPU as on CPU)."""
     full, stopped = str(tmp_path / "full"), str(tmp_path / "stopped")
     extra = ["--bf16", "--save-interval", "1", "--kl-placement", "reward+loss",
-             "--kl-coef", "1.0", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine"]
+             "--kl-coef", "1.0", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
+             "--deterministic-mode"]
     subprocess.run(_train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, full, 3, extra,
                                           ref=tiny_char_ref)),
                    check=True, env=_env(), capture_output=True, timeout=600)
