@@ -63,6 +63,9 @@ int64_t grain_rows(int64_t vocab) { return std::max<int64_t>(1, (int64_t{1} << 1
 // entries add 0 and get no gradient, NaN propagates.
 double safe_max64(double m) { return m == -INFINITY ? 0.0 : m; }
 double times_unless_zero64(double e, double d) { return e == 0.0 ? 0.0 : e * d; }
+// the exact KL's w term: as times_unless_zero64, except that d = +inf (a policy entry where the
+// reference is masked) stays +inf however small p: the KL is +inf
+double kl_term64(double e, double d) { return d == INFINITY ? d : times_unless_zero64(e, d); }
 
 void partials_rows_f64(const double* logits, const int64_t* targets, int64_t begin, int64_t end,
                        int64_t vocab, int64_t vocab_start, double inv_t, bool with_entropy,
@@ -124,7 +127,7 @@ void exact_partials_rows_f64(const double* logits, const double* ref, int64_t be
       const double e = std::exp(dz);
       sp += e;
       sq += std::exp(dr);
-      w += times_unless_zero64(e, dz - dr);
+      w += kl_term64(e, dz - dr);
     }
     max_p[i] = mp;
     sum_p[i] = sp;

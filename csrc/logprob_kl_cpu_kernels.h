@@ -81,11 +81,14 @@ static inline vf vexp(vf x) { return x < -87.0f ? vf{} : vexp_core(x); }
 
 static inline vf vexp_times(vf x, vf f) { return x < -87.0f ? vf{} : vexp_core(x) * f; }
 
-// e = exp(x) and exp(x) * f, sharing one exp.
+// e = exp(x) and exp(x) * f, sharing one exp; where exp(x) is 0 the product is 0, except that
+// f = +inf stays +inf (the exact KL's policy entry where the reference is masked: KL = +inf
+// however small p).
 static inline vf vexp_and_times(vf x, vf f, vf& times) {
   const vi underflow = x < -87.0f;
   const vf y = vexp_core(x);
-  times = underflow ? vf{} : y * f;
+  const vf inf = splat(INFINITY);
+  times = underflow ? (f == inf ? inf : vf{}) : y * f;
   return underflow ? vf{} : y;
 }
 
@@ -314,9 +317,7 @@ void exact_partials_rows(const T* logits, const T* ref, int64_t row_begin, int64
         const double dq = static_cast<double>(safe_max(mq)) - safe_max(nmq);
         if (sp != 0.0) {  // s_p and s_q move independently: masked policy entries leave s_p = 0
           const double cp = std::exp(dp);
-          // cp below fp32's range: those entries have p = 0 in fp32 and count as masked, even
-          // where their w is +inf (the reference -inf); as the torch and CUDA backends
-          w = static_cast<float>(cp) == 0.0f ? 0.0 : cp * (w + (dp - dq) * sp);
+          if (w != INFINITY) w = cp * (w + (dp - dq) * sp);  // +inf stays (cp may be 0)
           sp *= cp;
         }
         if (sq != 0.0) sq *= std::exp(dq);

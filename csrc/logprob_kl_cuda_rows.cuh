@@ -196,11 +196,9 @@ struct ExactState {
   float w;
 };
 
-// cp * w for a state's w moved to a larger policy max. When cp underflows to 0 the state's
-// policy entries have p = 0 in fp32: they count as masked and add 0, even where their w is +inf
-// (an entry that was the state's own max, where the reference is -inf). NaN stays NaN (in s_p
-// or s_q as well, so the row is NaN either way).
-MRL_HD float scaled_w(float cp, float w) { return cp == 0.f ? 0.f : cp * w; }
+// cp * w for a state's w moved to a larger policy max; +inf (a policy entry where the
+// reference is masked: KL = +inf) stays +inf, also where cp underflows to 0.
+MRL_HD float scaled_w(float cp, float w) { return w == INFINITY ? w : cp * w; }
 
 MRL_HD ExactState empty_exact_state() { return ExactState{-INFINITY, 0.f, -INFINITY, 0.f, 0.f}; }
 
@@ -221,7 +219,8 @@ MRL_HD void exact_accumulate(ExactState& st, float z, float r) {
   const float e = fast_exp(dz);
   st.sp += e;
   st.sq += fast_exp(dr);
-  st.w += e == 0.f ? 0.f : e * (dz - dr);  // p = 0 adds nothing, whatever q is
+  const float d = dz - dr;  // +inf: a policy entry where the reference is masked (KL = +inf)
+  st.w += e == 0.f ? (d == INFINITY ? d : 0.f) : e * d;  // otherwise p = 0 adds 0
 }
 
 MRL_HD void exact_add(ExactState& st, float z, float r) {

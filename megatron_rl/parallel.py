@@ -103,6 +103,7 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         os.environ.setdefault("NCCL_ALGO", "Ring")
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # TransformerEngine
         torch.use_deterministic_algorithms(True, warn_only=True)
 
     if not use_cuda():

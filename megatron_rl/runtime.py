@@ -152,7 +152,8 @@ def _make_engine(cfg: TrainConfig, policy, pad_id: int):
                                                                          engine),
             dtype=dtype, seed=cfg.seed, pad_token_id=pad_id, cores=tuple(r.rollout_process_cores),
             sync="tensor" if r.weight_sync == "auto" else r.weight_sync,
-            bucket_bytes=r.weight_sync_bucket_mb << 20), policy=policy)
+            bucket_bytes=r.weight_sync_bucket_mb << 20, deterministic=cfg.deterministic_mode),
+            policy=policy)
     # servers start from the initial HF weights and are synced after every step
     work_dir = os.path.join(cfg.checkpoint.save, engine)
     max_len = policy.args.max_position_embeddings  # servers refuse a longer context

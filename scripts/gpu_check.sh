@@ -34,11 +34,12 @@
 # Environment: GPU_CHECK_MAX_STEP caps every step's time limit (s), GPU_CHECK_TEST_TIMEOUT is
 # pytest's per-test limit (default 300), TORCH_CUDA_ARCH_LIST defaults to this GPU's arch.
 # Through a device tool that limits a command to 10 minutes and returns few files (e.g. the
-# lent H100: device README): carry .whl/, write OUT_DIR outside $OUT and tar it there, e.g.
-#   GPU_CHECK_MAX_STEP=500 timeout 570 bash scripts/gpu_check.sh /tmp/gc \
-#       --only gpu-tests,bench-kernel; tar czf $OUT/gc.tgz -C /tmp gc
-#   tar czf $OUT/so.tgz megatron_rl/_C*.so   # unpack here and carry it: no rebuild next call
-# then --only cpu-tier-on-gpu,bench-exact-kl and --only bench-rl,bench-weight-sync.
+# lent H100: device README): carry .whl/, one heavy step per call, OUT_DIR outside $OUT and
+# tarred there. The first call builds (~2 min with one arch):
+#   GPU_CHECK_MAX_STEP=400 bash scripts/gpu_check.sh /tmp/gc --only gpu-tests; \
+#   tar czf $OUT/gc.tgz -C /tmp gc; tar czf $OUT/so.tgz megatron_rl/_C*.so
+# unpack so.tgz here and carry the .so too: later calls skip the build (GPU_CHECK_MAX_STEP=520),
+# --only cpu-tier-on-gpu, then bench-kernel,bench-exact-kl, then bench-rl, bench-weight-sync.
 # --dry-run (any machine, no CUDA call): wheels present, one version each, dependencies covered
 # and installable into a temporary target for CPython 3.12; the extension's sources and
 # setup.py; pytest collects the gpu tier and the CPU-tier files; the benchmarks import and
@@ -47,7 +48,7 @@ set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 
-usage() { sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 OUT="" WHEELS="$REPO/.whl" DRY=0 SKIP_BENCH=0 ONLY=""
 while (($#)); do
     case "$1" in

@@ -436,10 +436,9 @@ def _combine_exact_partials(max_p, sum_p, max_q, sum_q, w, tp_group):
         delta_q = (safe(max_q) - safe(maxes[1])).clamp(max=0.0)
         scale_p = torch.exp(delta_p)
         # sum_j e^(z-M_p) ((z-M_p) - (r-M_q)) = e^(m_p-M_p) (w + (delta_p - delta_q) sum_p)
-        # scale_p = 0: this shard's policy entries have p = 0 in fp32 and add 0 to the KL, even
-        # where w is +inf (reference -inf there); as the kernels' merges
-        w_scaled = torch.where(scale_p == 0, torch.zeros_like(w),
-                               (w + (delta_p - delta_q) * sum_p) * scale_p)
+        # w = +inf (a policy entry where the reference is masked) stays +inf, also where
+        # scale_p underflows to 0; as in the kernels' merges
+        w_scaled = torch.where(w == float("inf"), w, (w + (delta_p - delta_q) * sum_p) * scale_p)
         stacked = torch.stack([sum_p * scale_p, sum_q * torch.exp(delta_q), w_scaled])
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=tp_group)
         max_p, max_q = maxes[0], maxes[1]

@@ -26,12 +26,12 @@ Kernel contract (shared by every backend; `logits_NV` is this rank's vocab shard
 
 Non-finite logits, in every backend and kernel: -inf is a masked entry (probability 0; it adds
 0 to every sum, 0 log 0 = 0, and gets a zero gradient, except the one-hot term of a masked
-target, whose log-prob is -inf); so is an entry whose probability underflows in fp32 (logit
-~87+ below the row's max), whatever the reference holds there. A NaN makes its row's
-statistics NaN; so do +inf and a row with every entry masked. Sums are relative to the "safe
-max" `safe_max(row_max)`: the max, or 0 where the max is -inf (a shard whose entries are all
-masked), so -inf - (-inf) never appears. Exact KL: a policy entry with p > 0 where the
-reference is -inf makes the KL +inf (and its gradient non-finite).
+target, whose log-prob is -inf). A NaN makes its row's statistics NaN; so do +inf and a row
+with every entry masked. Sums are relative to the "safe max" `safe_max(row_max)`: the max, or 0
+where the max is -inf (a shard whose entries are all masked), so -inf - (-inf) never appears.
+Exact KL: a policy entry that is not masked where the reference's is makes the KL +inf, as it
+is mathematically, however small its probability (even where e^(z - max) underflows to 0: the
+partial `w` keeps +inf through every rescale); that row's gradient is then not finite.
 """
 from __future__ import annotations
 
@@ -193,9 +193,11 @@ def exact_kl_partials_torch(logits_NV: torch.Tensor, ref_NV: torch.Tensor):
         max_p[r0:r1], max_q[r0:r1] = mp, mq
         sum_q[r0:r1] = torch.exp(r).sum(dim=1)
         r.neg_().add_(z)                          # d = (z - max_p) - (r - max_q)
+        infinite = (r == float("inf")).any(dim=1)  # a policy entry where the reference is masked
         e = torch.exp(z)
         sum_p[r0:r1] = e.sum(dim=1)
-        w[r0:r1] = e.mul_(r.masked_fill_(e == 0, 0.0)).sum(dim=1)  # p = 0 adds 0, whatever q
+        wi = e.mul_(r.masked_fill_(e == 0, 0.0)).sum(dim=1)  # p = 0 adds 0 (finite q)...
+        w[r0:r1] = wi.masked_fill_(infinite, float("inf"))   # ...and +inf where q = 0
         del z, r, e
     return max_p, sum_p, max_q, sum_q, w
 

@@ -135,6 +135,7 @@ class ServerPool:
         # take its memory share mid-step (runtime passes False on GPUs)
         self.reboot_managed = reboot_managed
         self.num_rejoined = 0
+        self._shut_down = False
         # one daemon thread per server: a request stuck on one never holds the trainer's exit
         self.members = [_Member(i, e, BackgroundThreads(1, name=f"rollout-server-{i}"))
                         for i, e in enumerate(engines)]
@@ -210,10 +211,11 @@ class ServerPool:
             m.rejoins += 1
             m.rejoin = m.executor.submit(self._bring_up, m)
 
-    @staticmethod
-    def _bring_up(member: _Member) -> None:
+    def _bring_up(self, member: _Member) -> None:
         if member.stopping is not None:  # the stop of the failed process first
             member.stopping.join()
+        if self._shut_down:  # the pool shut down meanwhile: boot nothing
+            raise ServerError("the pool was shut down")
         e = member.engine
         server = getattr(e, "server", None)
         if server is None:
@@ -275,6 +277,7 @@ class ServerPool:
             raise self._no_server_left("startup")
 
     def shutdown(self) -> None:
+        self._shut_down = True
         for m in self.members:
             _quiet_shutdown(m.engine)
         if self._buckets is not None:

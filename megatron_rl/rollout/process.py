@@ -65,6 +65,7 @@ class ProcessConfig:
     bucket_bytes: int = 512 << 20
     startup_timeout: float = 600.0
     request_timeout: float = 3600.0
+    deterministic: bool = False         # --deterministic-mode in the child too
 
 
 class ProcessEngine:
@@ -245,7 +246,7 @@ def _serve(conn, config: ProcessConfig) -> None:
         from megatron_rl.rollout.local import LocalEngine
         from megatron_rl.rollout.weight_sync import to_torch_dtype
 
-        init_distributed(ParallelConfig(), seed=config.seed)
+        init_distributed(ParallelConfig(), seed=config.seed, deterministic=config.deterministic)
         args = ModelArgs.from_pretrained(config.hf_checkpoint)
         policy = Policy(args, trainable=False, params_dtype=to_torch_dtype(config.dtype))
         policy.load_hf(config.hf_checkpoint)

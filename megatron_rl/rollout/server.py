@@ -179,8 +179,11 @@ class ManagedServer:
         """Start the process (managed) or check the attached server, and wait until healthy.
 
         wait=False returns right after launching; a later start() waits for that process.
+        A closed server (`close`) is not started again until `reopen`.
         """
         with self._lock:
+            if self.closed:
+                raise ServerError(f"{self.name} was shut down: not starting it (reopen first)")
             if not self.managed:
                 self.wait_healthy(self.startup_timeout)
                 if self.on_start is not None:
@@ -331,8 +334,8 @@ class ManagedServer:
             return "".join(f.readlines()[-num_lines:])
 
     def close(self) -> None:
-        """Stop for good: a request still in flight fails instead of restarting the server
-        (until `reopen`)."""
+        """Stop for good: a request still in flight fails instead of restarting the server, and
+        `start` refuses (until `reopen`)."""
         self.closed = True
         self.stop()
 

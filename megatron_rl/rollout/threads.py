@@ -48,21 +48,23 @@ class BackgroundThreads:
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         """No more submits. `cancel_futures`: calls not started yet are cancelled (a running
-        one is not interrupted); `wait`: join the threads (after the calls still to run)."""
+        one is not interrupted; waiters in cf.wait are woken); `wait`: join the threads, after
+        the calls still to run (not the calling thread, when a worker shuts its own pool)."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if cancel_futures:
-                while True:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is not None:
-                        item[0].cancel()
-            for _ in self._threads:
-                self._queue.put(None)
+            if not self._closed:
+                self._closed = True
+                if cancel_futures:
+                    while True:
+                        try:
+                            item = self._queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        if item is not None:
+                            item[0].cancel()
+                            item[0].set_running_or_notify_cancel()  # wakes cf.wait's waiters
+                for _ in self._threads:
+                    self._queue.put(None)
         if wait:
             for t in self._threads:
-                t.join()
+                if t is not threading.current_thread():
+                    t.join()

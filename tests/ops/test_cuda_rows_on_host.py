@@ -90,15 +90,17 @@ class HostBlock:
 
 def _inputs(kind, vocab, seed=0):
     """fp64 (z, r): finite rows, masked rows (test_nonfinite_logits.masked_case), those with
-    underflowed policy entries where the reference is masked, or with NaN in some rows."""
+    underflowed policy entries where the reference is masked (KL +inf), or with NaN."""
     if kind == "finite":
         g = torch.Generator().manual_seed(seed)
         z = torch.randn(4, vocab, generator=g, dtype=torch.float64) * 3
         return z, z + torch.randn(4, vocab, generator=g, dtype=torch.float64)
     z, r, _ = masked_case(vocab, seed)
-    if kind == "underflow":  # policy entries 200 below the max (p = 0 in fp32), reference -inf
-        z[5, 100:110] = z[5].max() - 200
+    if kind == "underflow":  # policy entries 95 below the max (e^-95 = 0 in fp32), reference -inf
+        z[5, 100:110] = z[5].max() - 95
         r[5, 100:110] = float("-inf")
+        z[4, :vocab // 2] = z[4].max() - 95  # a thread's whole share low at first
+        r[4, :100] = float("-inf")
     if kind == "nan":
         z[0, vocab // 2] = NAN
         z[1, 0] = NAN

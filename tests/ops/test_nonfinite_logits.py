@@ -118,25 +118,28 @@ def test_policy_mass_where_the_reference_is_masked_makes_the_kl_infinite(backend
     torch.testing.assert_close(kl[4], (logp.exp() * (logp - logq)).sum(), rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("below", [95, 200])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_underflowed_policy_entries_where_the_reference_is_masked_add_nothing(backend, dtype):
-    """A policy entry whose probability underflows (logit 200 below the row's max: e^-200 is 0
-    in fp32) counts as masked, whatever the reference holds there: -inf there adds 0 (not
-    0 * inf = NaN) and the KL is that of the other entries."""
+def test_improbable_policy_entries_where_the_reference_is_masked_make_the_kl_infinite(
+        backend, dtype, below):
+    """KL(p || q) is +inf wherever p > 0 = q, however small p: a policy entry 95 or 200 below
+    the row's max (e^(z - max) is 0 in fp32) where the reference is -inf still makes the KL
+    +inf, in every backend and whatever the order (here the low entries fill the CPU kernel's
+    whole first block, where one of them is the block's own max at first). Other rows keep
+    finite values and gradients."""
     z, r, targets = masked_case()
+    z[5, 2500] = z[5].max() + 5
     low = torch.zeros(z.shape[1], dtype=torch.bool)
-    low[100:110] = low[2990:] = True
-    z[5, low] = z[5].max() - 200
-    r[5, low] = NEG_INF
+    low[:2048] = low[2990:] = True
+    z[5, low] = z[5, 2500] - below
+    clean = run_op(z, r, targets, torch.ones(6, 3, dtype=torch.float64), backend, dtype)
+    r[5, 100:110] = r[5, 2995:] = NEG_INF
     values, grad, kl, kl_grad = run_op(z, r, targets, torch.ones(6, 3, dtype=torch.float64),
                                        backend, dtype)
-    keep = ~low
-    zr = z[5].to(dtype).double()
-    logp = torch.log_softmax(zr[keep], 0)
-    logq = torch.log_softmax(r[5].to(dtype).double()[keep], 0)
-    torch.testing.assert_close(kl[5], (logp.exp() * (logp - logq)).sum(), rtol=1e-5, atol=2e-5)
-    assert torch.isfinite(grad[5]).all() and (kl_grad[5, low] == 0).all()
+    assert kl[5] == float("inf") and values[5, 2] == float("inf")
+    assert torch.isfinite(clean[2][5])  # the same row with the reference finite there
+    assert torch.isfinite(kl[:5]).all() and torch.isfinite(kl_grad[:5]).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -165,14 +168,16 @@ def test_a_nan_logit_makes_its_row_nan(backend, dtype):
 def _tp2_inputs(split):
     vocab = sum(split)
     z, r, _ = masked_case(vocab, seed=3)
-    z, r = z[5:].repeat(4, 1), r[5:].repeat(4, 1)  # four unmasked rows to start from
+    z, r = z[5:].repeat(5, 1), r[5:].repeat(5, 1)  # five unmasked rows to start from
     z[0, :split[0] + 7] = NEG_INF                   # rank 0's shard all masked
     r[0, :split[0] + 7] = NEG_INF
     z[1, split[0] + 3] = NAN                        # a NaN on rank 1 only
     z[3], r[3] = z[0] - 100, r[0] - 100             # the same, every logit below -88:
                                                     # e^(0 - max) overflows if not guarded
-    targets = torch.tensor([vocab - 1, 0, split[0] + 1, vocab - 1])
-    weights = torch.tensor([[1.0, 0.5, 2.0]], dtype=torch.float64).repeat(4, 1)
+    z[4, :split[0]] = z[4].max() - 200              # rank 0: improbable policy entries where
+    r[4, :10] = NEG_INF                             # the reference is masked: KL +inf
+    targets = torch.tensor([vocab - 1, 0, split[0] + 1, vocab - 1, vocab - 1])
+    weights = torch.tensor([[1.0, 0.5, 2.0]], dtype=torch.float64).repeat(5, 1)
     return z, r, targets, weights
 
 
@@ -198,7 +203,8 @@ def test_tp2_masked_shard_and_nan_equal_tp1():
         torch.testing.assert_close(values.double(), tp1_values, rtol=1e-5, atol=2e-5,
                                    equal_nan=True)
         assert values[1].isnan().all() and torch.isfinite(values[[0, 2, 3]]).all()
+        assert values[4, 2] == float("inf") and torch.isfinite(values[4, :2]).all()
         assert (grad[0, :split[0]] == 0).all()
-        rtol = GRAD_RTOL[dtype]
-        torch.testing.assert_close(grad.double(), tp1_grad, rtol=rtol, equal_nan=True,
-                                   atol=rtol * tp1_grad.nan_to_num().abs().max())
+        rtol = GRAD_RTOL[dtype]  # (row 4's gradient is not finite: its KL is +inf)
+        torch.testing.assert_close(grad[:4].double(), tp1_grad[:4], rtol=rtol, equal_nan=True,
+                                   atol=rtol * tp1_grad[:4].nan_to_num().abs().max())

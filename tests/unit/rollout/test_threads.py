@@ -2,6 +2,7 @@
 and of a server pool. A user relies on: calls run in order and deliver results and exceptions
 through their futures; cancelled queued calls never run; and a call that never returns does not
 hold the process at exit (ThreadPoolExecutor's would, for the request's whole timeout)."""
+import concurrent.futures as cf
 import subprocess
 import sys
 import threading
@@ -33,13 +34,19 @@ def test_shutdown_cancels_queued_calls_and_refuses_new_ones():
     running = pool.submit(release.wait, 10)
     queued = [pool.submit(time.sleep, 0) for _ in range(3)]
     time.sleep(0.1)
+    waited = {}  # a pool's generate waits on its chunks with cf.wait: it must wake up
+    waiter = threading.Thread(target=lambda: waited.update(
+        done=cf.wait(queued, timeout=10, return_when=cf.ALL_COMPLETED).done))
+    waiter.start()
     pool.shutdown(wait=False, cancel_futures=True)
-    assert all(f.cancelled() for f in queued)
+    waiter.join()
+    assert all(f.cancelled() for f in queued) and waited["done"] == set(queued)
     with pytest.raises(RuntimeError, match="after shutdown"):
         pool.submit(time.sleep, 0)
     release.set()
     assert running.result(timeout=10) is True  # the running call was not interrupted
-    pool.shutdown()  # idempotent
+    pool.shutdown()  # a second call still joins the threads
+    assert not any(t.is_alive() for t in pool._threads)
 
 
 def test_a_call_that_never_returns_does_not_hold_the_exit():
