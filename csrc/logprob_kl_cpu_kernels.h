@@ -81,14 +81,19 @@ static inline vf vexp(vf x) { return x < -87.0f ? vf{} : vexp_core(x); }
 
 static inline vf vexp_times(vf x, vf f) { return x < -87.0f ? vf{} : vexp_core(x) * f; }
 
-// e = exp(x) and exp(x) * f, sharing one exp; where exp(x) is 0 the product is 0, except that
-// f = +inf stays +inf (the exact KL's policy entry where the reference is masked: KL = +inf
-// however small p).
+// e = exp(x) and exp(x) * f, sharing one exp; where exp(x) is 0 the product is 0. kKeepInf:
+// f = +inf stays +inf there (the exact KL's policy entry where the reference is masked: the KL
+// is +inf however small p).
+template <bool kKeepInf = false>
 static inline vf vexp_and_times(vf x, vf f, vf& times) {
   const vi underflow = x < -87.0f;
   const vf y = vexp_core(x);
-  const vf inf = splat(INFINITY);
-  times = underflow ? (f == inf ? inf : vf{}) : y * f;
+  if (kKeepInf) {
+    const vf inf = splat(INFINITY);
+    times = underflow ? (f == inf ? inf : vf{}) : y * f;
+  } else {
+    times = underflow ? vf{} : y * f;
+  }
   return underflow ? vf{} : y;
 }
 
@@ -336,8 +341,8 @@ void exact_partials_rows(const T* logits, const T* ref, int64_t row_begin, int64
         const vf dz0 = vload(bz + j) - vmp, dz1 = vload(bz + j + kW) - vmp;
         const vf dr0 = vload(br + j) - vmq, dr1 = vload(br + j + kW) - vmq;
         vf wz0, wz1;  // p = 0 adds 0 to w, whatever q
-        s0 += vexp_and_times(dz0, dz0 - dr0, wz0);
-        s1 += vexp_and_times(dz1, dz1 - dr1, wz1);
+        s0 += vexp_and_times<true>(dz0, dz0 - dr0, wz0);
+        s1 += vexp_and_times<true>(dz1, dz1 - dr1, wz1);
         q0 += vexp(dr0);
         q1 += vexp(dr1);
         w0 += wz0;
