@@ -334,6 +334,9 @@ def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_pa
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
         init_method_std=float(args.hf_config.get("initializer_range", 0.02)),
+        # --deterministic-mode (parallel.init_distributed turns torch's on): megatron's own
+        # deterministic paths too, e.g. the embedding's backward without atomics
+        deterministic_mode=torch.are_deterministic_algorithms_enabled(),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

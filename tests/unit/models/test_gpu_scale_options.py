@@ -227,6 +227,19 @@ def test_distributed_optimizer_runs_on_cpu_and_matches_the_plain_one(dist_env):
         torch.testing.assert_close(out[True][0][k], v, rtol=0, atol=1e-6)
 
 
+def test_deterministic_mode_reaches_megatron():
+    """--deterministic-mode turns torch's deterministic algorithms on (init_distributed) and
+    megatron's TransformerConfig follows it (its embedding then avoids F.embedding's atomics)."""
+    from megatron_rl.models.config import transformer_config
+
+    assert not transformer_config(_args()).deterministic_mode
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert transformer_config(_args()).deterministic_mode
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 # -- fusions and attention backend ---------------------------------------------------------------
 
 def test_fusions_are_off_without_cuda_and_refused_when_forced(monkeypatch):
