@@ -34,7 +34,6 @@ static inline vf splat(float x) { return vf{} + x; }
 
 static inline float safe_max(float m) { return m == -INFINITY ? 0.0f : m; }
 
-
 static inline float hmax(vf v) {
   float m = v[0];
   for (int l = 1; l < kW; ++l) m = v[l] > m ? v[l] : m;

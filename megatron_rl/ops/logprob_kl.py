@@ -182,9 +182,7 @@ def _combine_partials(row_max, sum_exp, target_z, ent_w, owned, tp_group, with_e
     else:
         global_max = row_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-        # between safe maxes, clamped at 0: a shard of masked entries only (max -inf, safe max
-        # 0, sums 0) next to a global max below 0 would give e^(-M) = inf times 0
-        delta = (reference.safe_max(row_max) - reference.safe_max(global_max)).clamp(max=0.0)
+        delta = reference.safe_delta(row_max, global_max)  # <= 0
         scale = torch.exp(delta)
         parts = [sum_exp * scale,
                  torch.where(owned, target_z - global_max, torch.zeros_like(target_z))]
@@ -431,9 +429,8 @@ def _combine_exact_partials(max_p, sum_p, max_q, sum_q, w, tp_group):
     if tp_group is not None:
         maxes = torch.stack([max_p, max_q])
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=tp_group)
-        safe = reference.safe_max  # differences clamped at 0, as in _combine_partials
-        delta_p = (safe(max_p) - safe(maxes[0])).clamp(max=0.0)
-        delta_q = (safe(max_q) - safe(maxes[1])).clamp(max=0.0)
+        delta_p = reference.safe_delta(max_p, maxes[0])  # <= 0
+        delta_q = reference.safe_delta(max_q, maxes[1])
         scale_p = torch.exp(delta_p)
         # sum_j e^(z-M_p) ((z-M_p) - (r-M_q)) = e^(m_p-M_p) (w + (delta_p - delta_q) sum_p)
         # w = +inf (a policy entry where the reference is masked) stays +inf, also where
@@ -475,9 +472,9 @@ def exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor, *, tp_group=None,
 
     Args:
         logits: [..., V_local] policy logits (bf16/fp16/fp32; fp64 for testing), this rank's vocab
-            shard. -inf masks an entry (p_v = 0 adds 0, whatever q_v; a policy entry with
-            p_v > 0 where the reference's is -inf makes the KL +inf); a NaN makes its row's KL
-            NaN. Differentiable: d KL / d z_v = p_v (log p_v - log q_v - KL).
+            shard. -inf masks an entry (p_v = 0 adds 0, whatever q_v; a policy entry that is
+            not masked where the reference's is makes the KL +inf, however small p_v); a NaN
+            makes its row's KL NaN. Differentiable: d KL / d z_v = p_v (log p_v - log q_v - KL).
         ref_logits: the reference model's logits over the same shard, same shape; frozen (no
             gradient flows into them). Cast to the logits dtype if it differs (a copy).
         tp_group: tensor-parallel group over which the vocab is sharded; None = full vocab.

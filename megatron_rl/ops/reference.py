@@ -62,6 +62,13 @@ def safe_max(m: torch.Tensor) -> torch.Tensor:
     return torch.where(m == float("-inf"), torch.zeros_like(m), m)
 
 
+def safe_delta(m: torch.Tensor, global_m: torch.Tensor) -> torch.Tensor:
+    """log of the factor that moves a partial's sums (relative to its safe max) to the global
+    max: safe_max(m) - safe_max(global_m), clamped at 0 (a shard of masked entries only has sums
+    0 and safe max 0, which next to a global max below 0 would give e^(-M) = inf times 0)."""
+    return (safe_max(m) - safe_max(global_m)).clamp(max=0.0)
+
+
 def _local_targets(targets_N: torch.Tensor, vocab_start: int, vocab_local: int):
     """(owned_N bool, local index_N clamped into [0, vocab_local)) for global target ids."""
     local = targets_N - vocab_start

@@ -57,10 +57,10 @@ from collections import deque
 from typing import Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.shm_weights import SharedBuckets
-from megatron_rl.rollout.threads import BackgroundThreads
 from megatron_rl.rollout.server import (TRANSPORT_ERRORS, ServerError, ServerRequestError,
                                         broadcast_from_rank0, dist_barrier, dist_rank)
+from megatron_rl.rollout.shm_weights import SharedBuckets
+from megatron_rl.rollout.threads import BackgroundThreads
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import itertools
 import dataclasses
 import io
+import itertools
 import os
 import threading
 import time
