@@ -1,0 +1,222 @@
+"""Tests of the fused LM-head scoring op (megatron_rl.ops.lm_head): log-probs, entropy, K1/K3 and
+the exact KL from hidden states and the output-layer weight, without materialising the logits.
+
+Oracle: the same quantities from logits = hidden @ weight.T built in float64 (textbook
+log_softmax). In low precision the op may have at most ~2x the error of today's logits path
+(logits in the input dtype, then the fused log-prob op) plus a small floor.
+"""
+import pytest
+import torch
+
+from megatron_rl.ops import extension_backends, token_logprobs_and_kl
+from megatron_rl.ops.lm_head import lm_head_exact_kl, lm_head_logprobs_and_kl
+from megatron_rl.ops.reference import naive_exact_kl, naive_token_logprobs_and_kl
+from tp2_harness import TP2_SPLITS, run_two_ranks
+
+CPU_BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
+    "cpu" not in extension_backends(), reason="megatron_rl._C built without the CPU kernel"))]
+
+
+def _inputs(n, h, v, dtype, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=gen) * scale).to(dtype)
+    weight = (torch.randn(v, h, generator=gen) / h ** 0.5 * 3).to(dtype)
+    ref_hidden = (hidden.double() + 0.3 * torch.randn(n, h, generator=gen)).to(dtype)
+    ref_weight = (weight.double() + 0.1 * torch.randn(v, h, generator=gen) / h ** 0.5).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    ref_lp = -torch.rand(n, generator=gen) * 5
+    coefs = torch.randn(5, n, generator=gen, dtype=torch.float64)
+    return hidden, weight, targets, ref_lp, ref_hidden, ref_weight, coefs
+
+
+def _fused(backend, chunk=None):
+    def fn(hidden, weight, targets, ref_lp, ref_hidden, ref_weight):
+        o = lm_head_logprobs_and_kl(hidden, weight, targets, ref_logprobs=ref_lp,
+                                    return_entropy=True, backend=backend, ref_hidden=ref_hidden,
+                                    ref_weight=ref_weight, chunk_tokens=chunk)
+        return o.logprobs, o.log_ratio, o.k3, o.entropy, o.exact_kl
+    return fn
+
+
+def _logits_path(hidden, weight, targets, ref_lp, ref_hidden, ref_weight):
+    """Today's path: the logits in the input dtype, then the fused logits op."""
+    o = token_logprobs_and_kl(hidden @ weight.t(), targets, ref_logprobs=ref_lp,
+                              return_entropy=True, ref_logits=ref_hidden @ ref_weight.t())
+    return o.logprobs, o.log_ratio, o.k3, o.entropy, o.exact_kl
+
+
+def _oracle(hidden, weight, targets, ref_lp, ref_hidden, ref_weight):
+    """Textbook float64: log_softmax of hidden @ weight.T (differentiable in hidden, weight)."""
+    z = hidden.double() @ weight.double().t()
+    lp, lr, k3, ent = naive_token_logprobs_and_kl(z, targets, ref_lp.double(), dtype=torch.float64)
+    kl = naive_exact_kl(z, ref_hidden.double() @ ref_weight.double().t(), dtype=torch.float64)
+    return lp, lr, k3, ent, kl
+
+
+def _run(fn, hidden, weight, targets, ref_lp, ref_hidden, ref_weight, coefs):
+    """Outputs (float64) and the gradients of sum_k coefs_k . out_k w.r.t. hidden and weight."""
+    h = hidden.detach().clone().requires_grad_(True)
+    w = weight.detach().clone().requires_grad_(True)
+    outs = fn(h, w, targets, ref_lp, ref_hidden, ref_weight)
+    loss = sum((c * o.double()).sum() for c, o in zip(coefs, outs))
+    gh, gw = torch.autograd.grad(loss, [h, w])
+    return [o.detach().double() for o in outs], gh.double(), gw.double()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("chunk", [1, 3, None])
+def test_float64_matches_the_textbook_values_and_gradients(backend, chunk):
+    """fp64 in, every output and both gradients equal the oracle's to rounding, whatever the
+    chunking (odd N = 11, V = 37, H = 13)."""
+    args = _inputs(11, 13, 37, torch.float64)
+    outs, gh, gw = _run(_fused(backend, chunk), *args)
+    ref_outs, ref_gh, ref_gw = _run(_oracle, *args)
+    for name, a, b in zip(["logprobs", "log_ratio", "k3", "entropy", "exact_kl"], outs, ref_outs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11, msg=name)
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(gw, ref_gw, rtol=1e-9, atol=1e-11)
+
+
+def test_gradcheck_float64():
+    hidden, weight, targets, ref_lp, ref_hidden, ref_weight, _ = _inputs(5, 4, 9, torch.float64)
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+
+    def f(h, w):
+        o = lm_head_logprobs_and_kl(h, w, targets, ref_logprobs=ref_lp, return_entropy=True,
+                                    ref_hidden=ref_hidden, ref_weight=ref_weight, chunk_tokens=2)
+        return o.logprobs, o.k3, o.entropy, o.exact_kl
+    assert torch.autograd.gradcheck(f, (h, w))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_error_at_most_twice_the_logits_path(backend, dtype):
+    """Against the fp64 oracle, the fused op's error is at most ~2x that of the logits path
+    in the same dtype (plus a floor), for values and both gradients."""
+    args = _inputs(24, 32, 301, dtype, seed=1)
+    outs, gh, gw = _run(_fused(backend, 5), *args)
+    base_outs, base_gh, base_gw = _run(_logits_path, *args)
+    ref_outs, ref_gh, ref_gw = _run(_oracle, *args)
+    err = lambda a, b: float((a - b).abs().max())  # noqa: E731
+    floor = 1e-5 if dtype == torch.float32 else 1e-3
+    for name, a, base, ref in zip(["logprobs", "log_ratio", "k3", "entropy", "exact_kl"], outs,
+                                  base_outs, ref_outs):
+        assert err(a, ref) <= 2 * err(base, ref) + floor, name
+    scale_h, scale_w = float(ref_gh.abs().max()), float(ref_gw.abs().max())
+    gfloor = 1e-5 if dtype == torch.float32 else 2e-2
+    assert err(gh, ref_gh) <= 2 * err(base_gh, ref_gh) + gfloor * scale_h
+    assert err(gw, ref_gw) <= 2 * err(base_gw, ref_gw) + gfloor * scale_w
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_qwen_vocabulary_151936(backend):
+    """A Qwen2.5-sized vocabulary (V = 151936) in a few chunks: values and gradients in fp32
+    against the fp64 oracle."""
+    args = _inputs(6, 16, 151936, torch.float32, seed=2)
+    outs, gh, gw = _run(_fused(backend, 4), *args)
+    ref_outs, ref_gh, ref_gw = _run(_oracle, *args)
+    close = lambda a, b: torch.testing.assert_close(  # noqa: E731
+        a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    for a, b in zip(outs + [gh, gw], ref_outs + [ref_gh, ref_gw]):
+        close(a, b)
+
+
+def test_tied_embedding_gets_both_gradients():
+    """A tied output layer: the weight is also the input embedding. Its gradient is the sum of
+    the embedding's and the output layer's, as autograd gives for the textbook computation."""
+    gen = torch.Generator().manual_seed(3)
+    v, h, n = 29, 8, 10
+    emb = torch.randn(v, h, generator=gen, dtype=torch.float64)
+    mix = torch.randn(h, h, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, v, (n,), generator=gen)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    coefs = torch.randn(2, n, generator=gen, dtype=torch.float64)
+
+    def grad(fused):
+        e = emb.clone().requires_grad_(True)
+        hidden = torch.tanh(e[tokens] @ mix)
+        if fused:
+            o = lm_head_logprobs_and_kl(hidden, e, targets, return_entropy=True, chunk_tokens=3)
+            lp, ent = o.logprobs, o.entropy
+        else:
+            lp, _, _, ent = naive_token_logprobs_and_kl(hidden @ e.t(), targets, None,
+                                                        dtype=torch.float64)
+        (coefs[0] * lp + coefs[1] * ent).sum().backward()
+        return e.grad
+    torch.testing.assert_close(grad(True), grad(False), rtol=1e-10, atol=1e-12)
+
+
+def test_masked_tokens_get_no_gradient():
+    """Rows whose outputs get zero weight in the loss (masked tokens) get zero hidden gradient;
+    the weight's gradient equals that of the unmasked rows alone."""
+    hidden, weight, targets, ref_lp, ref_hidden, ref_weight, coefs = _inputs(9, 6, 23,
+                                                                             torch.float64)
+    mask = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 1], dtype=torch.float64)
+    _, gh, gw = _run(_fused("torch", 2), hidden, weight, targets, ref_lp, ref_hidden, ref_weight,
+                     coefs * mask)
+    assert torch.all(gh[mask == 0] == 0)
+    keep = mask.bool()
+    _, _, gw_kept = _run(_fused("torch", 2), hidden[keep], weight, targets[keep], ref_lp[keep],
+                         ref_hidden[keep], ref_weight, coefs[:, keep])
+    torch.testing.assert_close(gw, gw_kept, rtol=1e-12, atol=1e-14)
+
+
+def test_only_the_needed_gradients_and_shapes():
+    """Leading dims are kept; a frozen weight gets no gradient; exact-KL-only backward works;
+    zero rows work; bad shapes and dtypes fail with the argument named."""
+    hidden, weight, targets, _, ref_hidden, ref_weight, _ = _inputs(6, 5, 11, torch.float32)
+    h = hidden.reshape(2, 3, 5).requires_grad_(True)
+    kl = lm_head_exact_kl(h, weight, ref_hidden.reshape(2, 3, 5), ref_weight)
+    assert kl.shape == (2, 3)
+    kl.sum().backward()
+    assert h.grad is not None and weight.grad is None
+    o = lm_head_logprobs_and_kl(hidden[:0], weight, targets[:0], return_entropy=True)
+    assert o.logprobs.shape == (0,) and o.entropy.shape == (0,)
+    with pytest.raises(ValueError, match="weight"):
+        lm_head_logprobs_and_kl(hidden, weight[:, :4], targets)
+    with pytest.raises(ValueError, match="dtype"):
+        lm_head_logprobs_and_kl(hidden, weight.double(), targets)
+    with pytest.raises(ValueError, match="targets must lie"):
+        lm_head_logprobs_and_kl(hidden, weight, targets + 100)
+
+
+def _tp2_case(rank, split, backend, dtype, group):
+    """This rank's vocab shard of the output layer; the hidden gradient summed over the two
+    ranks (as megatron's copy_to_tensor_model_parallel_region does in backward)."""
+    import torch.distributed as dist
+
+    v = sum(split)
+    hidden, weight, targets, ref_lp, ref_hidden, ref_weight, coefs = _inputs(7, 12, v, dtype)
+    start = sum(split[:rank])
+    w = weight[start:start + split[rank]].clone().requires_grad_(True)
+    h = hidden.clone().requires_grad_(True)
+    o = lm_head_logprobs_and_kl(h, w, targets, ref_logprobs=ref_lp, return_entropy=True,
+                                vocab_start=start, tp_group=group, backend=backend,
+                                ref_hidden=ref_hidden,
+                                ref_weight=ref_weight[start:start + split[rank]], chunk_tokens=3)
+    outs = [o.logprobs, o.log_ratio, o.k3, o.entropy, o.exact_kl]
+    sum((c * x.double()).sum() for c, x in zip(coefs, outs)).backward()
+    gh = h.grad.float().clone()
+    dist.all_reduce(gh, group=group)
+    return [x.detach() for x in outs] + [gh], w.grad.float().t().contiguous()
+
+
+def test_tp2_matches_tp1():
+    """Two gloo ranks, each with half (and an uneven split) of the vocabulary: outputs, the
+    summed hidden gradient and the gathered weight gradient equal the one-rank op's."""
+    backends = ["torch"] + (["cpu"] if "cpu" in extension_backends() else [])
+    results = run_two_ranks(_tp2_case, backends)
+    for split in TP2_SPLITS:
+        for backend in backends:
+            for dtype in (torch.float32, torch.bfloat16):
+                outs, gw_t = results[(split, backend, dtype)]
+                args = _inputs(7, 12, sum(split), dtype)
+                ref_outs, ref_gh, ref_gw = _run(_fused(backend, 3), *args)
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                for a, b in zip(outs[:5], ref_outs):
+                    torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
+                scale = float(ref_gh.abs().max())
+                torch.testing.assert_close(outs[5].double(), ref_gh, rtol=tol, atol=tol * scale)
+                torch.testing.assert_close(gw_t.t().double(), ref_gw, rtol=tol,
+                                           atol=tol * float(ref_gw.abs().max()))
