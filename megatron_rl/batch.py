@@ -46,6 +46,11 @@ class RolloutBatch:
     old_logprobs: torch.Tensor | None = None  # [B, L-1] behaviour policy, filled by the trainer
 
     @property
+    def seq_lengths(self) -> list[int]:
+        """Tokens of each sequence (prompt + response), without the padding."""
+        return [p + r for p, r in zip(self.prompt_lengths, self.response_lengths)]
+
+    @property
     def num_sequences(self) -> int:
         return self.tokens.shape[0]
 

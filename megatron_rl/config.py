@@ -117,7 +117,14 @@ class AlgorithmConfig:
     group_size: int = 5                   # samples per prompt (the paper: 5)
     ppo_minibatches: int = 1              # optimizer steps per rollout batch (1 = on-policy)
     ppo_epochs: int = 1
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8             # sequences per microbatch without packing
+    # pack each microbatch's sequences into one row (attention within each sequence, RoPE
+    # restarting), microbatches by token count; --no-sequence-packing: right-padded rows of
+    # --micro-batch-size sequences
+    sequence_packing: bool = True
+    # tokens per packed microbatch (slime's --max-tokens-per-gpu, verl's
+    # ppo_max_token_len_per_gpu); 0: --micro-batch-size x the batch's longest sequence
+    max_tokens_per_microbatch: int = 0
     loss: LossConfig = _field(default_factory=LossConfig)
     ref_reset_interval: int = 0           # reset the reference to the policy every N steps (0: never)
     async_level: int = 0                  # rollouts may come from a policy up to k steps stale

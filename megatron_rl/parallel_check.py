@@ -59,7 +59,7 @@ def load_layout_outputs(out_dir: str, layout: str):
 
 def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch: int,
                seq_len: int, micro_batch: int, load: str | None = None,
-               rl_configs: list[str] = (), generate: bool = False) -> None:
+               rl_configs: list[str] = (), generate: bool = False, packed: bool = False) -> None:
     """One layout. Weights come from a HF directory (`hf_path`) or a Megatron checkpoint
     (`load`, saved in any layout: this exercises dist_checkpointing resharding)."""
     import torch.distributed as dist
@@ -119,7 +119,8 @@ def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch
         torch.save(grads, os.path.join(layout_dir, "grads.pt"))
     dist.barrier()
     if rl_configs:
-        _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, rl_configs, layout_dir)
+        _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, rl_configs, layout_dir,
+                        packed)
     if generate:
         _run_generation(policy, tokens, layout_dir)
     ps.destroy_model_parallel()
@@ -133,7 +134,7 @@ def rl_batch(policy, tokens, mask, group_size: int = 2, seed: int = 0):
     """A deterministic RL batch on `tokens`: on-policy old log-probs (recomputed in this layout),
     a perturbed reference, random 0/1 rewards."""
     g = torch.Generator().manual_seed(seed)
-    old = policy.token_logprobs(tokens, micro_batch_size=tokens.shape[0])
+    old = policy.token_logprobs(tokens, tokens.shape[0])
     ref = old + 0.3 * torch.randn(old.shape, generator=g)
     rewards = (torch.rand(tokens.shape[0], generator=g) < 0.5).float()
     return old, ref, rewards, group_size
@@ -159,42 +160,84 @@ def perturbed_reference(policy, args, scale: float = 0.2, seed: int = 123):
     return reference
 
 
-def _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, configs, layout_dir):
+def packed_lengths(global_batch: int, seq_len: int) -> list[int]:
+    """Unequal sequence lengths (tokens before the right padding) for the packed RL check."""
+    return [seq_len - (3 * i) % 7 for i in range(global_batch)]
+
+
+def _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, configs, layout_dir,
+                    packed: bool = False):
     """For each "estimator:placement", one forward/backward of the trainer's RL loss on this DP
     rank's share; full gradients and the summed loss written to <layout_dir>/rl_<config>.pt.
     The sampled-token estimators use a perturbed copy of the policy's log-probs as the
-    reference's; "exact" needs a reference model (its logits): `perturbed_reference`, run
-    inside the step as the trainer does (score_reference_exact for the reward side, the
-    reference's stage in forward_backward for the loss side)."""
+    reference's; "exact" needs a reference model: `perturbed_reference`, run inside the step as
+    the trainer does (score_reference_exact for the reward side, the reference's stage in
+    forward_backward for the loss side).
+
+    packed: also the same with sequences of unequal lengths (packed_lengths; the loss mask
+    ends with each), once right-padded through the logits path (rl_<config>_padded.pt) and
+    once packed two per microbatch through the fused LM head (rl_<config>_packed.pt): the two
+    must agree at every layout."""
+    from megatron_rl.packing import Layout
+
+    old, ref, rewards, group_size = rl_batch(policy, tokens, mask)
+    reference = [None]
+    variants = [("", Layout(packed=False, micro_batch_size=micro_batch), None, mask)]
+    if packed:
+        lengths = packed_lengths(tokens.shape[0], tokens.shape[1])
+        ends = torch.arange(tokens.shape[1] - 1)[None] < torch.tensor(lengths)[:, None] - 1
+        short = mask * ends
+        variants += [("_padded", Layout(packed=False, micro_batch_size=micro_batch), lengths,
+                      short),
+                     ("_packed", Layout(packed=True, max_tokens=2 * tokens.shape[1]), lengths,
+                      short)]
+    fused = policy.fused_lm_head
+    for suffix, lay, lengths, m in variants:
+        policy.fused_lm_head = lay.packed  # the packed variant scores from hidden states
+        for spec in configs:
+            _run_rl_config(policy, args, spec, tokens, m, idx, lay, lengths, reference,
+                           (old, ref, rewards, group_size),
+                           os.path.join(layout_dir, f"rl_{spec.replace('+', '_')}{suffix}.pt"))
+    policy.fused_lm_head = fused
+
+
+def _run_rl_config(policy, args, spec, tokens, mask, idx, lay, lengths, reference, data, path):
     import torch.distributed as dist
 
     from megatron_rl.kl import KLConfig
     from megatron_rl.loss import LossConfig, build_advantages
-    from megatron_rl.train import make_rl_loss_fn, score_reference_exact
+    from megatron_rl.train import _microbatch, make_rl_loss_fn, score_reference_exact
 
-    old, ref, rewards, group_size = rl_batch(policy, tokens, mask)
-    reference = None
-    for spec in configs:
-        estimator, placement = spec.split(":")
-        cfg = LossConfig(kl=KLConfig(estimator=estimator, placement=placement, coef=0.5))
-        ref_lp, token_kl = ref, None
-        if cfg.kl.exact:
-            reference = reference or perturbed_reference(policy, args)
-            ref_lp, token_kl = score_reference_exact(policy, reference, tokens, tokens.shape[0])
-        adv = build_advantages(rewards, old, ref_lp, mask, cfg, group_size, token_kl=token_kl)
-        micro = [{"tokens": tokens[j], "loss_mask": mask[j], "old_logprobs": old[j],
-                  "advantages": adv[j], "ref_logprobs": ref_lp[j]}
-                 for j in (idx[i:i + micro_batch] for i in range(0, len(idx), micro_batch))]
-        loss_fn = make_rl_loss_fn(policy, cfg, float(mask.sum()), float(tokens.shape[0]))
-        results = policy.forward_backward(
-            micro, loss_fn, reference=reference if cfg.kl.exact_kl_in_loss else None)
-        loss = torch.tensor([sum(float(r["loss"]) for r in results)], dtype=torch.float64)
-        dist.all_reduce(loss)  # DP ranks' shares add up; first stages hold 0; TP ranks repeat it
-        loss /= policy.tp_size
-        grads = policy.full_grads(dst=0)
-        if grads is not None:
-            torch.save({"loss": float(loss), "grads": grads},
-                       os.path.join(layout_dir, f"rl_{spec.replace('+', '_')}.pt"))
+    old, ref, rewards, group_size = data
+    estimator, placement = spec.split(":")
+    cfg = LossConfig(kl=KLConfig(estimator=estimator, placement=placement, coef=0.5))
+    ref_lp, token_kl = ref, None
+    if cfg.kl.exact:
+        reference[0] = reference[0] or perturbed_reference(policy, args)
+        reference[0].fused_lm_head = policy.fused_lm_head
+        ref_lp, token_kl = score_reference_exact(policy, reference[0], tokens, lay, lengths)
+    adv = build_advantages(rewards, old, ref_lp, mask, cfg, group_size, token_kl=token_kl)
+    batch = _RLRows(tokens, mask, old)
+    micro = [_microbatch(batch, adv, ref_lp, mb)
+             for mb in lay.microbatches(tokens, lengths, idx, policy.pad_multiple,
+                                        policy.pp_size > 1)]
+    ref_model = reference[0] if cfg.kl.exact_kl_in_loss else None
+    loss_fn = make_rl_loss_fn(policy, cfg, float(mask.sum()), float(tokens.shape[0]), ref_model)
+    results = policy.forward_backward(micro, loss_fn, reference=ref_model, for_scoring=True)
+    loss = torch.tensor([sum(float(r["loss"]) for r in results)], dtype=torch.float64)
+    dist.all_reduce(loss)  # DP ranks' shares add up; first stages hold 0; TP ranks repeat it
+    loss /= policy.tp_size
+    grads = policy.full_grads(dst=0)
+    if grads is not None:
+        torch.save({"loss": float(loss), "grads": grads}, path)
+
+
+class _RLRows:
+    """The per-row tensors train._microbatch reads from a RolloutBatch."""
+
+    def __init__(self, tokens, loss_mask, old_logprobs):
+        self.tokens, self.loss_mask, self.old_logprobs = tokens, loss_mask, old_logprobs
+        self.device = tokens.device
 
 
 def _run_generation(policy, tokens, layout_dir):
@@ -223,6 +266,8 @@ def main(argv=None) -> None:
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--seq-length", type=int, default=16)
     p.add_argument("--generate", action="store_true", help="also sample from the local engine")
+    p.add_argument("--packed", action="store_true", help="also run the RL configs on sequences of "
+                   "unequal length, right-padded (logits) and packed (fused LM head)")
     p.add_argument("--rl-configs", default="", help='also run the RL loss for these comma-separated '
                    '"estimator:placement" configs ("all" for the standard set)')
     a = p.parse_args(argv)
@@ -232,7 +277,7 @@ def main(argv=None) -> None:
         tp, pp = (int(x) for x in layout.lower().split("x"))
         configs = RL_CONFIGS if a.rl_configs == "all" else [c for c in a.rl_configs.split(",") if c]
         run_layout(a.hf, tp, pp, a.out, a.global_batch_size, a.seq_length, a.micro_batch_size,
-                   load=a.load, rl_configs=configs, generate=a.generate)
+                   load=a.load, rl_configs=configs, generate=a.generate, packed=a.packed)
     if dist.is_initialized():
         dist.destroy_process_group()
 

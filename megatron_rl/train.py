@@ -23,7 +23,8 @@ import torch.distributed as dist
 from megatron_rl.config import TrainConfig, parse_config
 from megatron_rl.loss import build_advantages, policy_loss
 from megatron_rl.runtime import Runtime, setup_runtime
-from megatron_rl.batch import RolloutBatch, next_token_targets, pack_rollouts
+from megatron_rl.batch import RolloutBatch, pack_rollouts
+from megatron_rl.packing import Layout, Microbatch
 from megatron_rl.evaluation import evaluate
 from megatron_rl.parallel import all_reduce, data_parallel_group, device
 from megatron_rl.rollout.server import broadcast_from_rank0, dist_rank
@@ -105,7 +106,8 @@ def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
     if cfg.use_rollout_logprobs():
         batch.old_logprobs = batch.rollout_logprobs.clone()
     else:
-        batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, algo.micro_batch_size)
+        batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, layout(cfg),
+                                                      seq_lengths=batch.seq_lengths)
         metrics.update(global_metrics.mismatch_metrics(batch.rollout_logprobs,
                                                        batch.old_logprobs, batch.loss_mask,
                                                        dp_group))
@@ -141,13 +143,14 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
     algo, loss_cfg = rt.cfg.algorithm, rt.cfg.loss
     # the reference is scored even with --kl-placement none: its KL is always logged
     exact_kl = None
+    lay = layout(rt.cfg)
     if loss_cfg.kl.exact:
-        ref_lp, exact_kl = score_reference_exact(rt.policy, rt.reference, batch.tokens,
-                                                 algo.micro_batch_size)
+        ref_lp, exact_kl = score_reference_exact(rt.policy, rt.reference, batch.tokens, lay,
+                                                 batch.seq_lengths)
         metrics["kl_exact"] = global_metrics.token_mean(exact_kl, batch.loss_mask,
                                                         data_parallel_group())
     else:
-        ref_lp = rt.reference.token_logprobs(batch.tokens, algo.micro_batch_size)
+        ref_lp = rt.reference.token_logprobs(batch.tokens, lay, seq_lengths=batch.seq_lengths)
     advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, batch.loss_mask,
                                   loss_cfg, batch.group_size, token_kl=exact_kl)
     rollout_tokens = _global_sum(batch.loss_mask.sum())
@@ -163,12 +166,13 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
             norm_tokens = (rollout_tokens if loss_cfg.aggregation == "token-sum-over-batch-tokens"
                            else _global_sum(mbatch.loss_mask.sum()))
             norm_seqs = _global_sum(len(idx))
-            micro = [_microbatch(batch, advantages, ref_lp, idx[i:i + algo.micro_batch_size])
-                     for i in range(0, len(idx), algo.micro_batch_size)]
-
-            loss_fn = make_rl_loss_fn(rt.policy, loss_cfg, norm_tokens, norm_seqs)
-            results = rt.policy.forward_backward(
-                micro, loss_fn, reference=rt.reference if loss_cfg.kl.exact_kl_in_loss else None)
+            micro = [_microbatch(batch, advantages, ref_lp, m)
+                     for m in lay.microbatches(batch.tokens, batch.seq_lengths, idx,
+                                               rt.policy.pad_multiple, rt.policy.pp_size > 1)]
+            reference = rt.reference if loss_cfg.kl.exact_kl_in_loss else None
+            loss_fn = make_rl_loss_fn(rt.policy, loss_cfg, norm_tokens, norm_seqs, reference)
+            results = rt.policy.forward_backward(micro, loss_fn, reference=reference,
+                                                 for_scoring=True)
             finite = not bool(all_reduce(nonfinite_flag(results, rt.policy.parameters()),
                                          op=dist.ReduceOp.MAX))
             if finite:
@@ -189,60 +193,57 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
     return ok_all
 
 
-def score_reference_exact(policy, reference, tokens: torch.Tensor, micro_batch_size: int
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def layout(cfg: TrainConfig) -> Layout:
+    """The microbatch layout of the trainer's forward passes (--sequence-packing,
+    --max-tokens-per-microbatch, --micro-batch-size)."""
+    a = cfg.algorithm
+    return Layout(packed=a.sequence_packing, micro_batch_size=a.micro_batch_size,
+                  max_tokens=a.max_tokens_per_microbatch)
+
+
+def score_reference_exact(policy, reference, tokens: torch.Tensor, lay: Layout | int,
+                          seq_lengths=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(reference token log-probs, exact per-position KL(pi_theta || pi_ref)), each [B, L-1]
     fp32 on every rank of the pipeline: one forward-only pass in which every microbatch runs
     through the policy and the reference together (Policy.forward_backward's `reference`), so
-    both vocab-parallel logits meet in ops.exact_kl without being stored. The KL is that of the
-    current weights (the behaviour policy's on-policy): the reward side of `exact`."""
-    from megatron_rl.ops import exact_kl, vocab_parallel_logprobs
+    both models' logits (or, with --fused-lm-head, hidden states) meet in one op without being
+    stored. The KL is that of the current weights (the behaviour policy's on-policy): the
+    reward side of `exact`."""
+    def fn(mb, out, ref_out):
+        return [reference.score(ref_out, mb.targets).logprobs,
+                policy.score(out, mb.targets, ref_out=ref_out, reference=reference).exact_kl]
 
-    B, L = tokens.shape
-    chunks = [{"tokens": tokens[i:i + micro_batch_size]} for i in range(0, B, micro_batch_size)]
-    if B % micro_batch_size:  # the pipeline schedule needs equal microbatch shapes
-        pad = micro_batch_size - B % micro_batch_size
-        chunks[-1] = {"tokens": torch.cat([chunks[-1]["tokens"],
-                                           chunks[-1]["tokens"][:1].expand(pad, L)])}
-
-    def collect(batch, logits, ref_logits):
-        targets = next_token_targets(batch["tokens"]).to(logits.device)
-        ref_lp = vocab_parallel_logprobs(ref_logits, targets, tp_group=policy.tp_group,
-                                         vocab_start=policy.vocab_start)
-        kl = exact_kl(logits, ref_logits, tp_group=policy.tp_group)
-        return torch.stack([ref_lp[:, :-1].float(), kl[:, :-1].float()])
-
-    outs = policy.forward_backward(chunks, None, forward_only=True, collect=collect,
+    out = policy.collect_per_token(tokens, lay, fn, 2, seq_lengths=seq_lengths,
                                    reference=reference)
-    out = torch.cat(outs, dim=1)[:, :B] if policy.is_last_stage else None
-    out = policy.broadcast_from_last_stage(out, (2, B, L - 1), torch.float32)
     return out[0], out[1]
 
 
-def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs: float):
-    """The loss function handed to the pipeline schedule: vocab-parallel log-probs and entropy
-    of the current policy from the logits, then megatron_rl.loss.policy_loss. The microbatch
-    dict carries tokens, loss_mask, old_logprobs, advantages and ref_logprobs (see _microbatch).
+def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs: float,
+                    reference=None):
+    """The loss function handed to the pipeline schedule (forward_backward with for_scoring):
+    log-probs and entropy of the current policy through Policy.score (from the logits, or the
+    hidden states with --fused-lm-head), back in the batch's [b, L-1] layout, then
+    megatron_rl.loss.policy_loss. The microbatch dict carries its packing.Microbatch
+    ("layout"), loss_mask, old_logprobs, advantages and ref_logprobs (see _microbatch).
 
     With the "exact" KL estimator in the loss (or in the reward under "seq-is",
-    KLConfig.exact_kl_in_loss) the function takes the reference's logits too,
-    loss_fn(mb, logits, ref_logits): forward_backward must run with reference=the reference
-    Policy. KL_t = ops.exact_kl(logits, ref_logits) is then differentiated through the policy's
-    logits (its gradient p (log p - log q - KL_t) per vocab entry, computed in backward and added
-    into the log-prob op's gradient buffer: the fused op's `ref_logits`)."""
-    from megatron_rl.ops import token_logprobs_and_kl
-
+    KLConfig.exact_kl_in_loss) the function takes the reference's output too,
+    loss_fn(mb, out, ref_out): forward_backward must run with reference=the reference Policy,
+    given here as well. KL_t is then differentiated through the policy's output (its gradient
+    p (log p - log q - KL_t) per vocab entry, computed in backward and added into the log-prob
+    op's gradient: one op for both, see ops.token_logprobs_and_kl and ops.lm_head)."""
     exact = loss_cfg.kl.exact_kl_in_loss
 
-    def loss_fn(mb, logits, ref_logits=None):
-        if exact and ref_logits is None:
-            raise ValueError("the exact KL in the loss needs the reference's logits: run "
-                             "forward_backward with reference=<the reference Policy>")
-        out = token_logprobs_and_kl(logits, next_token_targets(mb["tokens"]).to(logits.device),
-                                    tp_group=policy.tp_group, vocab_start=policy.vocab_start,
-                                    return_entropy=True, ref_logits=ref_logits if exact else None)
-        logprobs, entropy = out.logprobs[:, :-1], out.entropy[:, :-1]
-        token_kl = out.exact_kl[:, :-1] if exact else None
+    def loss_fn(mb, out, ref_out=None):
+        if exact and (ref_out is None or reference is None):
+            raise ValueError("the exact KL in the loss needs the reference's output: run "
+                             "forward_backward with reference=<the reference Policy> and pass "
+                             "it to make_rl_loss_fn")
+        lay = mb["layout"]
+        o = policy.score(out, lay.targets, return_entropy=True,
+                         ref_out=ref_out if exact else None, reference=reference)
+        logprobs, entropy = lay.to_rows(o.logprobs), lay.to_rows(o.entropy)
+        token_kl = lay.to_rows(o.exact_kl) if exact else None
         mask = mb["loss_mask"]
         loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, loss_cfg,
                               ref_logprobs=mb["ref_logprobs"], token_kl=token_kl,
@@ -255,9 +256,10 @@ def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs:
     return loss_fn
 
 
-def _microbatch(batch: RolloutBatch, advantages, ref_lp, idx: list[int]) -> dict:
-    t = torch.as_tensor(idx, device=batch.device)
-    return {"tokens": batch.tokens[t], "loss_mask": batch.loss_mask[t],
+def _microbatch(batch: RolloutBatch, advantages, ref_lp, m: Microbatch) -> dict:
+    """The loss function's microbatch: the model inputs of `m` and its rows' per-token data."""
+    t = m.rows.to(batch.device)
+    return {**m.inputs, "layout": m, "loss_mask": batch.loss_mask[t],
             "old_logprobs": batch.old_logprobs[t], "advantages": advantages[t],
             "ref_logprobs": None if ref_lp is None else ref_lp[t]}
 

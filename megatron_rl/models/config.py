@@ -180,6 +180,10 @@ class ModelOptions:
     `scaled_dot_product_attention` core (flash / memory-efficient kernels on CUDA); "local": that
     SDPA path even where TE is installed; "flash" / "fused" / "unfused": TE's backend of that
     name (needs TE on CUDA).
+    fused_lm_head: --fused-lm-head (default) / --no-fused-lm-head. The trainer scores tokens
+    (log-probs, entropy, the exact KL) from the final hidden states and the output weight with
+    ops.lm_head, a token chunk at a time, instead of materialising the [tokens, V/TP] logits
+    and their gradient (benchmarks/RESULTS.md "LM head"); generation always uses logits.
     """
 
     recompute_granularity: str | None = None
@@ -189,6 +193,7 @@ class ModelOptions:
     rope_fusion: bool | None = None
     gradient_accumulation_fusion: bool | None = None
     attention_backend: str = "auto"
+    fused_lm_head: bool = True
 
     def validate(self, layers_per_stage: int | None = None) -> None:
         """Raise ValueError naming the flag for an inconsistent choice."""

@@ -117,6 +117,50 @@ def _pad_sequence(tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | 
     return tokens, pos, mask
 
 
+@contextlib.contextmanager
+def _hidden_states_output(gpt_model):
+    """Within this context the model's output layer returns its input, the final hidden states
+    (after the final norm), instead of the logits: GPTModel then returns [b, s, H] where it
+    would return [b, s, V/TP], for ops.lm_head to score without the logits.
+
+    The hidden states go through what megatron's ColumnParallelLinear does to its input
+    (tensor_parallel/layers.py, megatron-core 0.16.1): under sequence parallelism an all-gather
+    of the sequence (reduce-scatter of the gradient), otherwise with TP > 1 an identity whose
+    backward all-reduces the gradient, since each rank's vocab shard contributes a partial
+    gradient to the hidden states."""
+    from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                               gather_from_sequence_parallel_region)
+
+    layer = gpt_model.output_layer
+
+    def forward(input_, weight=None, runtime_gather_output=None):
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
+                                                        group=layer.tp_group), None
+        if layer.allreduce_dgrad:
+            return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
+        return input_, None
+
+    layer.forward = forward
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def _packed_seq_params(batch: dict, device):
+    """megatron-core's THD PackedSeqParams for a packed microbatch (see megatron_rl.packing),
+    None for a padded one."""
+    if "cu_seqlens" not in batch:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch["cu_seqlens"].to(device=device, dtype=torch.int32)
+    m = int(batch["max_seqlen"])
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
+                           max_seqlen_kv=m)
+
+
 class Policy:
     """This rank's stage of a GPT model, trainable (with optimizer) or frozen (reference)."""
 
@@ -151,6 +195,9 @@ class Policy:
         self.parallel = parallel
         self.options = options or ModelOptions()
         self.sequence_parallel = parallel.sequence_parallel
+        # score tokens from the final hidden states and the output weight (ops.lm_head)
+        # instead of from the logits (--fused-lm-head)
+        self.fused_lm_head = self.options.fused_lm_head
         model = build_gpt_model(args, tensor_parallel=self.tp_size,
                                 pipeline_parallel=self.pp_size, params_dtype=params_dtype,
                                 sequence_parallel=parallel.sequence_parallel, options=self.options)
@@ -194,17 +241,59 @@ class Policy:
         m = self.model[0]
         return m.module if hasattr(m, "module") else m
 
+    def output_weight(self) -> torch.Tensor:
+        """This rank's output-layer shard [V/TP, H] (the word embedding when tied); last stage."""
+        m = self.module
+        if m.share_embeddings_and_output_weights:
+            return m.shared_embedding_or_output_weight()
+        return m.output_layer.weight
+
+    @property
+    def pad_multiple(self) -> int:
+        """Token counts of packed rows are multiples of this (8; and of TP under sequence
+        parallelism, which splits the sequence over the TP ranks)."""
+        return 8 * self.tp_size if self.sequence_parallel else 8
+
+    def score(self, out: torch.Tensor, targets: torch.Tensor, *, ref_out: torch.Tensor | None = None,
+              reference: "Policy | None" = None, return_entropy: bool = False,
+              temperature: float = 1.0):
+        """ops.TokenLogprobOutput (log-probs, entropy, and the exact KL when `ref_out` is given)
+        of `targets` [b, s] from this model's forward output `out`: the final hidden states
+        [b, s, H] with --fused-lm-head (ops.lm_head_logprobs_and_kl with this rank's output
+        weight, and the reference's), else the vocab-parallel logits [b, s, V/TP]
+        (ops.token_logprobs_and_kl). The one place that knows which of the two it is."""
+        from megatron_rl.ops import lm_head_logprobs_and_kl, token_logprobs_and_kl
+
+        targets = targets.to(out.device)
+        if self.fused_lm_head:
+            ref_weight = None
+            if ref_out is not None:
+                if reference is None:
+                    raise ValueError("the exact KL from hidden states needs the reference Policy")
+                ref_weight = reference.output_weight()
+            return lm_head_logprobs_and_kl(out, self.output_weight(), targets,
+                                           tp_group=self.tp_group, vocab_start=self.vocab_start,
+                                           temperature=temperature, return_entropy=return_entropy,
+                                           ref_hidden=ref_out, ref_weight=ref_weight)
+        return token_logprobs_and_kl(out, targets, tp_group=self.tp_group,
+                                     vocab_start=self.vocab_start, temperature=temperature,
+                                     return_entropy=return_entropy, ref_logits=ref_out)
+
     # -- running ---------------------------------------------------------------------------------
     def forward_backward(self, microbatches: list[dict], loss_fn: Callable | None,
                          forward_only: bool = False, collect: Callable | None = None,
-                         reference: "Policy | None" = None) -> list:
+                         reference: "Policy | None" = None, for_scoring: bool = False) -> list:
         """Run all microbatches through the pipeline schedule.
 
         microbatches: dicts with "tokens" [b, s] (int64), optional "position_ids" [b, s] and
-        "attention_mask" [b, 1, s, s] (bool, True = masked out); all of equal shape.
-        loss_fn(batch, logits) -> (loss, metrics dict) with logits the vocab-parallel
-        [b, s, V/TP] output; it runs on the last stage only. When `collect` is given
-        (forward_only), collect(batch, logits) -> tensor is stored instead of a loss.
+        "attention_mask" [b, 1, s, s] (bool, True = masked out); all of equal shape under
+        pipeline parallelism. A packed microbatch (megatron_rl.packing) has b = 1 and also
+        "cu_seqlens" and "max_seqlen": its sequences attend only within themselves.
+        loss_fn(batch, out) -> (loss, metrics dict), with `out` the last stage's output: the
+        vocab-parallel logits [b, s, V/TP]; or, when `for_scoring` (the caller turns `out` into
+        log-probs with `score`) and --fused-lm-head, the final hidden states [b, s, H]. It runs
+        on the last stage only. When `collect` is given (forward_only), collect(batch, out) ->
+        tensor is stored instead of a loss.
         Returns the list of metrics dicts (or collected values) on the last stage, [] elsewhere.
 
         reference: a frozen Policy in the same layout (the KL's reference model). Each
@@ -227,7 +316,10 @@ class Policy:
             return []
         if reference is not None:
             self._check_same_layout(reference)
-        b, s = microbatches[0]["tokens"].shape
+        b, s = max((mb["tokens"].shape for mb in microbatches), key=lambda bs: bs[0] * bs[1])
+        if self.pp_size > 1 and any(mb["tokens"].shape != (b, s) for mb in microbatches):
+            raise ValueError("pipeline parallelism needs microbatches of one shape")
+        hidden = self.fused_lm_head and for_scoring
         scale = _schedule_scale(len(microbatches), self.dp_size)
         dev = next(self.module.parameters()).device
         # sequence parallelism splits the sequence over TP ranks: pad it to a multiple of TP on
@@ -236,7 +328,7 @@ class Policy:
         padded = -(-s // self.tp_size) * self.tp_size if self.sequence_parallel else s
 
         def loss_wrapper(batch, ref_logits, logits):
-            if padded != s:
+            if padded != s and "cu_seqlens" not in batch:
                 logits = logits[:, :s].contiguous()
                 if ref_logits is not None:
                     ref_logits = ref_logits[:, :s].contiguous()
@@ -246,25 +338,37 @@ class Policy:
             loss, metrics = loss_fn(batch, logits, *extra)
             return loss * scale, metrics
 
+        def run(policy, model, tokens, pos, mask, packed):
+            head = (_hidden_states_output(policy.module) if hidden and policy.is_last_stage
+                    else contextlib.nullcontext())
+            with head:
+                return model(tokens, pos, mask, packed_seq_params=packed)
+
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
             tokens = batch["tokens"].to(dev)
+            bs, ss = tokens.shape
             pos = batch.get("position_ids")
-            pos = (torch.arange(s, device=dev).expand(b, s) if pos is None else pos.to(dev))
+            pos = (torch.arange(ss, device=dev).expand(bs, ss) if pos is None else pos.to(dev))
             mask = batch.get("attention_mask")
             mask = None if mask is None else mask.to(dev)
-            if padded != s:
+            packed = _packed_seq_params(batch, dev)
+            if packed is not None and ss % self.pad_multiple:
+                raise ValueError(f"a packed row of {ss} tokens: it must be a multiple of "
+                                 f"{self.pad_multiple} (packing.packed_microbatches pad_multiple)")
+            if packed is None and padded != s:
                 tokens, pos, mask = _pad_sequence(tokens, pos, mask, padded)
             if reference is None:
-                return model(tokens, pos, mask), functools.partial(loss_wrapper, batch, None)
+                return (run(self, model, tokens, pos, mask, packed),
+                        functools.partial(loss_wrapper, batch, None))
             received = self.module.decoder.input_tensor  # set by the schedule; None on stage 0
             if received is not None:
                 half = received.shape[0] // 2
                 self.module.set_input_tensor(received[:half])
                 reference.module.set_input_tensor(received[half:])
-            out = model(tokens, pos, mask)
+            out = run(self, model, tokens, pos, mask, packed)
             with torch.no_grad():
-                ref_out = reference.model[0](tokens, pos, mask)
+                ref_out = run(reference, reference.model[0], tokens, pos, mask, packed)
             if self.is_last_stage:
                 return out, functools.partial(loss_wrapper, batch, ref_out)
             return torch.cat([out, ref_out]), functools.partial(loss_wrapper, batch, None)
@@ -295,14 +399,14 @@ class Policy:
         reference run inside forward_backward)."""
         mine = (self.tp_size, self.pp_size, self.pp_rank, self.sequence_parallel,
                 self.args.vocab_size, self.args.hidden_size, self.args.num_hidden_layers,
-                self.params_dtype)
+                self.params_dtype, self.fused_lm_head)
         theirs = (other.tp_size, other.pp_size, other.pp_rank, other.sequence_parallel,
                   other.args.vocab_size, other.args.hidden_size, other.args.num_hidden_layers,
-                  other.params_dtype)
+                  other.params_dtype, other.fused_lm_head)
         if mine != theirs:
             raise ValueError("the reference must have the policy's layout and architecture "
                              "(TP, PP, stage, sequence parallelism, vocab, hidden size, layers, "
-                             f"dtype): policy {mine}, reference {theirs}")
+                             f"dtype, fused LM head): policy {mine}, reference {theirs}")
         if other.trainable:
             raise ValueError("the reference run inside forward_backward must be frozen "
                              "(Policy(trainable=False))")
@@ -337,32 +441,43 @@ class Policy:
             dist.broadcast(t, src=ps.get_tensor_model_parallel_src_rank(), group=self.tp_group)
         return self.broadcast_from_last_stage(t, shape, dtype)
 
-    def token_logprobs(self, tokens: torch.Tensor, micro_batch_size: int,
-                       temperature: float = 1.0) -> torch.Tensor:
-        """log pi(tokens[:, t+1] | tokens[:, :t+1]) for a right-padded batch: [B, L-1] fp32 on
-        every rank of this pipeline, on the model's device. Forward only, through the one
-        vocab-parallel log-prob op."""
-        from megatron_rl.batch import next_token_targets
-        from megatron_rl.ops import vocab_parallel_logprobs
+    def collect_per_token(self, tokens: torch.Tensor, layout, fn: Callable, num_outputs: int,
+                          *, seq_lengths=None, reference: "Policy | None" = None) -> torch.Tensor:
+        """[num_outputs, B, L-1] fp32 per-token values of a right-padded batch, on every rank of
+        this pipeline: one forward-only pass over `layout`'s microbatches (packing.Layout, or an
+        int: padded microbatches of that many rows). fn(microbatch, out[, ref_out]) -> a list of
+        `num_outputs` per-position tensors shaped like microbatch.targets (from `score`);
+        they come back in the batch's layout (position t scores token t+1)."""
+        from megatron_rl.packing import Layout
 
+        if isinstance(layout, int):
+            layout = Layout(packed=False, micro_batch_size=layout)
         B, L = tokens.shape
-        chunks = [{"tokens": tokens[i:i + micro_batch_size]}
-                  for i in range(0, B, micro_batch_size)]
-        # equal microbatch shapes are required by the pipeline schedule: pad the last one
-        if B % micro_batch_size:
-            pad = micro_batch_size - B % micro_batch_size
-            chunks[-1] = {"tokens": torch.cat([chunks[-1]["tokens"],
-                                               chunks[-1]["tokens"][:1].expand(pad, L)])}
+        mbs = layout.microbatches(tokens, seq_lengths, None, self.pad_multiple, self.pp_size > 1)
 
-        def collect(batch, logits):
-            targets = next_token_targets(batch["tokens"]).to(logits.device)
-            return vocab_parallel_logprobs(logits, targets, tp_group=self.tp_group,
-                                           vocab_start=self.vocab_start,
-                                           temperature=temperature)[:, :-1].float()
+        def collect(batch, out, *ref):
+            mb = batch["layout"]
+            return torch.stack([mb.to_rows(v.float()) for v in fn(mb, out, *ref)])
 
-        outs = self.forward_backward(chunks, None, forward_only=True, collect=collect)
-        out = torch.cat(outs)[:B] if self.is_last_stage else None
-        return self.broadcast_from_last_stage(out, (B, L - 1), torch.float32)
+        outs = self.forward_backward([{**mb.inputs, "layout": mb} for mb in mbs], None,
+                                     forward_only=True, collect=collect, reference=reference,
+                                     for_scoring=True)
+        result = None
+        if self.is_last_stage:
+            result = torch.zeros(num_outputs, B, L - 1, device=outs[0].device if outs else None)
+            for mb, o in zip(mbs, outs):
+                result[:, mb.rows.to(result.device)] = o
+        return self.broadcast_from_last_stage(result, (num_outputs, B, L - 1), torch.float32)
+
+    def token_logprobs(self, tokens: torch.Tensor, layout, temperature: float = 1.0, *,
+                       seq_lengths=None) -> torch.Tensor:
+        """log pi(tokens[:, t+1] | tokens[:, :t+1]) for a right-padded batch: [B, L-1] fp32 on
+        every rank of this pipeline, on the model's device (0 past each sequence's end when
+        `seq_lengths` are given). Forward only, microbatches as `layout` says (see
+        collect_per_token), through `score`."""
+        def fn(mb, out):
+            return [self.score(out, mb.targets, temperature=temperature).logprobs]
+        return self.collect_per_token(tokens, layout, fn, 1, seq_lengths=seq_lengths)[0]
 
     def last_token_logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
                           position_ids: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def test_kv_logprobs_match_teacher_forced_forward(policy):
     (group,) = LocalEngine(policy).generate([prompt], 2, SamplingParams(max_new_tokens=7, seed=9))
     for c in group:
         seq = torch.tensor([prompt + c.token_ids])
-        lp = policy.token_logprobs(seq, micro_batch_size=1)[0, len(prompt) - 1:].cpu()
+        lp = policy.token_logprobs(seq, 1)[0, len(prompt) - 1:].cpu()
         torch.testing.assert_close(lp, torch.tensor(c.rollout_logprobs), rtol=0, atol=1e-5)
 
 

@@ -1,0 +1,186 @@
+"""How a batch's sequences are laid out for the model: padded rows or packed rows.
+
+Padded (the comparison path, `--no-sequence-packing`): microbatches of `micro_batch_size`
+sequences, each right-padded to the batch's longest, L tokens.
+
+Packed (the default): the sequences of a microbatch are concatenated into one row of at most
+`max_tokens` tokens (`--max-tokens-per-microbatch`), padded at the end to a multiple of
+`pad_multiple`; the padding is a segment of its own. The model gets input_ids [1, T],
+position_ids restarting at 0 in every sequence, and the segment boundaries `cu_seqlens`
+(megatron-core's THD `PackedSeqParams`): attention stays inside a sequence and RoPE restarts.
+Sequences go to microbatches by first-fit decreasing on their lengths, so few microbatches are
+needed and the long ones are not all in one.
+
+Either way, per-token model outputs come back in the batch's own [B, L-1] layout
+(`Microbatch.to_rows`): position t of row i scores token t+1 of sequence i. Everything the
+loss sees (loss mask, advantages, old / reference / rollout log-probs, KL terms) therefore stays
+in one layout, and the packed and padded paths give the same numbers up to float rounding.
+
+Across data-parallel ranks, whole groups (the samples of one prompt, which share a baseline) are
+dealt by token count (`balance_groups`: longest-processing-time first), so that no rank waits
+on another's long tail.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Sequence
+
+import torch
+
+
+def balance_groups(group_tokens: Sequence[int], num_parts: int) -> list[list[int]]:
+    """Indices of the groups each of `num_parts` ranks takes, balanced by token count: groups in
+    decreasing size, each to the part with the fewest tokens so far (ties: the lower part), the
+    LPT rule (at most 4/3 of the optimal makespan). Every part gets the same number of groups
+    when the count divides evenly (the loss normalisers and PPO minibatches count sequences per
+    rank); within a part the groups keep their original order."""
+    n = len(group_tokens)
+    if num_parts < 1:
+        raise ValueError(f"num_parts must be >= 1, got {num_parts}")
+    cap = -(-n // num_parts)  # groups per part at most
+    order = sorted(range(n), key=lambda g: (-group_tokens[g], g))
+    heap = [(0, p) for p in range(num_parts)]
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    for g in order:
+        load, p = heapq.heappop(heap)
+        parts[p].append(g)
+        if len(parts[p]) < cap:  # a full part takes no more groups
+            heapq.heappush(heap, (load + group_tokens[g], p))
+    return [sorted(p) for p in parts]
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of indices whose lengths sum to at most `capacity`: longest first, each into the
+    first bin with room. Bins in order of creation, indices within a bin ascending."""
+    too_long = [i for i, n in enumerate(lengths) if n > capacity]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(f"sequence {i} has {lengths[i]} tokens, more than "
+                         f"--max-tokens-per-microbatch {capacity}: raise it to at least the "
+                         "longest prompt + response")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, r in enumerate(room):
+            if lengths[i] <= r:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """One microbatch: the model's inputs and where its outputs go in the batch.
+
+    rows: [b] long, the batch rows it holds. inputs: what Policy.forward_backward feeds the
+    model: "tokens" [b, L] (padded) or [1, T] (packed) and, packed, "position_ids" [1, T],
+    "cu_seqlens" [segments + 1] int32 and "max_seqlen". targets: the token each position scores
+    (the next one in its sequence; anything at a sequence's last position), shaped like tokens.
+    unpack: packed only, [b, L-1] long indices into the packed row (0 where invalid) with
+    `valid` [b, L-1] bool."""
+    rows: torch.Tensor
+    inputs: dict
+    targets: torch.Tensor
+    unpack: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inputs["tokens"].numel()
+
+    def to_rows(self, per_token: torch.Tensor) -> torch.Tensor:
+        """Per-position outputs [b, s] (padded; padded rows beyond `rows` dropped) or [1, T]
+        (packed) -> [len(rows), L-1] in the batch's layout (0 at positions that score nothing)."""
+        if self.unpack is None:
+            return per_token[:len(self.rows), :-1]
+        out = per_token.reshape(-1)[self.unpack]
+        return torch.where(self.valid, out, torch.zeros_like(out))
+
+
+def padded_microbatches(tokens: torch.Tensor, rows: Sequence[int], micro_batch_size: int,
+                        equal_shapes: bool = True) -> list[Microbatch]:
+    """`micro_batch_size` rows at a time of the right-padded [B, L] tokens; with equal_shapes
+    (the pipeline schedule) the last one is filled up with copies of its first row."""
+    out = []
+    rows = list(rows)
+    for i in range(0, len(rows), micro_batch_size):
+        r = torch.as_tensor(rows[i:i + micro_batch_size], dtype=torch.long, device=tokens.device)
+        t = tokens[r]
+        if equal_shapes and len(r) < micro_batch_size:
+            t = torch.cat([t, t[:1].expand(micro_batch_size - len(r), -1)])
+        targets = torch.cat([t[:, 1:], t[:, -1:]], dim=1)
+        out.append(Microbatch(r, {"tokens": t}, targets))
+    return out
+
+
+def packed_microbatches(tokens: torch.Tensor, seq_lengths: Sequence[int], rows: Sequence[int],
+                        max_tokens: int, pad_multiple: int = 8,
+                        equal_shapes: bool = False) -> list[Microbatch]:
+    """Pack `rows` of the right-padded [B, L] tokens (row i's sequence: its first seq_lengths[i]
+    tokens) into rows of at most `max_tokens` tokens (first-fit decreasing), each padded to a
+    multiple of `pad_multiple`; with equal_shapes (the pipeline schedule) all to the longest."""
+    rows = list(rows)
+    lengths = [int(seq_lengths[r]) for r in rows]
+    bins = first_fit_decreasing(lengths, max_tokens)
+    width = _round_up(max(sum(lengths[i] for i in b) for b in bins), pad_multiple) if bins else 0
+    L = tokens.shape[1]
+    dev = tokens.device
+    out = []
+    for b in bins:
+        lens = [lengths[i] for i in b]
+        total = sum(lens)
+        T = width if equal_shapes else _round_up(total, pad_multiple)
+        seg = lens + ([T - total] if T > total else [])
+        cu = torch.zeros(len(seg) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(seg), 0)
+        r = torch.as_tensor([rows[i] for i in b], dtype=torch.long, device=dev)
+        flat = torch.zeros(T, dtype=tokens.dtype, device=dev)
+        pos = torch.zeros(T, dtype=torch.long, device=dev)
+        targets = torch.zeros(T, dtype=tokens.dtype, device=dev)
+        unpack = torch.zeros(len(b), L - 1, dtype=torch.long)
+        valid = torch.zeros(len(b), L - 1, dtype=torch.bool)
+        start = 0
+        for j, n in enumerate(lens):
+            seq = tokens[r[j], :n]
+            flat[start:start + n] = seq
+            pos[start:start + n] = torch.arange(n, device=dev)
+            targets[start:start + n - 1] = seq[1:]
+            unpack[j, :n - 1] = torch.arange(start, start + n - 1)
+            valid[j, :n - 1] = True
+            start += n
+        inputs = {"tokens": flat[None], "position_ids": pos[None], "cu_seqlens": cu.to(dev),
+                  "max_seqlen": max(seg)}
+        out.append(Microbatch(r, inputs, targets[None], unpack.to(dev), valid.to(dev)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How microbatches are formed (--sequence-packing, --max-tokens-per-microbatch,
+    --micro-batch-size). max_tokens 0: micro_batch_size times the batch's padded length L, the
+    tokens of one padded microbatch."""
+    packed: bool = True
+    micro_batch_size: int = 8
+    max_tokens: int = 0
+
+    def microbatches(self, tokens: torch.Tensor, seq_lengths: Sequence[int] | None = None,
+                     rows: Sequence[int] | None = None, pad_multiple: int = 8,
+                     equal_shapes: bool = False) -> list[Microbatch]:
+        """The microbatches of `rows` (default: all) of the right-padded [B, L] `tokens`, whose
+        sequences have `seq_lengths` tokens (default: L each)."""
+        B, L = tokens.shape
+        rows = range(B) if rows is None else rows
+        if not self.packed:
+            return padded_microbatches(tokens, rows, self.micro_batch_size, equal_shapes)
+        lengths = [L] * B if seq_lengths is None else seq_lengths
+        cap = self.max_tokens or self.micro_batch_size * L
+        return packed_microbatches(tokens, lengths, rows, cap, pad_multiple, equal_shapes)
