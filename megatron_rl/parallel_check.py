@@ -128,6 +128,8 @@ def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch
 
 RL_CONFIGS = [f"{e}:{p}" for e in ("k1", "k3") for p in ("reward", "loss", "reward+loss")] + [
     "k1:none", "exact:reward+loss"]
+# every placement once, for the packed-sequence / fused-LM-head comparison
+PACKED_CONFIGS = ["k1:reward", "k1:none", "k3:loss", "k3:reward+loss", "exact:reward+loss"]
 
 
 def rl_batch(policy, tokens, mask, group_size: int = 2, seed: int = 0):
@@ -194,7 +196,7 @@ def _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, configs, layou
     fused = policy.fused_lm_head
     for suffix, lay, lengths, m in variants:
         policy.fused_lm_head = lay.packed  # the packed variant scores from hidden states
-        for spec in configs:
+        for spec in configs if not suffix else [c for c in configs if c in PACKED_CONFIGS]:
             _run_rl_config(policy, args, spec, tokens, m, idx, lay, lengths, reference,
                            (old, ref, rewards, group_size),
                            os.path.join(layout_dir, f"rl_{spec.replace('+', '_')}{suffix}.pt"))

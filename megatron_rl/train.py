@@ -24,7 +24,7 @@ from megatron_rl.config import TrainConfig, parse_config
 from megatron_rl.loss import build_advantages, policy_loss
 from megatron_rl.runtime import Runtime, setup_runtime
 from megatron_rl.batch import RolloutBatch, pack_rollouts
-from megatron_rl.packing import Layout, Microbatch
+from megatron_rl.packing import Layout, Microbatch, balance_groups
 from megatron_rl.evaluation import evaluate
 from megatron_rl.parallel import all_reduce, data_parallel_group, device
 from megatron_rl.rollout.server import broadcast_from_rank0, dist_rank
@@ -81,6 +81,10 @@ def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
         mine = r.records[rt.dp_rank::rt.dp_size]
         prompt_ids, completions, rewards, reasons = _score(
             rt, mine, *_generate(rt, mine, _seed(rt, r.step) + rt.dp_rank))
+        if algo.sequence_packing and rt.dp_size > 1:  # re-deal the groups by token count
+            parts = _gather_dp((prompt_ids, completions, rewards))
+            whole = [sum((list(p[i]) for p in parts), []) for i in range(3)]
+            prompt_ids, completions, rewards = _deal_groups(rt, *whole)
     else:
         whole = None
         if dist_rank() == 0:  # the one client; a server pool's counts (rollout/servers_live...)
@@ -91,10 +95,7 @@ def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
             stats = getattr(rt.engine, "stats", dict)()
             whole = (*_score(rt, r.records, *generated), stats)
         prompt_ids, completions, rewards, reasons, server_stats = broadcast_from_rank0(whole)
-        g, k = algo.group_size, slice(rt.dp_rank, None, rt.dp_size)
-        rewards = [x for grp in [rewards[i:i + g] for i in range(0, len(rewards), g)][k]
-                   for x in grp]
-        prompt_ids, completions = prompt_ids[k], completions[k]
+        prompt_ids, completions, rewards = _deal_groups(rt, prompt_ids, completions, rewards)
         reasons = reasons if rt.dp_rank == 0 else {}  # counted once in the global sum
     # the one host -> device boundary: from here on the batch lives where the model does
     batch = pack_rollouts(prompt_ids, completions, rewards, rt.pad_id).to(device())
@@ -112,6 +113,29 @@ def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
                                                        batch.old_logprobs, batch.loss_mask,
                                                        dp_group))
     return batch, metrics
+
+
+def _deal_groups(rt: Runtime, prompt_ids, completions, rewards):
+    """This data-parallel rank's groups (prompt ids, completions, flat rewards) of the whole
+    batch: with --sequence-packing dealt by token count (packing.balance_groups), so that no rank
+    trains on a long tail the others wait for; else every dp_size-th group."""
+    g = rt.cfg.algorithm.group_size
+    if rt.cfg.algorithm.sequence_packing:
+        tokens = [sum(len(p) + len(c.token_ids) for c in grp)
+                  for p, grp in zip(prompt_ids, completions)]
+        mine = balance_groups(tokens, rt.dp_size)[rt.dp_rank]
+    else:
+        mine = list(range(len(prompt_ids)))[rt.dp_rank::rt.dp_size]
+    return ([prompt_ids[i] for i in mine], [completions[i] for i in mine],
+            [x for i in mine for x in rewards[i * g:(i + 1) * g]])
+
+
+def _gather_dp(obj) -> list:
+    """Every data-parallel rank's picklable `obj`, in rank order."""
+    group = data_parallel_group()
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def _generate(rt: Runtime, records, seed: int):

@@ -166,7 +166,7 @@ def run_sp(hf: str, out: str, layout_names=("tp1", "tp2", "tp2_sp")) -> None:
         dist.all_gather_object(logits_all, logits)
         policy.step()
         params = _snapshot(policy)
-        logprobs = policy.token_logprobs(tokens, micro_batch_size=2).cpu()
+        logprobs = policy.token_logprobs(tokens, 2).cpu()
         prompts = [tokens[i, : 3 + 2 * i].tolist() for i in range(tokens.shape[0])]
         samples = {}
         for kv in ((True, False) if cfg.pipeline_model_parallel_size == 1 else (False,)):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_rl.models import ModelArgs, hf_mapping
-from megatron_rl.parallel_check import RL_CONFIGS, load_layout_outputs, transformers_reference
+from megatron_rl.parallel_check import (PACKED_CONFIGS, RL_CONFIGS, load_layout_outputs,
+                                        transformers_reference)
 
 pytestmark = pytest.mark.distributed
 LAYOUTS = ["1x1", "2x1", "1x2", "2x2"]
@@ -34,7 +35,8 @@ def qwen2_run(tiny_qwen2, tmp_path_factory, torchrun):
     """One 4-rank launch: every layout, the NLL loss and every KL placement of the RL loss."""
     out = tmp_path_factory.mktemp("qwen2_layouts")
     torchrun(4, ["-m", "megatron_rl.parallel_check", "--hf", tiny_qwen2, "--out", str(out),
-                 "--layouts", ",".join(LAYOUTS), "--rl-configs", "all", "--generate"],
+                 "--layouts", ",".join(LAYOUTS), "--rl-configs", "all", "--generate",
+                 "--packed"],
              timeout=600)
     return str(out)
 
@@ -53,6 +55,23 @@ def test_every_kl_placement_same_loss_and_grads_across_layouts(qwen2_run, config
     assert any(float(g.abs().max()) > 1e-3 for g in ref["grads"].values())
     for layout in LAYOUTS[1:]:
         got = torch.load(os.path.join(qwen2_run, layout, name))
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7), layout
+        for k, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=2e-6,
+                                       msg=lambda m: f"{config} {layout} {k}: {m}")
+
+
+@pytest.mark.parametrize("config", PACKED_CONFIGS)
+def test_packed_fused_loss_equals_padded_logits_loss_at_every_layout(qwen2_run, config):
+    """Sequences of unequal length packed two to a microbatch and scored from hidden states
+    (fused LM head) give, at TP1, TP2, PP2 and TP2xPP2 (DP fills the four ranks), the loss and
+    gradients of the same sequences right-padded and scored from logits at TP1, for every KL
+    placement and the exact KL."""
+    name = f"rl_{config.replace('+', '_')}"
+    ref = torch.load(os.path.join(qwen2_run, "1x1", name + "_padded.pt"))
+    assert any(float(g.abs().max()) > 1e-3 for g in ref["grads"].values())
+    for layout in LAYOUTS:
+        got = torch.load(os.path.join(qwen2_run, layout, name + "_packed.pt"))
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7), layout
         for k, g in ref["grads"].items():
             torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=2e-6,

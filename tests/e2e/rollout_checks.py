@@ -42,7 +42,7 @@ def trainer_logprobs(policy, prompts, completions):
     """The Policy's log-probs of each completion's tokens, as ragged rows."""
     seqs, tokens = _batch(prompts, completions)
     plens = [len(p) for p, row in zip(prompts, completions) for _ in row]
-    lp = policy.token_logprobs(tokens, micro_batch_size=len(seqs))
+    lp = policy.token_logprobs(tokens, len(seqs))
     return [lp[i, plens[i] - 1:len(seqs[i]) - 1].tolist() for i in range(len(seqs))]
 
 

@@ -42,7 +42,7 @@ def _recompute_errors(policy, prompts, groups):
     for prompt, group in zip(prompts, groups):
         for c in group:
             seq = torch.tensor([prompt + c.token_ids])
-            lp = policy.token_logprobs(seq, micro_batch_size=1)[0, len(prompt) - 1:]
+            lp = policy.token_logprobs(seq, 1)[0, len(prompt) - 1:]
             errs.append((lp.float().cpu() - torch.tensor(c.rollout_logprobs)).abs())
     return torch.cat(errs)
 
