@@ -18,6 +18,7 @@ from megatron_rl.parallel import all_reduce
 from megatron_rl.rollout.mismatch import LogprobMismatch, combine, logprob_mismatch
 
 LOSS_METRICS = ("pg_loss", "kl_k1", "kl_k3", "clip_fraction", "entropy", "ratio_mean")
+ADDITIVE_LOSS_METRICS = ("pg_loss",)  # shares of a global quantity: summed, not averaged
 
 
 def batch_metrics(rewards: torch.Tensor, response_lengths: list[int], finish_reasons: list[str],
@@ -42,15 +43,26 @@ def weighted_mean_tensor(results: list[dict], keys: list[str]) -> torch.Tensor:
     return torch.cat([(vals * w).sum(0), w.sum().reshape(1)]).double()
 
 
-def loss_metrics(results: list[dict], group=None) -> dict[str, float]:
-    """Token-weighted means of the loss function's metrics (LOSS_METRICS) over all microbatches
-    of all data-parallel ranks. Ranks without results (earlier pipeline stages) return {}; all
-    ranks of one data-parallel group are on the same stage, so they agree on taking part."""
+def loss_metrics(results: list[dict], group=None, num_steps: int = 1) -> dict[str, float]:
+    """The loss function's metrics (LOSS_METRICS) over all microbatches of all data-parallel
+    ranks, independent of how the batch was split into microbatches: token-weighted means of
+    the per-token ones; pg_loss, each microbatch's share of its optimizer step's loss (already
+    normalised by global counts), summed and divided by the `num_steps` optimizer steps that
+    `results` span. Ranks without results (earlier pipeline stages) return {}; all ranks of one
+    data-parallel group are on the same stage, so they agree on taking part."""
     keys = [k for k in LOSS_METRICS if results and k in results[0]]
     if not keys:
         return {}
-    *sums, weight = all_reduce(weighted_mean_tensor(results, keys), group).tolist()
-    return {k: v / max(weight, 1e-9) for k, v in zip(keys, sums)}
+    added = [k for k in keys if k in ADDITIVE_LOSS_METRICS]
+    meaned = [k for k in keys if k not in ADDITIVE_LOSS_METRICS]
+    totals = torch.stack([torch.stack([r[k].float() for r in results]).sum() for k in added]
+                         ).double() if added else torch.zeros(0, dtype=torch.float64)
+    mean_part = weighted_mean_tensor(results, meaned)
+    reduced = all_reduce(torch.cat([totals.to(mean_part.device), mean_part]), group).tolist()
+    out = {k: v / num_steps for k, v in zip(added, reduced[:len(added)])}
+    *sums, weight = reduced[len(added):]
+    out.update({k: v / max(weight, 1e-9) for k, v in zip(meaned, sums)})
+    return out
 
 
 def token_mean_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

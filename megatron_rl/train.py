@@ -211,7 +211,8 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["grad_norm_max"] = max(grad_norms)
     # every logged value is the global batch's (all data-parallel ranks)
-    metrics.update(global_metrics.loss_metrics(step_metrics, data_parallel_group()))
+    metrics.update(global_metrics.loss_metrics(step_metrics, data_parallel_group(),
+                                               num_steps=algo.ppo_epochs * algo.ppo_minibatches))
     metrics["kl_forward"] = global_metrics.forward_kl(ref_lp, batch.old_logprobs,
                                                       batch.loss_mask, data_parallel_group())
     return ok_all

@@ -49,6 +49,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import sys
@@ -184,20 +185,29 @@ def run_once(fn, logits, targets, ref, backward):
     x.requires_grad_(False)
 
 
-def time_methods(methods, logits, targets, ref, backward, device, reps):
-    """{name: min seconds}. Methods are interleaved round-robin, so that on a shared machine
-    each one sees the same background load; the minimum estimates the uncontended time."""
-    times = {name: [] for name in methods}
-    for fn in methods.values():
-        run_once(fn, logits, targets, ref, backward)  # warm-up
+def time_steps(steps, device, reps) -> dict[str, list[float]]:
+    """{name: [seconds of each rep]} of zero-argument `steps`: each run once to warm up, then
+    `reps` rounds interleaved round-robin, so that on a shared machine each one sees the same
+    background load."""
+    times = {name: [] for name in steps}
+    for step in steps.values():
+        step()  # warm-up
     for _ in range(reps):
-        for name, fn in methods.items():
+        for name, step in steps.items():
             sync(device)
             t0 = time.perf_counter()
-            run_once(fn, logits, targets, ref, backward)
+            step()
             sync(device)
             times[name].append(time.perf_counter() - t0)
-    return {name: min(ts) for name, ts in times.items()}
+    return times
+
+
+def time_methods(methods, logits, targets, ref, backward, device, reps):
+    """{name: min seconds} of `run_once` per method, interleaved (see time_steps); the minimum
+    estimates the uncontended time."""
+    steps = {name: functools.partial(run_once, fn, logits, targets, ref, backward)
+             for name, fn in methods.items()}
+    return {name: min(ts) for name, ts in time_steps(steps, device, reps).items()}
 
 
 class _quiet_stderr:
@@ -229,26 +239,33 @@ def _cpu_live_and_peak(step):
     return live, peak, result
 
 
-def memory_of(fn, logits, targets, ref, device):
-    """(bytes kept from forward to backward, peak extra bytes of forward+backward)."""
-    x = logits.requires_grad_(True)
-    forward = lambda: fn(x, targets, ref)  # noqa: E731
-    backward = lambda logp, k3: (logp.sum() + 0.1 * k3.sum()).backward()  # noqa: E731
+def peak_extra(forward, backward, device):
+    """(bytes still allocated after `forward()`: what it keeps for backward, plus its outputs;
+    peak bytes allocated during `forward()` then `backward(its result)`), both relative to what
+    was allocated before. CUDA: the caching allocator's counters; CPU: the profiler's memory
+    events (see _cpu_live_and_peak)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        logp, k3 = forward()
+        out = forward()
         torch.cuda.synchronize()
         kept = torch.cuda.memory_allocated() - base
-        backward(logp, k3)
+        backward(out)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        kept, fwd_peak, (logp, k3) = _cpu_live_and_peak(forward)
-        _, bwd_peak, _ = _cpu_live_and_peak(lambda: backward(logp, k3))
+        kept, fwd_peak, out = _cpu_live_and_peak(forward)
+        _, bwd_peak, _ = _cpu_live_and_peak(lambda: backward(out))
         peak = max(fwd_peak, kept + bwd_peak)
-    del logp, k3
+    return kept, peak
+
+
+def memory_of(fn, logits, targets, ref, device):
+    """(bytes kept from forward to backward, peak extra bytes of forward+backward)."""
+    x = logits.requires_grad_(True)
+    kept, peak = peak_extra(lambda: fn(x, targets, ref),
+                            lambda out: (out[0].sum() + 0.1 * out[1].sum()).backward(), device)
     x.grad = None
     x.requires_grad_(False)
     return kept, peak

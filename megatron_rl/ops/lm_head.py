@@ -4,16 +4,21 @@ layer fused into the scoring op, so that no [N, V] (nor [N, V/TP]) logits tensor
 Scoring a response token needs one row of the logits z = h W^T (h [N, H] final hidden states,
 W [V/TP, H] this rank's output-layer shard, the embedding when tied). At V = 151936 a row is
 0.3 MB in bf16: the logits of 16k tokens are ~5 GB per model, their gradient as much again.
-This op computes them `chunk_tokens` rows at a time and keeps only O(N) statistics:
+This op computes them a block at a time and keeps only O(N) statistics:
 
-- forward: for each token chunk c, z_c = h_c W^T (in the hidden dtype, as the output layer
-  computes it), then the per-rank partial kernels of logprob_kl.py (row max, sum-exp, target
-  logit, entropy and exact-KL sums; backends "torch", "cpu", "cuda") on z_c; z_c is dropped.
-  The chunks' partials are combined across the tensor-parallel group exactly as the logits op
-  does (one MAX and one SUM all-reduce per call, not per chunk).
-- backward: for each chunk, z_c is recomputed (and the reference's r_c = h'_c W'^T for the
-  exact KL), the same gradient kernels give dz_c, then dh_c = dz_c W and dW += dz_c^T h_c
-  (accumulated in fp32). Peak extra memory: O(chunk_tokens * V/TP) plus the fp32 dW.
+- forward: for each chunk c of `chunk_tokens` tokens, z_c = h_c W^T (in the hidden dtype, as
+  the output layer computes it), then the per-rank partial kernels of logprob_kl.py (row max,
+  sum-exp, target logit, entropy and exact-KL sums; backends "torch", "cpu", "cuda") on z_c;
+  z_c is dropped. The chunks' partials are combined across the tensor-parallel group exactly as
+  the logits op does (one MAX and one SUM all-reduce per call, not per chunk).
+- backward: for each block v of `vocab_block` vocabulary entries, over all N tokens, z_v =
+  h W_v^T is recomputed (and the reference's r_v = h' W'_v^T for the exact KL), the same
+  gradient kernels give dz_v from the saved row statistics, then dW_v = dz_v^T h (one matmul,
+  rounded once, as the output layer's own weight gradient) and dh += dz_v W_v (fp32, [N, H]).
+  Blocking the vocabulary here, not the tokens, avoids adding a [V, H] product into the weight
+  gradient once per token chunk, which costs more than the matmuls on a CPU.
+Peak extra memory: one block of logits and its gradient (128 MiB each on CPU, 512 MiB on
+GPUs, in the hidden dtype), the fp32 [N, H] hidden gradient and the weight gradient itself.
 
 The cost is the recompute: one extra h W^T matmul in backward (two with the exact KL, where the
 reference's logits are recomputed too), against megatron's output layer + cross entropy, which
@@ -40,20 +45,31 @@ from megatron_rl.ops.logprob_kl import (_SUPPORTED_DTYPES, TokenLogprobOutput, _
                                         logprob_partials, resolve_backend)
 
 CHUNK_ENV_VAR = "MEGATRON_RL_LM_HEAD_CHUNK_TOKENS"
-# Logits elements per token chunk: 8M on CPU (32 MiB in fp32), 64M on GPUs (256 MiB), where
-# a chunk also has to be large enough for the matmuls to run at full speed.
-CPU_CHUNK_ELEMENTS = 1 << 23
-GPU_CHUNK_ELEMENTS = 1 << 26
+# Bytes of one logits block (in the hidden dtype) computed at a time: large enough for the
+# matmuls to run at full speed, small next to the [N, V] logits it replaces.
+CPU_BLOCK_BYTES = 128 << 20
+GPU_BLOCK_BYTES = 512 << 20
 
 
-def default_chunk_tokens(vocab_local: int, device: torch.device) -> int:
-    """Tokens per chunk: `MEGATRON_RL_LM_HEAD_CHUNK_TOKENS` when set, else as many rows as fit in
-    the device's logits budget (at least 1)."""
+def _block_bytes(device: torch.device) -> int:
+    return CPU_BLOCK_BYTES if device.type == "cpu" else GPU_BLOCK_BYTES
+
+
+def default_chunk_tokens(vocab_local: int, itemsize: int, device: torch.device) -> int:
+    """Forward's tokens per chunk: `MEGATRON_RL_LM_HEAD_CHUNK_TOKENS` when set, else as many
+    rows of [V_local] logits as fit in the device's block (at least 1)."""
     env = os.environ.get(CHUNK_ENV_VAR)
     if env:
         return max(1, int(env))
-    budget = CPU_CHUNK_ELEMENTS if device.type == "cpu" else GPU_CHUNK_ELEMENTS
-    return max(1, budget // max(1, vocab_local))
+    return max(1, _block_bytes(device) // max(1, vocab_local * itemsize))
+
+
+def default_vocab_block(num_tokens: int, vocab_local: int, itemsize: int,
+                        device: torch.device) -> int:
+    """Backward's vocabulary entries per block: as many [N] columns as fit in the block (at
+    least 64, at most V_local)."""
+    cols = _block_bytes(device) // max(1, num_tokens * itemsize)
+    return int(min(vocab_local, max(64, cols)))
 
 
 def _chunks(n: int, size: int):
@@ -68,7 +84,7 @@ def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class _LMHeadLogprobKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, targets_N, ref_N, inv_temperature, vocab_start,
-                tp_group, with_entropy, backend, ref_hidden_NH, ref_weight_VH, chunk):
+                tp_group, with_entropy, backend, ref_hidden_NH, ref_weight_VH, chunk, vocab_block):
         n = hidden_NH.shape[0]
         exact = ref_hidden_NH is not None
         ctx.exact_backend = _exact_backend(backend) if exact else None
@@ -109,14 +125,16 @@ class _LMHeadLogprobKL(torch.autograd.Function):
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, global_max, shifted_lse,
                               log_ratio, entropy, ref_hidden_NH, ref_weight_VH, *exact_stats)
         ctx.inv_temperature, ctx.vocab_start, ctx.backend = inv_temperature, vocab_start, backend
-        ctx.chunk = chunk
+        ctx.vocab_block = vocab_block or default_vocab_block(hidden_NH.shape[0], weight_VH.shape[0],
+                                                             hidden_NH.element_size(),
+                                                             hidden_NH.device)
         return logprobs, log_ratio, k3, entropy, kl
 
     @staticmethod
     def backward(ctx, g_logprobs, g_log_ratio, g_k3, g_entropy, g_kl=None):
         (hidden_NH, weight_VH, targets_N, global_max, shifted_lse, log_ratio, entropy,
          ref_hidden_NH, ref_weight_VH, *exact_stats) = ctx.saved_tensors
-        none = (None,) * 10
+        none = (None,) * 11
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         use_exact = g_kl is not None and ref_hidden_NH is not None
         use_lp = not (g_logprobs is None and g_log_ratio is None and g_k3 is None
@@ -136,33 +154,34 @@ class _LMHeadLogprobKL(torch.autograd.Function):
             if g_entropy is not None:
                 entropy_grad = g_entropy.to(shifted_lse.dtype).contiguous()
         g_kl_N = g_kl.to(exact_stats[-1].dtype).contiguous() if use_exact else None
-        grad_h = torch.empty_like(hidden_NH) if want_h else None
-        grad_w = (torch.zeros(weight_VH.shape, dtype=reference.compute_dtype(weight_VH.dtype),
-                              device=weight_VH.device) if want_w else None)
-        for a, b in _chunks(hidden_NH.shape[0], ctx.chunk):
-            z = _logits(hidden_NH[a:b], weight_VH)
+        acc = reference.compute_dtype(hidden_NH.dtype)
+        grad_h = torch.zeros(hidden_NH.shape, dtype=acc, device=hidden_NH.device) if want_h else None
+        grad_w = torch.empty_like(weight_VH) if want_w else None
+        # Vocabulary blocks over all tokens: each block's weight gradient is one matmul,
+        # rounded once (no [V, H] accumulation over token chunks); the hidden-state gradient,
+        # [N, H], is accumulated over blocks in fp32.
+        for v0, v1 in _chunks(weight_VH.shape[0], ctx.vocab_block):
+            z = _logits(hidden_NH, weight_VH[v0:v1])
             gz = None
             if use_lp:
-                gz = logprob_grad(z, targets_N[a:b], ctx.vocab_start, ctx.inv_temperature,
-                                  global_max[a:b], shifted_lse[a:b], grad_coef[a:b],
-                                  None if entropy_grad is None else entropy_grad[a:b],
-                                  None if entropy_grad is None else entropy[a:b], ctx.backend)
+                gz = logprob_grad(z, targets_N, ctx.vocab_start + v0, ctx.inv_temperature,
+                                  global_max, shifted_lse, grad_coef, entropy_grad,
+                                  entropy if entropy_grad is not None else None, ctx.backend)
             if use_exact:
-                r = _logits(ref_hidden_NH[a:b], ref_weight_VH)
-                st = [s[a:b] for s in exact_stats]
+                r = _logits(ref_hidden_NH, ref_weight_VH[v0:v1])
                 if gz is None:
-                    gz = exact_kl_grad(z, r, *st, g_kl_N[a:b], ctx.exact_backend)
+                    gz = exact_kl_grad(z, r, *exact_stats, g_kl_N, ctx.exact_backend)
                 else:
-                    exact_kl_grad_accumulate_(gz, z, r, *st, g_kl_N[a:b], ctx.exact_backend)
+                    exact_kl_grad_accumulate_(gz, z, r, *exact_stats, g_kl_N, ctx.exact_backend)
                 del r
             del z
             if want_h:
-                torch.matmul(gz, weight_VH, out=grad_h[a:b])
+                grad_h.add_(torch.matmul(gz, weight_VH[v0:v1]))
             if want_w:
-                grad_w.add_(torch.matmul(gz.t(), hidden_NH[a:b]))
+                torch.matmul(gz.t(), hidden_NH, out=grad_w[v0:v1])
             del gz
-        if grad_w is not None:
-            grad_w = grad_w.to(weight_VH.dtype)
+        if grad_h is not None:
+            grad_h = grad_h.to(hidden_NH.dtype)
         return (grad_h, grad_w) + none
 
 
@@ -171,7 +190,8 @@ def lm_head_logprobs_and_kl(hidden: torch.Tensor, weight: torch.Tensor, targets:
                             vocab_start: int = 0, tp_group=None, return_entropy: bool = False,
                             backend: str = "auto", ref_hidden: Optional[torch.Tensor] = None,
                             ref_weight: Optional[torch.Tensor] = None,
-                            chunk_tokens: Optional[int] = None) -> TokenLogprobOutput:
+                            chunk_tokens: Optional[int] = None,
+                            vocab_block: Optional[int] = None) -> TokenLogprobOutput:
     """`token_logprobs_and_kl(hidden @ weight.T, targets, ...)` without the logits.
 
     Args:
@@ -185,7 +205,10 @@ def lm_head_logprobs_and_kl(hidden: torch.Tensor, weight: torch.Tensor, targets:
             shard [V_local, H]: also return `exact_kl`, the exact per-position KL(pi || pi_ref)
             at temperature 1 (as `exact_kl` computes it from both logits), differentiable in
             `hidden` and `weight`; neither reference tensor gets a gradient.
-        chunk_tokens: rows of logits computed at a time (default: `default_chunk_tokens`).
+        chunk_tokens: forward's rows of logits computed at a time (default:
+            `default_chunk_tokens`).
+        vocab_block: backward's vocabulary entries computed at a time, over all N tokens
+            (default: `default_vocab_block`).
 
     Returns: TokenLogprobOutput with [...]-shaped fp32 tensors (fp64 for fp64 input). Gradients:
     `hidden` gets this rank's partial (sum it over the TP group, see the module docstring),
@@ -235,10 +258,11 @@ def lm_head_logprobs_and_kl(hidden: torch.Tensor, weight: torch.Tensor, targets:
         ref_hidden_NH = ref_hidden.detach().to(hidden.dtype).reshape(-1, H).contiguous()
         ref_weight_VH = ref_weight.detach().to(hidden.dtype).contiguous()
     concrete = resolve_backend(backend, hidden.device, hidden.dtype)
-    chunk = chunk_tokens or default_chunk_tokens(vocab_local, hidden.device)
+    chunk = chunk_tokens or default_chunk_tokens(vocab_local, hidden.element_size(), hidden.device)
     logprobs, log_ratio, k3, entropy, kl = _LMHeadLogprobKL.apply(
         hidden_NH, weight, targets_N, ref_N, 1.0 / float(temperature), int(vocab_start),
-        tp_group, bool(return_entropy), concrete, ref_hidden_NH, ref_weight_VH, int(chunk))
+        tp_group, bool(return_entropy), concrete, ref_hidden_NH, ref_weight_VH, int(chunk),
+        vocab_block)
     reshape = lambda t: None if t is None else t.reshape(lead_shape)  # noqa: E731
     return TokenLogprobOutput(reshape(logprobs), reshape(log_ratio), reshape(k3), reshape(entropy),
                               reshape(kl))

@@ -33,7 +33,8 @@ def _fused(backend, chunk=None):
     def fn(hidden, weight, targets, ref_lp, ref_hidden, ref_weight):
         o = lm_head_logprobs_and_kl(hidden, weight, targets, ref_logprobs=ref_lp,
                                     return_entropy=True, backend=backend, ref_hidden=ref_hidden,
-                                    ref_weight=ref_weight, chunk_tokens=chunk)
+                                    ref_weight=ref_weight, chunk_tokens=chunk,
+                                    vocab_block=None if chunk is None else chunk + 4)
         return o.logprobs, o.log_ratio, o.k3, o.entropy, o.exact_kl
     return fn
 
@@ -84,7 +85,8 @@ def test_gradcheck_float64():
 
     def f(h, w):
         o = lm_head_logprobs_and_kl(h, w, targets, ref_logprobs=ref_lp, return_entropy=True,
-                                    ref_hidden=ref_hidden, ref_weight=ref_weight, chunk_tokens=2)
+                                    ref_hidden=ref_hidden, ref_weight=ref_weight, chunk_tokens=2,
+                                    vocab_block=4)
         return o.logprobs, o.k3, o.entropy, o.exact_kl
     assert torch.autograd.gradcheck(f, (h, w))
 
@@ -137,7 +139,8 @@ def test_tied_embedding_gets_both_gradients():
         e = emb.clone().requires_grad_(True)
         hidden = torch.tanh(e[tokens] @ mix)
         if fused:
-            o = lm_head_logprobs_and_kl(hidden, e, targets, return_entropy=True, chunk_tokens=3)
+            o = lm_head_logprobs_and_kl(hidden, e, targets, return_entropy=True, chunk_tokens=3,
+                                        vocab_block=7)
             lp, ent = o.logprobs, o.entropy
         else:
             lp, _, _, ent = naive_token_logprobs_and_kl(hidden @ e.t(), targets, None,
@@ -194,7 +197,8 @@ def _tp2_case(rank, split, backend, dtype, group):
     o = lm_head_logprobs_and_kl(h, w, targets, ref_logprobs=ref_lp, return_entropy=True,
                                 vocab_start=start, tp_group=group, backend=backend,
                                 ref_hidden=ref_hidden,
-                                ref_weight=ref_weight[start:start + split[rank]], chunk_tokens=3)
+                                ref_weight=ref_weight[start:start + split[rank]], chunk_tokens=3,
+                                vocab_block=100)
     outs = [o.logprobs, o.log_ratio, o.k3, o.entropy, o.exact_kl]
     sum((c * x.double()).sum() for c, x in zip(coefs, outs)).backward()
     gh = h.grad.float().clone()
