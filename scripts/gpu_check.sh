@@ -25,6 +25,9 @@
 #                    are not listed: they would fail for the test's reason, not the code's)
 #   bench-kernel     tools/bench_logprob_kl.py --device cuda at N=32768, V=152064 and 4096 x 32000
 #   bench-exact-kl   the same with --exact: --kl-estimator exact's op against the K1 path
+#   bench-lm-head    tools/bench_lm_head.py --device cuda: the fused LM-head op (hidden states in)
+#                    against the logits path and megatron-core at Qwen2.5-0.5B's head, bf16,
+#                    N = 16384 and 65536, with the exact KL
 #   bench-rl         tools/bench_vs_trl.py --device cuda: Qwen2.5-0.5B-shaped RL steps vs TRL
 #   bench-weight-sync  tools/bench_weight_sync.py --engines process: s/GB of a 1 GB model's sync
 #   summary          tools/gpu_summary.py write OUT_DIR
@@ -145,6 +148,8 @@ if ((DRY)); then
         -m "not server and not network" "${CPU_TIER_ON_GPU[@]}"
     step dry-bench-kernel 300 "$PYTHON" tools/bench_logprob_kl.py --shapes 64x1000 --reps 1 \
         --json "$OUT/bench_logprob_kl.json"
+    step dry-bench-lm-head 300 "$PYTHON" tools/bench_lm_head.py --tokens 64 --hidden 32 \
+        --vocab 1000 --dtypes bf16 --reps 1 --exact --json "$OUT/bench_lm_head.json"
     step dry-bench-rl 300 "$PYTHON" tools/bench_vs_trl.py --device cuda --dry-run \
         --out "$WORK/bench_vs_trl"
     step dry-bench-weight-sync 300 "$PYTHON" tools/bench_weight_sync.py --engines process \
@@ -183,12 +188,15 @@ assert 'cuda' in b, 'megatron_rl._C was built without the CUDA kernels'"
         "${CPU_TIER_ON_GPU[@]}"
     if ((SKIP_BENCH)); then
         skip bench-kernel "--skip-bench"; skip bench-exact-kl "--skip-bench"
-        skip bench-rl "--skip-bench"; skip bench-weight-sync "--skip-bench"
+        skip bench-lm-head "--skip-bench"; skip bench-rl "--skip-bench"
+        skip bench-weight-sync "--skip-bench"
     else
         step bench-kernel 300 "$PYTHON" tools/bench_logprob_kl.py --device cuda \
             --shapes 32768x152064 4096x32000 --json "$OUT/bench_logprob_kl.json"
         step bench-exact-kl 300 "$PYTHON" tools/bench_logprob_kl.py --device cuda --exact \
             --shapes 32768x152064 4096x32000 --json "$OUT/bench_exact_kl.json"
+        step bench-lm-head 400 "$PYTHON" tools/bench_lm_head.py --device cuda \
+            --tokens 16384 65536 --dtypes bf16 --exact --json "$OUT/bench_lm_head.json"
         step bench-rl 600 "$PYTHON" tools/bench_vs_trl.py --device cuda \
             --out "$WORK/bench_vs_trl" --json "$OUT/bench_vs_trl.json"
         step bench-weight-sync 300 "$PYTHON" tools/bench_weight_sync.py --engines process \

@@ -259,6 +259,14 @@ def rl_goals(bench: dict) -> list[dict]:
              "met": ratio is not None and ratio >= RL_GOAL_RATIO}]
 
 
+def lm_head_goals(bench: dict) -> list[dict]:
+    """tools/bench_lm_head.py's own goals (fused op's memory against megatron-core, its time
+    against the logits path), in this summary's form."""
+    return [{"goal": f"LM head: {g['goal']} ({g['dtype']}, N={g['n']})",
+             "target": "see goal", "measured": ("n/a " + g.get("note", "")) if g["value"] is None
+             else f"{g['value']:.3f}", "met": bool(g["met"])} for g in bench.get("goals", [])]
+
+
 def build_summary(out: str) -> dict:
     steps = read_steps(out)
     tests = {os.path.basename(p)[len("junit_"):-len(".xml")]: junit_counts(p)
@@ -266,13 +274,16 @@ def build_summary(out: str) -> dict:
     kernel = _load_json(os.path.join(out, "bench_logprob_kl.json"))
     rl = _load_json(os.path.join(out, "bench_vs_trl.json"))
     sync = _load_json(os.path.join(out, "weight_sync.json"))
-    goals = (kernel_goals(kernel) if kernel else []) + (rl_goals(rl) if rl else [])
+    lm_head = _load_json(os.path.join(out, "bench_lm_head.json"))
+    goals = ((kernel_goals(kernel) if kernel else []) + (lm_head_goals(lm_head) if lm_head else [])
+             + (rl_goals(rl) if rl else []))
     failed = [s["name"] for s in steps if s["status"] in ("failed", "timeout")]
     env = _load_json(os.path.join(out, "env.json")) or {}
     dry_run = bool(steps) and all(s["name"].startswith("dry-") for s in steps)
     return {"env": env, "steps": steps,
             "total_seconds": round(sum(s["seconds"] for s in steps), 1), "tests": tests,
-            "bench_logprob_kl": kernel, "bench_vs_trl": rl, "weight_sync": sync, "goals": goals,
+            "bench_logprob_kl": kernel, "bench_lm_head": lm_head, "bench_vs_trl": rl,
+            "weight_sync": sync, "goals": goals,
             "ok": (bool(steps) and not failed and (dry_run or bool(env.get("cuda_available")))
                    and all(not t["failures"] and not t["errors"] for t in tests.values())),
             "failed_steps": failed, "dry_run": dry_run}

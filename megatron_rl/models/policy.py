@@ -254,9 +254,9 @@ class Policy:
         parallelism, which splits the sequence over the TP ranks)."""
         return 8 * self.tp_size if self.sequence_parallel else 8
 
-    def score(self, out: torch.Tensor, targets: torch.Tensor, *, ref_out: torch.Tensor | None = None,
-              reference: "Policy | None" = None, return_entropy: bool = False,
-              temperature: float = 1.0):
+    def score(self, out: torch.Tensor, targets: torch.Tensor, *,
+              ref_out: torch.Tensor | None = None, reference: "Policy | None" = None,
+              return_entropy: bool = False, temperature: float = 1.0):
         """ops.TokenLogprobOutput (log-probs, entropy, and the exact KL when `ref_out` is given)
         of `targets` [b, s] from this model's forward output `out`: the final hidden states
         [b, s, H] with --fused-lm-head (ops.lm_head_logprobs_and_kl with this rank's output

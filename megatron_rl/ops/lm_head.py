@@ -39,10 +39,11 @@ from typing import Optional
 import torch
 
 from megatron_rl.ops import reference
-from megatron_rl.ops.logprob_kl import (_SUPPORTED_DTYPES, TokenLogprobOutput, _combine_exact_partials,
-                                        _combine_partials, _exact_backend, exact_kl_grad,
-                                        exact_kl_grad_accumulate_, exact_kl_partials, logprob_grad,
-                                        logprob_partials, resolve_backend)
+from megatron_rl.ops.logprob_kl import (_SUPPORTED_DTYPES, TokenLogprobOutput,
+                                        _combine_exact_partials, _combine_partials,
+                                        _exact_backend, exact_kl_grad, exact_kl_grad_accumulate_,
+                                        exact_kl_partials, logprob_grad, logprob_partials,
+                                        resolve_backend)
 
 CHUNK_ENV_VAR = "MEGATRON_RL_LM_HEAD_CHUNK_TOKENS"
 # Bytes of one logits block (in the hidden dtype) computed at a time: large enough for the
@@ -155,7 +156,8 @@ class _LMHeadLogprobKL(torch.autograd.Function):
                 entropy_grad = g_entropy.to(shifted_lse.dtype).contiguous()
         g_kl_N = g_kl.to(exact_stats[-1].dtype).contiguous() if use_exact else None
         acc = reference.compute_dtype(hidden_NH.dtype)
-        grad_h = torch.zeros(hidden_NH.shape, dtype=acc, device=hidden_NH.device) if want_h else None
+        grad_h = (torch.zeros(hidden_NH.shape, dtype=acc, device=hidden_NH.device) if want_h
+                  else None)
         grad_w = torch.empty_like(weight_VH) if want_w else None
         # Vocabulary blocks over all tokens: each block's weight gradient is one matmul,
         # rounded once (no [V, H] accumulation over token chunks); the hidden-state gradient,
@@ -220,8 +222,9 @@ def lm_head_logprobs_and_kl(hidden: torch.Tensor, weight: torch.Tensor, targets:
     if weight.shape[0] == 0:
         raise ValueError("weight has an empty vocab dim")
     if hidden.dtype not in _SUPPORTED_DTYPES or weight.dtype != hidden.dtype:
-        raise ValueError(f"hidden and weight need one dtype of {[str(d) for d in _SUPPORTED_DTYPES]}"
-                         f"; got {hidden.dtype} and {weight.dtype}")
+        raise ValueError("hidden and weight need one dtype of "
+                         f"{[str(d) for d in _SUPPORTED_DTYPES]}; got {hidden.dtype} and "
+                         f"{weight.dtype}")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden shape without "
                          f"the hidden dim {tuple(hidden.shape[:-1])}")

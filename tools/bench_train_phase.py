@@ -1,0 +1,903 @@
+#!/usr/bin/env python
+"""Benchmark: the training phase of one RL step, packed rows + fused LM head against padded rows
++ logits.
+
+The trainer has two layouts (megatron_rl/train.py):
+  packed+fused   --sequence-packing --fused-lm-head (the defaults): packing.Layout packs a
+                 microbatch's sequences into one row of <= --max-tokens-per-microbatch tokens
+                 (THD attention), log-probs / entropy / KL come from the final hidden states
+                 (ops.lm_head), no [N, V] logits
+  padded+logits  --no-sequence-packing --no-fused-lm-head: microbatches of --micro-batch-size
+                 sequences right-padded to the batch's longest, scored from the logits
+and with --all-combos also packed+logits and padded+fused.
+
+Model: Qwen2.5-0.5B's shape (bench_vs_trl.MODEL_SHAPES: hidden 896, 14 heads / 2 KV heads,
+head dim 64, FFN 4864, tied 151936-token vocabulary), random weights (megatron-core's
+initialisation, std 0.02), --num-layers of them (24 is the real model; fewer keep a 2-core CPU
+run short: the layer count is printed and written with the results). The reference model is a
+copy of the policy's initial weights, as the trainer makes it. No tokenizer: the prompts and
+responses are token ids drawn here.
+
+Rollouts (synthesised, not generated): --num-sequences sequences in groups of --group-size (one
+prompt per group); prompts of --prompt-len +- 25% uniformly random tokens; response lengths from
+a log-normal with median --max-response / 4 and sigma --length-sigma, clipped to [8,
+--max-response], random tokens; rewards 0/1 at random; rollout log-probs are 0 placeholders
+(never used: the behaviour policy's log-probs are recomputed, --old-logprobs recompute). Step k
+of a configuration trains on the batch drawn from seed + k, so every configuration sees the
+same batches.
+
+What runs is the trainer's own code: a megatron_rl.runtime.Runtime holding the policy, the
+reference and a TrainConfig (engine, data, tokenizer and scorer left empty: train_on_batch uses
+none of them), the old log-probs as train._build_batch computes them
+(`policy.token_logprobs(batch.tokens, train.layout(cfg), seq_lengths=...)`, reproduced: that
+one line, since _build_batch needs an engine), then `train.train_on_batch` itself: reference
+log-probs (train.score_reference_exact for the exact estimator), advantages, forward+backward
+through Policy.forward_backward with train.make_rl_loss_fn, the optimizer step (Adam's state is
+allocated before timing by one step on zero gradients, which changes no weight, so the timed
+step is a steady-state one, not the first of a run). Phases are timed
+by wrapping the Policy objects' methods (outermost call only: token_logprobs runs
+forward_backward inside):
+  old_lp     policy.token_logprobs (the behaviour policy's recompute)
+  ref_lp     reference.token_logprobs; with the exact estimator score_reference_exact's one pass
+             of the policy and the reference together (policy.collect_per_token)
+  fwd_bwd    policy.forward_backward of the PPO update (with the exact KL in the loss the
+             reference's forward runs inside it)
+  optim      policy.step (megatron's Adam, gradient clipping)
+  other      the rest of train_on_batch: advantages, microbatch assembly, metrics
+Tokens/s: response tokens (and all tokens, prompt + response, no padding) of the timed steps /
+their phase time. Each configuration runs in a subprocess of its own (peak RSS =
+getrusage's ru_maxrss, monotone per process: the whole process, model and optimizer state
+included), one thread count for all. Ratio: packed+fused / padded+logits tokens/s per
+--max-response and KL family (the same batches, so the response and all-token ratios are
+equal), goal >= 1.8x marked met / not met.
+
+--find-max-tokens: per path, the largest microbatch one forward+backward fits in
+--mem-limit-gib (default 24), the whole process counted (policy + main grads + Adam state,
+materialised by one optimizer step on zero gradients first, + reference + the microbatch's
+activations): microbatches of L x 2^k tokens (L: prompt + --max-response, the padded width;
+padded: 2^k sequences of that length; packed: synthesised sequences first-fit into one row of at
+most that many tokens), each in its own subprocess, doubling until one fails. The limit is
+capped at this machine's available memory - 1 GiB (so a run cannot take the machine down) and
+enforced twice: RLIMIT_AS (the limit + the process's non-resident address space + 2 GiB) turns
+a huge allocation into a clean error, and a watchdog thread ends the process (exit 75) when its
+RSS passes the limit. "fits" means it finished with peak RSS <= the limit. The same guard
+protects the main benchmark's subprocesses.
+
+FLOPs (an estimate, printed per configuration with the achieved GFLOP/s; --dry-run prints the
+plan without building a model): per forward, 2 x the matmul parameters per token (q/k/v/o, the
+SwiGLU MLP, the LM head) + causal attention 2 x q_dim x n^2 per layer per sequence of n (per
+padded row of L); backward 2x forward; the fused head recomputes the logits in backward (+1 head
+matmul, +1 for the reference's under the exact KL in the loss).
+
+Usage:
+  OMP_NUM_THREADS=2 python tools/bench_train_phase.py --threads 2 --num-layers 4 \\
+      --max-response 1024 --num-sequences 32 --group-size 8 --micro-batch-size 4 \\
+      --kl k1:reward k3:loss exact:reward+loss --out benchmarks/RESULTS.md --json tp1024.json
+  OMP_NUM_THREADS=2 python tools/bench_train_phase.py --threads 2 --num-layers 4 \\
+      --find-max-tokens --max-response 1024 --mem-limit-gib 24 --out benchmarks/RESULTS.md
+  OMP_NUM_THREADS=1 python tools/bench_train_phase.py --num-layers 1 --hidden-size 64 \\
+      --vocab 1000 --max-response 32 --num-sequences 4 --group-size 2      # smoke test
+  python tools/bench_train_phase.py --dry-run --gflops 80 ...   # layouts, FLOPs, minutes
+A worker's result and log stay in --workdir (<tag>.json / <tag>.log) as soon as it ends; a
+worker that fails is recorded ("failed", "oom", "over_limit", "killed") and the others run.
+
+Worker modes (used by the driver): --worker train|fit --result-file FILE.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import random
+import resource
+import shlex
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+sys.path.insert(0, REPO)
+
+import bench_vs_trl as bvt  # noqa: E402  (standard library only at import)
+
+# path name -> (sequence packing, fused LM head)
+COMBOS = {"packed+fused": (True, True), "padded+logits": (False, False),
+          "packed+logits": (True, False), "padded+fused": (False, True)}
+MAIN_COMBOS = ("packed+fused", "padded+logits")
+PHASES = ("old_lp", "ref_lp", "fwd_bwd", "optim", "other")
+GOAL_RATIO = 1.8  # packed+fused / padded+logits training tokens/s
+EXIT_OVER_LIMIT = 75  # the watchdog's exit status
+GIB = 1 << 30
+PAD_ID = 0
+FIRST_TOKEN = 3  # token ids drawn from [3, vocab): 0-2 are the character tokenizer's specials
+
+
+# ------------------------------------------------------------------------------------------------
+# the model and the synthesised rollouts
+# ------------------------------------------------------------------------------------------------
+def model_config(a) -> dict:
+    """HF config dict of the benchmarked model: Qwen2.5-0.5B's shape with the overrides. A
+    smaller --hidden-size keeps head dim 64 and the FFN ratio unless heads / FFN are given."""
+    shape = dict(bvt.MODEL_SHAPES["qwen2.5-0.5b"])
+    hidden = a.hidden_size or shape["hidden_size"]
+    if a.hidden_size:
+        shape["num_attention_heads"] = max(1, hidden // 64)
+        shape["num_key_value_heads"] = 1 if shape["num_attention_heads"] < 2 else 2
+        shape["intermediate_size"] = round(hidden * 4864 / 896)
+    shape.update(hidden_size=hidden, num_hidden_layers=a.num_layers)
+    for key, flag in (("vocab_size", a.vocab), ("intermediate_size", a.ffn_hidden_size),
+                      ("num_attention_heads", a.num_heads),
+                      ("num_key_value_heads", a.num_kv_heads)):
+        if flag:
+            shape[key] = flag
+    if hidden % shape["num_attention_heads"] or (
+            shape["num_attention_heads"] % shape["num_key_value_heads"]):
+        raise ValueError(f"--hidden-size {hidden}, --num-heads {shape['num_attention_heads']}, "
+                         f"--num-kv-heads {shape['num_key_value_heads']}: heads must divide the "
+                         "hidden size and KV heads the heads")
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+            "eos_token_id": 1, "pad_token_id": PAD_ID, **shape}
+
+
+def model_args(a):
+    from megatron_rl.models import ModelArgs
+
+    return ModelArgs.from_hf_config(model_config(a), source="bench_train_phase model_config")
+
+
+def synth_rollouts(num_sequences: int, group_size: int, max_response: int, prompt_len: int,
+                   vocab: int, sigma: float, seed: int, force_max: bool = False):
+    """(prompt ids per group, Completion lists per group, flat rewards [num_sequences]).
+    force_max: the first sequence is the longest possible (prompt_len + 25%, max_response
+    tokens): the batch's padded width L is then that of the worst case."""
+    from megatron_rl.rollout.base import Completion
+
+    if num_sequences % group_size:
+        raise ValueError(f"--num-sequences {num_sequences} must be a multiple of --group-size "
+                         f"{group_size}")
+    rng = random.Random(seed)
+    lo, hi = max(1, round(0.75 * prompt_len)), max(1, round(1.25 * prompt_len))
+    mu = math.log(max_response / 4)
+    prompts, groups, rewards = [], [], []
+    for _ in range(num_sequences // group_size):
+        n = hi if force_max and not groups else rng.randint(lo, hi)
+        prompts.append([rng.randrange(FIRST_TOKEN, vocab) for _ in range(n)])
+        group = []
+        for _ in range(group_size):
+            n = min(max_response, max(min(8, max_response),
+                                       round(rng.lognormvariate(mu, sigma))))
+            if force_max and not groups and not group:
+                n = max_response
+            group.append(Completion([rng.randrange(FIRST_TOKEN, vocab) for _ in range(n)],
+                                    [0.0] * n, "length" if n == max_response else "stop"))
+            rewards.append(float(rng.random() < 0.5))
+        groups.append(group)
+    return prompts, groups, rewards
+
+
+def make_batch(a, max_response: int, seed: int, num_sequences: int | None = None,
+               group_size: int | None = None, force_max: bool = False):
+    """The RolloutBatch of step seed (on the host), as train._build_batch packs it."""
+    from megatron_rl.batch import pack_rollouts
+
+    vocab = model_config(a)["vocab_size"]
+    prompts, groups, rewards = synth_rollouts(num_sequences or a.num_sequences,
+                                              group_size or a.group_size, max_response,
+                                              a.prompt_len, vocab, a.length_sigma, seed, force_max)
+    return pack_rollouts(prompts, groups, rewards, PAD_ID)
+
+
+def parse_kl(spec: str):
+    """KLConfig from "estimator:placement" (e.g. k3:loss, exact:reward+loss)."""
+    from megatron_rl.kl import ESTIMATOR_NAMES, PLACEMENTS, KLConfig
+
+    est, sep, placement = spec.partition(":")
+    if not sep or est not in ESTIMATOR_NAMES or placement not in PLACEMENTS:
+        raise ValueError(f"--kl {spec!r}: want estimator:placement with estimator in "
+                         f"{list(ESTIMATOR_NAMES)} and placement in {list(PLACEMENTS)}")
+    return KLConfig(estimator=est, placement=placement, coef=0.05)
+
+
+def train_config(a, combo: str, kl_spec: str):
+    """The trainer's TrainConfig for one configuration (what the flags would build)."""
+    from megatron_rl.config import AlgorithmConfig, ModelConfig, TrainConfig
+    from megatron_rl.loss import LossConfig
+    from megatron_rl.models.config import ModelOptions
+    from megatron_rl.models.policy import OptimConfig
+
+    packed, fused = COMBOS[combo]
+    loss = LossConfig(kl=parse_kl(kl_spec), advantage_estimator=a.advantage_estimator)
+    algo = AlgorithmConfig(num_prompts_per_step=a.num_sequences // a.group_size,
+                           group_size=a.group_size, micro_batch_size=a.micro_batch_size,
+                           sequence_packing=packed,
+                           max_tokens_per_microbatch=a.max_tokens_per_microbatch, loss=loss,
+                           old_logprobs="recompute")
+    return TrainConfig(model=ModelConfig(bf16=a.bf16, options=ModelOptions(fused_lm_head=fused)),
+                       algorithm=algo, optimizer=OptimConfig(lr=a.lr), seed=a.seed)
+
+
+def build_runtime(a, cfg):
+    """A Runtime with the policy and its reference (a copy of its initial weights); the parts
+    train_on_batch does not use (engine, data, tokenizer, scorer) are None."""
+    import torch
+
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import ParallelConfig, init_distributed
+    from megatron_rl.runtime import Runtime
+
+    init_distributed(ParallelConfig(), seed=a.seed)
+    args = model_args(a)
+    dtype = torch.bfloat16 if a.bf16 else torch.float32
+    policy = Policy(args, trainable=True, params_dtype=dtype, optim=cfg.optimizer,
+                    options=cfg.model.options)
+    reference = Policy(args, trainable=False, params_dtype=dtype, options=cfg.model.options)
+    rt = Runtime(cfg=cfg, policy=policy, reference=reference, engine=None, tokenizer=None,
+                 train_data=None, eval_data=None, scorer=None, dp_rank=0, dp_size=1,
+                 pad_id=PAD_ID, stop_ids=(1,))
+    rt.reset_reference()
+    return rt
+
+
+# ------------------------------------------------------------------------------------------------
+# FLOPs (an estimate; see the module docstring)
+# ------------------------------------------------------------------------------------------------
+def microbatch_shapes(batch, lay, pad_multiple: int = 8) -> list[list[int]]:
+    """Per microbatch of `lay`, the lengths attention runs over: a padded microbatch's rows of L,
+    a packed row's segments (its sequences and the padding segment)."""
+    out = []
+    for mb in lay.microbatches(batch.tokens, batch.seq_lengths, None, pad_multiple):
+        if "cu_seqlens" in mb.inputs:
+            out.append(mb.inputs["cu_seqlens"].diff().tolist())
+        else:
+            out.append([batch.tokens.shape[1]] * len(mb.rows))
+    return out
+
+
+def step_flops(args, shapes: list[list[int]], fused: bool, kl) -> float:
+    """Estimated FLOPs of one training phase over microbatches of `shapes`."""
+    h, q = args.hidden_size, args.num_attention_heads * args.head_dim
+    kv = args.num_key_value_heads * args.head_dim
+    dense = 2 * args.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size)
+    head = 2 * h * args.vocab_size
+    tokens = sum(sum(s) for s in shapes)
+    attn = args.num_hidden_layers * sum(2 * q * n * n for s in shapes for n in s)
+    fwd = tokens * (dense + head) + attn
+    ref = 2 * fwd if kl.exact else fwd  # exact: policy and reference in one scoring pass
+    train = 3 * fwd + (tokens * head if fused else 0)
+    if kl.exact_kl_in_loss:
+        train += fwd + (tokens * head if fused else 0)
+    return fwd + ref + train
+
+
+# ------------------------------------------------------------------------------------------------
+# memory: reading it and guarding it
+# ------------------------------------------------------------------------------------------------
+def _statm() -> tuple[int, int]:
+    """(virtual size, resident size) of this process in bytes."""
+    with open("/proc/self/statm") as f:
+        vsz, rss = f.read().split()[:2]
+    page = os.sysconf("SC_PAGE_SIZE")
+    return int(vsz) * page, int(rss) * page
+
+
+def rss_bytes() -> int:
+    return _statm()[1]
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS of this process so far (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_gib(res: dict) -> float:
+    """A worker's peak memory: CUDA's max allocated where it ran on a GPU, else peak RSS."""
+    return res.get("cuda_peak_gib", res.get("peak_rss_gib", float("nan")))
+
+
+def mem_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def effective_limit(gib: float) -> tuple[int, str]:
+    """(bytes, note): --mem-limit-gib, capped at the available memory - 1 GiB (on a GPU: at
+    its total memory)."""
+    import torch
+
+    want = int(gib * GIB)
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        return min(want, total), f"{min(want, total) / GIB:.1f} GiB of GPU memory"
+    avail = mem_available_bytes()
+    if avail is not None and avail - GIB < want:
+        return avail - GIB, (f"--mem-limit-gib {gib:g} capped at {(avail - GIB) / GIB:.1f} GiB "
+                             f"(this machine: {avail / GIB:.1f} GiB available at start, - 1 GiB)")
+    return want, f"{gib:g} GiB"
+
+
+def start_memory_guard(limit: int, result_file: str, context: dict) -> None:
+    """RLIMIT_AS at limit + the process's non-resident address space + 2 GiB (a huge
+    allocation fails cleanly), and a watchdog thread that writes an "over_limit" result and
+    exits with EXIT_OVER_LIMIT when the RSS passes `limit`. CPU only (a CUDA process maps far
+    more address space than it uses; there torch's per-process memory fraction is set)."""
+    import torch
+
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
+        return
+    vsz, rss = _statm()
+    cap = limit + (vsz - rss) + 2 * GIB
+    resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    def watch():
+        while True:
+            now = rss_bytes()
+            if now > limit:
+                _write_result(result_file, {**context, "status": "over_limit",
+                                            "rss_gib": now / GIB, "limit_gib": limit / GIB})
+                sys.stderr.write(f"RSS {now / GIB:.2f} GiB over the limit {limit / GIB:.2f} GiB: "
+                                 "stopping\n")
+                sys.stderr.flush()
+                os._exit(EXIT_OVER_LIMIT)
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True, name="memory-guard").start()
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and any(
+        s in str(e).lower() for s in ("out of memory", "can't allocate", "cannot allocate")))
+
+
+def _write_result(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# worker: the training phase of one configuration
+# ------------------------------------------------------------------------------------------------
+class PhaseTimer:
+    """Seconds per phase of the wrapped methods; only the outermost timed call counts (a phase's
+    own calls into other wrapped methods belong to it)."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._depth = 0
+
+    def wrap(self, obj, method: str, phase: str) -> None:
+        fn = getattr(obj, method)
+
+        @functools.wraps(fn)
+        def timed(*args, **kw):
+            if self._depth:
+                return fn(*args, **kw)
+            self._depth += 1
+            bvt._sync()
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                bvt._sync()
+                self._depth -= 1
+                self.seconds[phase] += time.perf_counter() - t
+
+        setattr(obj, method, timed)  # an instance attribute: self.<method> calls find it too
+
+
+def run_train_worker(a) -> dict:
+    import torch
+
+    from megatron_rl import train
+    from megatron_rl.parallel import device
+
+    ctx = {"combo": a.combo, "kl": a.kl[0], "max_response": a.max_response[0]}
+    start_memory_guard(a.limit_bytes, a.result_file, ctx)
+    torch.set_num_threads(a.threads)
+    cfg = train_config(a, a.combo, a.kl[0])
+    rt = build_runtime(a, cfg)
+    # Adam's state exists from a run's first step on: allocate it now (a step on zero gradients
+    # changes no weight), so that the timed optimizer steps are steady-state ones
+    rt.policy.step()
+    rss_built = rss_bytes()
+    timer = PhaseTimer()
+    timer.wrap(rt.policy, "token_logprobs", "old_lp")
+    timer.wrap(rt.reference, "token_logprobs", "ref_lp")
+    timer.wrap(rt.policy, "collect_per_token", "ref_lp")  # score_reference_exact's pass
+    timer.wrap(rt.policy, "forward_backward", "fwd_bwd")
+    timer.wrap(rt.policy, "step", "optim")
+    lay = train.layout(cfg)
+    steps = []
+    for k in range(a.warmup + a.steps):
+        batch = make_batch(a, ctx["max_response"], a.seed + k).to(device())
+        shapes = microbatch_shapes(batch, lay, rt.policy.pad_multiple)
+        timer.seconds = dict.fromkeys(PHASES, 0.0)
+        bvt._sync()
+        t0 = time.perf_counter()
+        # train._build_batch's recompute of the behaviour policy's log-probs
+        batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, lay,
+                                                      seq_lengths=batch.seq_lengths)
+        metrics: dict = {}
+        ok = train.train_on_batch(rt, batch, metrics)
+        bvt._sync()
+        total = time.perf_counter() - t0
+        timer.seconds["other"] = total - sum(v for p, v in timer.seconds.items() if p != "other")
+        steps.append({
+            "warmup": k < a.warmup, "seconds": total, "phases": dict(timer.seconds),
+            "updated": ok, "response_tokens": sum(batch.response_lengths),
+            "all_tokens": sum(batch.seq_lengths), "padded_length": batch.tokens.shape[1],
+            "microbatches": len(shapes), "model_tokens": sum(sum(s) for s in shapes),
+            "flops": step_flops(rt.policy.args, shapes, COMBOS[a.combo][1], cfg.loss.kl),
+            "metrics": {m: float(metrics[m]) for m in ("pg_loss", "kl_k3", "entropy",
+                                                       "grad_norm", "kl_exact") if m in metrics}})
+        print(f"{a.combo} {a.kl[0]} step {k}{' (warm-up)' if k < a.warmup else ''}: "
+              f"{total:.2f} s {json.dumps({p: round(v, 3) for p, v in timer.seconds.items()})}",
+              flush=True)
+    return {**ctx, "status": "ok", "steps": steps, "rss_built_gib": rss_built / GIB,
+            "peak_rss_gib": peak_rss_bytes() / GIB,
+            **({"cuda_peak_gib": torch.cuda.max_memory_allocated() / GIB}
+               if torch.cuda.is_available() else {})}
+
+
+# ------------------------------------------------------------------------------------------------
+# worker: does one microbatch of `tokens` fit? (--find-max-tokens)
+# ------------------------------------------------------------------------------------------------
+def fit_microbatch(a, tokens: int, packed: bool):
+    """(RolloutBatch, its one Microbatch) of about `tokens` tokens: padded, tokens / L sequences
+    of width L (the first at full length); packed, the first (fullest) row of synthesised
+    sequences first-fit into rows of at most `tokens`."""
+    from megatron_rl.packing import Layout
+
+    max_resp = a.max_response[0]
+    probe = make_batch(a, max_resp, a.seed, 1, 1, force_max=True)
+    width = probe.tokens.shape[1]
+    if packed:
+        n = max(2, 2 * tokens // max(1, a.prompt_len + max_resp // 3))
+        batch = make_batch(a, max_resp, a.seed, n, 1, force_max=True)
+        lay = Layout(packed=True, max_tokens=max(tokens, width))
+    else:
+        batch = make_batch(a, max_resp, a.seed, max(1, tokens // width), 1, force_max=True)
+        lay = Layout(packed=False, micro_batch_size=batch.num_sequences)
+    return batch, lay.microbatches(batch.tokens, batch.seq_lengths)[0]
+
+
+def run_fit_worker(a) -> dict:
+    import torch
+
+    from megatron_rl import train
+    from megatron_rl.parallel import device
+
+    ctx = {"combo": a.combo, "kl": a.kl[0], "target_tokens": a.fit_tokens}
+    start_memory_guard(a.limit_bytes, a.result_file, ctx)
+    torch.set_num_threads(a.threads)
+    cfg = train_config(a, a.combo, a.kl[0])
+    rt = build_runtime(a, cfg)
+    rt.policy.step()  # Adam's state, as in run_train_worker
+    batch, m = fit_microbatch(a, a.fit_tokens, COMBOS[a.combo][0])
+    batch = batch.to(device())
+    batch.old_logprobs = torch.zeros_like(batch.loss_mask)
+    advantages = torch.randn(batch.num_sequences, device=batch.device)
+    ref_lp = torch.zeros_like(batch.loss_mask)
+    loss_cfg = cfg.loss
+    reference = rt.reference if loss_cfg.kl.exact_kl_in_loss else None
+    loss_fn = train.make_rl_loss_fn(rt.policy, loss_cfg, float(batch.loss_mask.sum()),
+                                    float(batch.num_sequences), reference)
+    bvt._sync()
+    t0 = time.perf_counter()
+    rt.policy.forward_backward([train._microbatch(batch, advantages, ref_lp, m)], loss_fn,
+                               reference=reference, for_scoring=True)
+    bvt._sync()
+    return {**ctx, "status": "ok", "tokens": m.num_tokens, "sequences": len(m.rows),
+            "seconds": time.perf_counter() - t0, "peak_rss_gib": peak_rss_bytes() / GIB,
+            **({"cuda_peak_gib": torch.cuda.max_memory_allocated() / GIB}
+               if torch.cuda.is_available() else {})}
+
+
+def run_worker(a) -> int:
+    fn = run_train_worker if a.worker == "train" else run_fit_worker
+    try:
+        res = fn(a)
+    except Exception as e:  # noqa: BLE001  (reported to the driver, which goes on)
+        if not _is_oom(e):
+            raise
+        res = {"combo": a.combo, "kl": a.kl[0], "status": "oom", "error": str(e)[:300],
+               "peak_rss_gib": peak_rss_bytes() / GIB}
+    _write_result(a.result_file, res)
+    from megatron_rl.parallel import destroy_distributed
+
+    destroy_distributed()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# driver
+# ------------------------------------------------------------------------------------------------
+def _shared_argv(a) -> list[str]:
+    """The worker's flags: everything that shapes the model and the batches."""
+    out = ["--num-layers", str(a.num_layers), "--num-sequences", str(a.num_sequences),
+           "--group-size", str(a.group_size), "--prompt-len", str(a.prompt_len),
+           "--length-sigma", str(a.length_sigma), "--micro-batch-size", str(a.micro_batch_size),
+           "--max-tokens-per-microbatch", str(a.max_tokens_per_microbatch),
+           "--advantage-estimator", a.advantage_estimator, "--lr", str(a.lr),
+           "--seed", str(a.seed), "--threads", str(a.threads), "--warmup", str(a.warmup),
+           "--steps", str(a.steps), "--limit-bytes", str(a.limit_bytes)]
+    for flag, v in (("--hidden-size", a.hidden_size), ("--vocab", a.vocab),
+                    ("--ffn-hidden-size", a.ffn_hidden_size), ("--num-heads", a.num_heads),
+                    ("--num-kv-heads", a.num_kv_heads)):
+        if v:
+            out += [flag, str(v)]
+    return out + (["--bf16"] if a.bf16 else [])
+
+
+def run_child(a, worker: str, combo: str, kl: str, max_response: int, tag: str,
+              extra: tuple = ()) -> dict:
+    """One worker subprocess; its result dict (status "killed" / "failed" when it left none)."""
+    path = os.path.join(a.workdir, f"{tag}.json")
+    if os.path.exists(path):
+        os.remove(path)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--result-file", path,
+           "--combo", combo, "--kl", kl, "--max-response", str(max_response),
+           *_shared_argv(a), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads),
+               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    log = os.path.join(a.workdir, f"{tag}.log")
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    wall = time.perf_counter() - t
+    if os.path.exists(path):
+        with open(path) as f:
+            res = json.load(f)
+    elif proc.returncode < 0:
+        res = {"status": "killed", "error": f"signal {-proc.returncode} (9: the kernel's OOM "
+                                            "killer?)"}
+    else:  # a bug, not memory: recorded (the other configurations still run), log kept
+        with open(log) as f:
+            tail = [line for line in f.read().splitlines() if line.strip()][-1:]
+        res = {"status": "failed", "error": f"exit {proc.returncode}: {' '.join(tail)} "
+                                            f"(see {log})"}
+        print(f"worker failed: {shlex.join(cmd)}\n  {res['error']}", flush=True)
+    return {"combo": combo, "kl": kl, "max_response": max_response, **res, "wall_s": wall,
+            "log": log}
+
+
+def _failure(res: dict) -> str:
+    """Why a worker did not finish, in a few words."""
+    if res.get("status") == "over_limit":
+        return f"RSS {res['rss_gib']:.2f} GiB > limit {res['limit_gib']:.2f} GiB"
+    return res.get("error", "")[:160]
+
+
+def summarize_train(res: dict) -> dict:
+    """Sums over the timed steps: seconds per phase, tokens, tokens/s, achieved GFLOP/s."""
+    if res.get("status") != "ok":
+        return res
+    timed = [s for s in res["steps"] if not s["warmup"]]
+    secs = sum(s["seconds"] for s in timed)
+    out = {k: res[k] for k in ("combo", "kl", "max_response", "status", "rss_built_gib",
+                               "peak_rss_gib", "cuda_peak_gib", "wall_s") if k in res}
+    out.update(
+        steps=len(timed), seconds=secs,
+        phases_s={p: sum(s["phases"][p] for s in timed) / len(timed) for p in PHASES},
+        step_s=secs / len(timed),
+        **{k: sum(s[k] for s in timed) for k in ("response_tokens", "all_tokens",
+                                                  "model_tokens", "microbatches", "flops")},
+        first_step_metrics=res["steps"][0]["metrics"], updated=all(s["updated"] for s in timed))
+    out["response_tokens_per_s"] = out["response_tokens"] / secs
+    out["all_tokens_per_s"] = out["all_tokens"] / secs
+    out["achieved_gflops"] = out["flops"] / secs / 1e9
+    return out
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """packed+fused / padded+logits tokens/s per (max response, KL family)."""
+    out = []
+    for r in rows:
+        if r["combo"] != "packed+fused" or r.get("status") != "ok":
+            continue
+        base = [b for b in rows if b["combo"] == "padded+logits"
+                and (b["max_response"], b["kl"]) == (r["max_response"], r["kl"])]
+        if not base:
+            continue
+        key = {"max_response": r["max_response"], "kl": r["kl"], "goal": GOAL_RATIO}
+        if base[0].get("status") == "ok":
+            x = r["response_tokens_per_s"] / base[0]["response_tokens_per_s"]
+            out.append({**key, "ratio": x, "met": x >= GOAL_RATIO})
+        else:  # the baseline did not run through: no ratio, and why
+            out.append({**key, "ratio": None, "met": None,
+                        "why": f"padded+logits {base[0].get('status')}: {_failure(base[0])}"})
+    return out
+
+
+def run_benchmark(a) -> dict:
+    combos = list(COMBOS) if a.all_combos else list(MAIN_COMBOS)
+    rows = []
+    for max_resp in a.max_response:
+        for kl in a.kl:
+            for combo in combos:
+                tag = "_".join(("train", str(max_resp), kl.replace(":", "-").replace("+", "p"),
+                                combo.replace("+", "_")))
+                res = summarize_train(run_child(a, "train", combo, kl, max_resp, tag))
+                rows.append(res)
+                if res.get("status") == "ok":
+                    print(f"{max_resp:5d} {kl:18s} {combo:14s}: {res['step_s']:8.2f} s/step, "
+                          f"{res['response_tokens_per_s']:8.1f} response tok/s, peak "
+                          f"{peak_gib(res):.2f} GiB", flush=True)
+                else:
+                    print(f"{max_resp:5d} {kl:18s} {combo:14s}: {res['status']} "
+                          f"{_failure(res)}", flush=True)
+    return {"train_phase": rows, "ratios": ratios(rows)}
+
+
+def run_find_max(a) -> dict:
+    """Per path: doubling microbatches until one does not fit."""
+    combos = list(COMBOS) if a.all_combos else list(MAIN_COMBOS)
+    max_resp, kl = a.max_response[0], a.kl[0]
+    width = make_batch(a, max_resp, a.seed, 1, 1, force_max=True).tokens.shape[1]
+    out = {}
+    for combo in combos:
+        tries, best = [], None
+        tokens = width
+        while tokens <= a.find_cap_tokens:
+            tag = f"fit_{max_resp}_{combo.replace('+', '_')}_{tokens}"
+            res = run_child(a, "fit", combo, kl, max_resp, tag, ("--fit-tokens", str(tokens)))
+            res.setdefault("target_tokens", tokens)
+            fits = res.get("status") == "ok" and peak_gib(res) * GIB <= a.limit_bytes
+            res["fits"] = fits
+            tries.append(res)
+            print(f"{combo:14s} {tokens:7d} tokens: {res.get('status')}"
+                  + (f", peak {peak_gib(res):.2f} GiB, {res['seconds']:.1f} s"
+                     if res.get("status") == "ok" else f" {_failure(res)}"), flush=True)
+            if not fits:
+                break
+            best = res
+            tokens *= 2
+        out[combo] = {"largest_fitting_tokens": best["tokens"] if best else None,
+                      "largest_fitting_sequences": best["sequences"] if best else None,
+                      "capped": bool(best) and tokens > a.find_cap_tokens, "tries": tries}
+    return {"find_max_tokens": {"max_response": max_resp, "kl": kl, "padded_width": width,
+                                "limit_gib": a.limit_bytes / GIB, "paths": out}}
+
+
+def dry_run(a) -> dict:
+    """The batches' layouts and estimated FLOPs, without building a model."""
+    from megatron_rl import train
+
+    args = model_args(a)
+    combos = list(COMBOS) if a.all_combos else list(MAIN_COMBOS)
+    rows = []
+    for max_resp in a.max_response:
+        for kl in a.kl:
+            for combo in combos:
+                cfg = train_config(a, combo, kl)
+                tot = {"microbatches": 0, "model_tokens": 0, "flops": 0.0, "response_tokens": 0,
+                       "all_tokens": 0}
+                for k in range(a.warmup, a.warmup + a.steps):
+                    batch = make_batch(a, max_resp, a.seed + k)
+                    shapes = microbatch_shapes(batch, train.layout(cfg))
+                    tot["microbatches"] += len(shapes)
+                    tot["model_tokens"] += sum(sum(s) for s in shapes)
+                    tot["flops"] += step_flops(args, shapes, COMBOS[combo][1], cfg.loss.kl)
+                    tot["response_tokens"] += sum(batch.response_lengths)
+                    tot["all_tokens"] += sum(batch.seq_lengths)
+                rows.append({"max_response": max_resp, "kl": kl, "combo": combo, **tot})
+                est = (f", ~{tot['flops'] / (a.gflops * 1e9) / 60:.1f} min at {a.gflops:g} GFLOP/s"
+                       if a.gflops else "")
+                print(f"{max_resp:5d} {kl:18s} {combo:14s}: {tot['microbatches']:4d} microbatches, "
+                      f"{tot['model_tokens']:7d} model tokens ({tot['all_tokens']} real, "
+                      f"{tot['response_tokens']} response), {tot['flops'] / 1e12:.3g} TFLOP{est}")
+    return {"plan": rows}
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+def machine() -> dict:
+    import torch
+
+    out = {"cpu": bvt._cpu(), "cores": os.cpu_count(), "torch": torch.__version__,
+           "python": platform.python_version(), "host": platform.node(),
+           "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def notes(a) -> list[str]:
+    cfg = model_config(a)
+    model = (f"model: Qwen2.5-0.5B-shaped, {a.num_layers} layer(s) (the real model has 24), "
+             f"hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads / "
+             f"{cfg['num_key_value_heads']} KV heads, FFN {cfg['intermediate_size']}, tied vocab "
+             f"{cfg['vocab_size']}, {'bf16' if a.bf16 else 'fp32'}; random weights; "
+             f"{a.threads} thread(s)")
+    if a.find_max_tokens:
+        return [model, "sequences synthesised (random tokens, log-normal response lengths); "
+                "old / reference log-probs and advantages are placeholders (zeros, random): "
+                "only the memory of one forward+backward of the PPO loss is measured, after one "
+                "optimizer step on zero gradients has allocated Adam's state"]
+    return [
+        model,
+        f"rollouts synthesised, not generated: {a.num_sequences} sequences in groups of "
+        f"{a.group_size}, prompts of {a.prompt_len} +- 25% random tokens, response lengths "
+        f"log-normal (median max/4, sigma {a.length_sigma}) clipped to [8, max], random tokens, "
+        "random 0/1 rewards; rollout log-probs are 0 placeholders (the old log-probs are "
+        "recomputed, as --old-logprobs recompute does)",
+        f"padded: --micro-batch-size {a.micro_batch_size}; packed: --max-tokens-per-microbatch "
+        + (str(a.max_tokens_per_microbatch) if a.max_tokens_per_microbatch
+           else "micro-batch-size x the batch's padded length (the same token budget)"),
+        f"{a.warmup} warm-up + {a.steps} timed step(s) per configuration, "
+        "each configuration in its own process (peak RSS: the whole process)",
+        "phases via the trainer's own train.train_on_batch on a Runtime holding policy, "
+        "reference and TrainConfig; old log-probs as train._build_batch recomputes them; "
+        "Adam's state allocated before timing (one step on zero gradients)",
+    ]
+
+
+def markdown(summary: dict, a) -> str:
+    m = summary["machine"]
+    lines = [f"### Training phase: packed + fused LM head vs padded + logits "
+             f"(tools/bench_train_phase.py, {m['date'][:10]})", "",
+             f"Machine: {m['cpu']}; {m['cores']} cores" + (f"; {m['gpu']}" if "gpu" in m else "")
+             + f"; torch {m['torch']}, Python {m['python']}.",
+             f"Command: `{summary['command']}`", ""]
+    lines += [f"- {n}" for n in notes(a)] + [f"- memory limit: {summary['limit_note']}", ""]
+    rows = summary.get("train_phase")
+    if rows:
+        lines += ["| max resp | KL | path | layers | microbatches | model tokens (padding incl.) "
+                  "| response / all tokens | old lp s | ref lp s | fwd+bwd s | optim s | other s "
+                  "| phase s | response tok/s | all tok/s | GFLOP/s | RSS built / peak GiB "
+                  "| grad norm step 0 |", "|" + "---|" * 18]
+        for r in rows:
+            head = f"| {r['max_response']} | {r['kl']} | {r['combo']} | {a.num_layers} |"
+            if r.get("status") != "ok":
+                lines.append(head + f" {r.get('status')}: {_failure(r)} |"
+                             + " |" * 13)
+                continue
+            ph = r["phases_s"]
+            lines.append(
+                head + f" {r['microbatches']} | {r['model_tokens']} | {r['response_tokens']} / "
+                f"{r['all_tokens']} | " + " | ".join(f"{ph[p]:.2f}" for p in PHASES)
+                + f" | {r['step_s']:.2f} | {r['response_tokens_per_s']:.1f} | "
+                f"{r['all_tokens_per_s']:.1f} | {r['achieved_gflops']:.1f} | "
+                f"{r['rss_built_gib']:.2f} / {peak_gib(r):.2f} | "
+                f"{r['first_step_metrics'].get('grad_norm', float('nan')):.6g} |")
+        lines.append("")
+        lines.append("Phase seconds are per step (mean over the timed steps); tokens and "
+                     "microbatches are summed over them.")
+        for x in summary["ratios"]:
+            what = (f"**{x['ratio']:.2f}x** (goal >= {x['goal']}x: "
+                    f"{'met' if x['met'] else 'not met'})" if x["ratio"] is not None
+                    else f"not measured ({x['why']})")
+            lines.append(f"- max response {x['max_response']}, {x['kl']}: packed+fused / "
+                         f"padded+logits training tokens/s = {what}")
+        lines.append("")
+    fm = summary.get("find_max_tokens")
+    if fm:
+        lines += [f"Largest microbatch one forward+backward fits in {fm['limit_gib']:.2f} GiB "
+                  f"(whole process: model, main grads, Adam state, reference, activations; "
+                  f"max response {fm['max_response']}, padded width {fm['padded_width']}, KL "
+                  f"{fm['kl']}, {a.num_layers} layer(s)):", "",
+                  "| path | largest fitting tokens (sequences) | tried: tokens -> peak GiB "
+                  "(RSS; on a GPU max allocated) / status |", "|---|---|---|"]
+        for combo, d in fm["paths"].items():
+            tried = "; ".join(f"{t.get('tokens', t.get('target_tokens'))} -> "
+                              + (f"{peak_gib(t):.2f}" if "peak_rss_gib" in t else "-")
+                              + ("" if t.get("fits") else f" ({t.get('status')}: {_failure(t)})")
+                              for t in d["tries"])
+            best = (f"{d['largest_fitting_tokens']} ({d['largest_fitting_sequences']})"
+                    + (" (the cap)" if d["capped"] else "")
+                    if d["largest_fitting_tokens"] else "none")
+            lines.append(f"| {combo} | {best} | {tried} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--max-response", type=int, nargs="+", default=[1024],
+                   help="max response tokens; several: one benchmark each (e.g. 1024 4096)")
+    p.add_argument("--num-sequences", type=int, default=32, help="sequences per RL step")
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (+- 25%%)")
+    p.add_argument("--length-sigma", type=float, default=1.0,
+                   help="sigma of the log-normal response lengths")
+    p.add_argument("--micro-batch-size", type=int, default=4,
+                   help="sequences per padded microbatch")
+    p.add_argument("--max-tokens-per-microbatch", type=int, default=0,
+                   help="tokens per packed microbatch; 0: micro-batch-size x the batch's padded "
+                   "length (the same token budget)")
+    p.add_argument("--kl", nargs="+", default=["k3:loss"],
+                   help="KL families, estimator:placement (k1:reward k3:loss exact:reward+loss)")
+    p.add_argument("--advantage-estimator", default="rloo")
+    p.add_argument("--all-combos", action="store_true",
+                   help="also packed+logits and padded+fused")
+    p.add_argument("--num-layers", type=int, default=24, help="24 = Qwen2.5-0.5B")
+    p.add_argument("--hidden-size", type=int, help="override (default 896; head dim 64 kept)")
+    p.add_argument("--vocab", type=int, help="override the vocabulary (default 151936)")
+    p.add_argument("--ffn-hidden-size", type=int)
+    p.add_argument("--num-heads", type=int)
+    p.add_argument("--num-kv-heads", type=int)
+    p.add_argument("--bf16", action="store_true", help="bf16 weights (fp32 main params)")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int,
+                   default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    p.add_argument("--warmup", type=int, default=0, help="untimed steps per configuration")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per configuration")
+    p.add_argument("--find-max-tokens", action="store_true",
+                   help="per path, the largest microbatch that fits in --mem-limit-gib (uses the "
+                   "first --max-response and --kl)")
+    p.add_argument("--mem-limit-gib", type=float, default=24.0,
+                   help="memory limit of every worker (capped at the available memory - 1 GiB)")
+    p.add_argument("--find-cap-tokens", type=int, default=1 << 17,
+                   help="--find-max-tokens stops doubling here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the batches' layouts and FLOPs; build no model")
+    p.add_argument("--gflops", type=float, help="--dry-run: estimate minutes at this rate")
+    p.add_argument("--workdir", default=os.path.join(REPO, "outputs", "bench_train_phase"),
+                   help="worker results and logs")
+    p.add_argument("--out", help="append the markdown section to this file")
+    p.add_argument("--json", help="write the summary here")
+    p.add_argument("--worker", choices=["train", "fit"], help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    p.add_argument("--combo", choices=sorted(COMBOS), help=argparse.SUPPRESS)
+    p.add_argument("--fit-tokens", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--limit-bytes", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    # user errors raise ValueError here, before any worker starts
+    model_config(a)
+    for spec in a.kl:
+        train_config(a, "packed+fused", spec)
+    if a.num_sequences % a.group_size:
+        raise ValueError(f"--num-sequences {a.num_sequences} must be a multiple of --group-size "
+                         f"{a.group_size}")
+    if a.worker:
+        return run_worker(a)
+    if a.dry_run:
+        summary = dry_run(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(summary, f, indent=2)
+        return 0
+    a.limit_bytes, limit_note = effective_limit(a.mem_limit_gib)
+    a.workdir = os.path.abspath(a.workdir)
+    os.makedirs(a.workdir, exist_ok=True)
+    given = sys.argv[1:] if argv is None else list(argv)
+    summary = {"machine": machine(),
+               "command": shlex.join(["python", os.path.relpath(__file__, REPO), *given]),
+               "num_layers": a.num_layers, "model": model_config(a), "notes": notes(a),
+               "limit_note": limit_note,
+               "config": {k: v for k, v in vars(a).items() if k not in ("worker", "result_file",
+                                                                        "combo", "fit_tokens")}}
+    print(f"{a.num_layers} layer(s), {a.threads} thread(s), memory limit {limit_note}",
+          flush=True)
+    summary.update(run_find_max(a) if a.find_max_tokens else run_benchmark(a))
+    text = markdown(summary, a)
+    print("\n" + text)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write("\n" + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
