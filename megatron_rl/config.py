@@ -205,6 +205,9 @@ class TrainConfig:
             if name in _CHOICES and value is not None and value not in _CHOICES[name]:
                 raise ValueError(f"{_flag(name)} {value!r}; valid: " + ", ".join(_CHOICES[name]))
         a = self.algorithm
+        if a.max_tokens_per_microbatch < 0:
+            raise ValueError(f"--max-tokens-per-microbatch {a.max_tokens_per_microbatch}: must "
+                             "be >= 0 (0: --micro-batch-size x the batch's longest sequence)")
         if a.num_prompts_per_step % a.ppo_minibatches:
             raise ValueError("--ppo-minibatches must divide --num-prompts-per-step")
         if not self.model.hf_checkpoint:

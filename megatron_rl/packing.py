@@ -73,6 +73,9 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return [sorted(b) for b in bins]
 
 
+PAD_SEGMENT = 256  # longest padding segment of a packed row (tokens)
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -102,8 +105,8 @@ class Microbatch:
         (packed) -> [len(rows), L-1] in the batch's layout (0 at positions that score nothing)."""
         if self.unpack is None:
             return per_token[:len(self.rows), :-1]
-        out = per_token.reshape(-1)[self.unpack]
-        return torch.where(self.valid, out, torch.zeros_like(out))
+        out = per_token.reshape(-1)[self.unpack.to(per_token.device)]
+        return torch.where(self.valid.to(per_token.device), out, torch.zeros_like(out))
 
 
 def padded_microbatches(tokens: torch.Tensor, rows: Sequence[int], micro_batch_size: int,
@@ -139,27 +142,35 @@ def packed_microbatches(tokens: torch.Tensor, seq_lengths: Sequence[int], rows: 
         lens = [lengths[i] for i in b]
         total = sum(lens)
         T = width if equal_shapes else _round_up(total, pad_multiple)
-        seg = lens + ([T - total] if T > total else [])
+        # the padding in segments of at most PAD_SEGMENT tokens: attention over one long
+        # padding segment (a short bin padded to the longest, under PP) would cost O(pad^2)
+        pad = [min(PAD_SEGMENT, T - total - a) for a in range(0, T - total, PAD_SEGMENT)]
+        seg = lens + pad
         cu = torch.zeros(len(seg) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(seg), 0)
-        r = torch.as_tensor([rows[i] for i in b], dtype=torch.long, device=dev)
-        flat = torch.zeros(T, dtype=tokens.dtype, device=dev)
-        pos = torch.zeros(T, dtype=torch.long, device=dev)
-        targets = torch.zeros(T, dtype=tokens.dtype, device=dev)
+        rid = [rows[i] for i in b]
+        # built on the host as indices into the [B * L] tokens, then one gather on the device:
+        # no per-sequence device work or host sync
+        src = torch.zeros(T, dtype=torch.long)       # token at each packed position
+        nxt = torch.zeros(T, dtype=torch.long)       # the token it scores (the next one)
+        pos = torch.zeros(T, dtype=torch.long)
         unpack = torch.zeros(len(b), L - 1, dtype=torch.long)
         valid = torch.zeros(len(b), L - 1, dtype=torch.bool)
         start = 0
         for j, n in enumerate(lens):
-            seq = tokens[r[j], :n]
-            flat[start:start + n] = seq
-            pos[start:start + n] = torch.arange(n, device=dev)
-            targets[start:start + n - 1] = seq[1:]
-            unpack[j, :n - 1] = torch.arange(start, start + n - 1)
+            span = torch.arange(n)
+            src[start:start + n] = rid[j] * L + span
+            nxt[start:start + n] = rid[j] * L + torch.clamp(span + 1, max=n - 1)
+            pos[start:start + n] = span
+            unpack[j, :n - 1] = start + span[:n - 1]
             valid[j, :n - 1] = True
             start += n
-        inputs = {"tokens": flat[None], "position_ids": pos[None], "cu_seqlens": cu.to(dev),
-                  "max_seqlen": max(seg)}
-        out.append(Microbatch(r, inputs, targets[None], unpack.to(dev), valid.to(dev)))
+        flat_tokens = tokens.reshape(-1)
+        inputs = {"tokens": flat_tokens[src.to(dev)][None], "position_ids": pos.to(dev)[None],
+                  "cu_seqlens": cu.to(dev), "max_seqlen": max(seg)}
+        r = torch.as_tensor(rid, dtype=torch.long).to(dev)
+        out.append(Microbatch(r, inputs, flat_tokens[nxt.to(dev)][None], unpack.to(dev),
+                              valid.to(dev)))
     return out
 
 

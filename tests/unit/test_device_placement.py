@@ -14,6 +14,7 @@ is not on the expected device meta!" on the same mixing; like CUDA they accept 0
 scalars and host index tensors. Neither carries values, so reading a number back (`float()`,
 `.tolist()`) is the host boundary these pieces stop at.
 """
+import functools
 import types
 
 import pytest
@@ -82,21 +83,36 @@ def test_advantages_on_the_device(estimator, placement, advantage):
 
 @pytest.mark.parametrize("estimator,placement", PLACEMENTS)
 @pytest.mark.parametrize("aggregation", ["token-sum-over-batch-tokens", "seq-mean-token-mean"])
-def test_rl_loss_function_forward_and_backward(on_accelerator, estimator, placement, aggregation):
-    """The loss function handed to the pipeline schedule, on the trainer's microbatch dict."""
+@pytest.mark.parametrize("packed", [False, True], ids=["padded-logits", "packed-fused"])
+def test_rl_loss_function_forward_and_backward(on_accelerator, estimator, placement, aggregation,
+                                               packed):
+    """The loss function handed to the pipeline schedule, on the trainer's microbatch dict:
+    right-padded rows scored from logits, and packed rows scored from hidden states (the
+    fused LM head, its weight on the device)."""
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.packing import Layout
+
     cfg = _loss_cfg(estimator, placement, aggregation)
     batch = _host_batch().to(DEV)
     batch.old_logprobs = batch.rollout_logprobs.clone()
     ref = torch.zeros_like(batch.old_logprobs)
     adv = build_advantages(batch.rewards, batch.old_logprobs, ref, batch.loss_mask, cfg,
                            batch.group_size)
-    mb = train._microbatch(batch, adv, ref, [1, 2])
-    logits = torch.randn(2, batch.tokens.shape[1], 16, device=DEV, requires_grad=True)
-    loss_fn = train.make_rl_loss_fn(types.SimpleNamespace(tp_group=None, vocab_start=0), cfg,
-                                    num_global_tokens=7.0, num_global_seqs=4.0)
-    loss, metrics = loss_fn(mb, logits)
+    lay = Layout(packed=packed, micro_batch_size=2)
+    (m,) = lay.microbatches(batch.tokens, batch.seq_lengths, [1, 2])
+    mb = train._microbatch(batch, adv, ref, m)
+    weight = torch.randn(16, 8, device=DEV, requires_grad=True)
+    policy = types.SimpleNamespace(tp_group=None, vocab_start=0, fused_lm_head=packed,
+                                   output_weight=lambda: weight)
+    policy.score = functools.partial(Policy.score, policy)
+    out = torch.randn(*m.inputs["tokens"].shape, 8 if packed else 16, device=DEV,
+                      requires_grad=True)
+    loss_fn = train.make_rl_loss_fn(policy, cfg, num_global_tokens=7.0, num_global_seqs=4.0)
+    loss, metrics = loss_fn(mb, out)
     loss.backward()
-    assert loss.device == DEV and logits.grad.device == DEV
+    assert loss.device == DEV and out.grad.device == DEV
+    if packed:
+        assert weight.grad.device == DEV
     assert all(v.device == DEV for v in metrics.values()), metrics
     # the step's metric reduction stays on the device until its single host copy
     means = global_metrics.weighted_mean_tensor([metrics, metrics], list(global_metrics.LOSS_METRICS))
