@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import bench_logprob_kl as blk  # noqa: E402  (also puts the repo on sys.path)
 from megatron_rl.ops import lm_head_logprobs_and_kl, token_logprobs_and_kl  # noqa: E402
-from megatron_rl.ops.lm_head import default_chunk_tokens  # noqa: E402
+from megatron_rl.ops.lm_head import default_chunk_tokens, default_vocab_block  # noqa: E402
 
 QWEN25_05B = {"hidden": 896, "vocab": 151936}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -131,28 +131,27 @@ METHODS = {
 }
 
 
-def analytic_extra_bytes(method: str, n: int, h: int, v: int, itemsize: int, chunk: int) -> int:
+def analytic_extra_bytes(method: str, n: int, h: int, v: int, itemsize: int, chunk: int,
+                         block: int) -> int:
     """Peak bytes allocated above the inputs by one forward+backward: the tensors each path holds
-    at its peak, as the code stands. Against the measured peak at small shapes: the logits paths
-    within 1%; fused within 1% where the [V, H] terms dominate (as at Qwen's head), up to 1.7x
-    above where its chunks do.
+    at its peak, as the code stands.
 
     Logits paths: the larger of the [N, V] phase (mcore: the logits, megatron's fp32 copy of them
     (the same tensor in fp32), then its fp32 gradient and that cast to the logits dtype; logits:
     the logits and their gradient, + the reference's logits with the exact KL) and the output
     layer's backward (the logits' gradient, hidden.grad, weight.grad). fused: about a dozen [N]
-    fp32 vectors and hidden.grad, plus the larger of a few [chunk, V] tensors and, at the end of
-    each backward chunk, its gradient [chunk, V], the fp32 weight-gradient accumulator, the
-    chunk's [V, H] product and (bf16/fp16) that product cast to fp32 by the accumulating add_."""
+    fp32 vectors, plus the larger of forward's few [chunk, V] tensors and backward's: a few
+    [N, block] logits blocks (policy, reference, gradient), the fp32 hidden gradient and one
+    block's [N, H] product, weight.grad and hidden.grad."""
     nv, grads = n * v, (n + v) * h * itemsize
     per_logit = {"mcore": 4 + (itemsize if itemsize != 4 else 0), "logits": 2 * itemsize,
                  "logits+exact": 3 * itemsize}
     if method in per_logit:
         return max(nv * per_logit[method], nv * itemsize + grads)
-    chunk_logits = min(n, chunk) * v * itemsize
-    weight_grad = v * h * (4 + itemsize + (4 if itemsize != 4 else 0))
-    chunk_phase = chunk_logits * (3 if method == "fused" else 5)
-    return n * 4 * 12 + n * h * itemsize + max(chunk_phase, chunk_logits + weight_grad)
+    blocks = 3 if method == "fused" else 5
+    forward = min(n, chunk) * v * itemsize * blocks
+    backward = n * block * itemsize * blocks + n * h * (4 + itemsize) + grads
+    return n * 4 * 12 + max(forward, backward)
 
 
 def loss_of(outs):
@@ -229,11 +228,12 @@ def bench_case(methods: dict, n, h, v, dtype_name, device, reps, max_bytes, chun
     """One row per method at (N, dtype): status, times, memory, analytic peak, ratios."""
     dtype = DTYPES[dtype_name]
     x = make_inputs(n, h, v, dtype, device, exact)
-    chunk = chunk or default_chunk_tokens(v, device)
     itemsize = torch.empty(0, dtype=dtype).element_size()
+    chunk = chunk or default_chunk_tokens(v, itemsize, device)
+    block = default_vocab_block(n, v, itemsize, device)
     rows = {}
     for name in methods:
-        analytic = analytic_extra_bytes(name, n, h, v, itemsize, chunk)
+        analytic = analytic_extra_bytes(name, n, h, v, itemsize, chunk, block)
         rows[name] = {"n": n, "dtype": dtype_name, "method": name,
                       "analytic_extra_mib": analytic / 2**20, "inputs_mib": x.nbytes() / 2**20,
                       "status": "ok"}
@@ -371,7 +371,7 @@ def write_markdown(path, args, device, rows, gs, max_bytes, methods):
     import megatron.core
     dev, cmd = blk._device_and_command(device.type == "cuda")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    chunk = args.chunk_tokens or f"{default_chunk_tokens(args.vocab, device)} (the op's default)"
+    chunk = args.chunk_tokens or "the op's default (128 MiB of logits per chunk on CPU)"
     with open(path, "a") as f:
         f.write(f"\n## LM head: fused op vs logits paths, {device.type.upper()}, "
                 f"{time.strftime('%Y-%m-%d %H:%M')}\n\n"
@@ -379,7 +379,8 @@ def write_markdown(path, args, device, rows, gs, max_bytes, methods):
                 f"load average at the end {load} (shared machine)\n"
                 f"- torch {torch.__version__}, megatron-core {megatron.core.__version__}, python "
                 f"{platform.python_version()}\n- command: `{cmd}`\n"
-                f"- H={args.hidden}, V={args.vocab}, tokens per fused chunk {chunk}; min / median "
+                f"- H={args.hidden}, V={args.vocab}, fused op's forward token chunk: {chunk}, "
+                "backward: vocabulary blocks of the same size over all tokens; min / median "
                 f"of {args.reps} runs after one warm-up, methods interleaved; --max-gib "
                 f"{max_bytes / 2**30:.2f}\n- time ratios: method / baseline (higher = slower); "
                 f"memory: peak extra above the inputs, incl. hidden.grad and weight.grad\n")

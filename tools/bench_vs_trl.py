@@ -109,10 +109,12 @@ def make_inputs(work: str, a) -> dict:
     from megatron_rl.data.sources import generate_arithmetic
     from megatron_rl.models.tiny import make_char_model
 
-    model = os.path.join(work, "model")
+    model = os.path.join(work, "model_long_tail" if a.long_tail else "model")
     shape = model_config(a)
     if not os.path.exists(os.path.join(model, "config.json")):
         make_char_model(model, **shape)  # tied, eos 1, pad 0 (CHAR_MODEL), sized by `shape`
+        if a.long_tail:
+            zero_eos_embedding(model)
     easy = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
                 allow_parentheses=False, allow_negation=False, whitespace="no_space")
     try:
@@ -129,12 +131,26 @@ def make_inputs(work: str, a) -> dict:
     return {"model": model, "train": train, "trl_train": trl_rows}
 
 
+def zero_eos_embedding(model: str, eos_id: int = 1) -> None:
+    """--long-tail: set the (tied) embedding row of EOS to zero. Its logit is then 0 at every
+    step while the others are small random numbers (initialisation std 0.02): EOS comes with
+    probability ~1/vocab per token, so response lengths are geometric (median ~0.69 x vocab
+    tokens, a long tail cut at --max-new-tokens), the same model on both sides."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model, "model.safetensors")
+    weights = load_file(path)
+    weights["model.embed_tokens.weight"][eos_id] = 0.0
+    save_file(weights, path, metadata={"format": "pt"})
+
+
 def model_config(a) -> dict:
     """make_tiny_hf_checkpoint overrides for --model-shape."""
     if a.model_shape == "tiny":
         return dict(vocab_size=128, hidden_size=a.hidden_size, intermediate_size=3 * a.hidden_size,
                     num_hidden_layers=a.num_layers, num_attention_heads=4, num_key_value_heads=2,
-                    max_position_embeddings=256, initializer_range=0.02)
+                    max_position_embeddings=512 if a.long_tail else 256,
+                    initializer_range=0.02)
     return dict(MODEL_SHAPES[a.model_shape])
 
 
@@ -157,13 +173,18 @@ def builtin_arithmetic(size: int, seed: int) -> list:
 # is --engine with --threads on whatever cores the OS gives; "sync" and "async" put the trainer
 # on core 0 and the process engine's generator on core 1, one thread each, without and with
 # overlap (--async-level 1); TRL gets --trl-threads (both cores) against them.
-MEGATRON_SIDES = ("megatron", "sync", "async")
+MEGATRON_SIDES = ("megatron", "padded", "sync", "async")
 SIDES = MEGATRON_SIDES + ("trl",)
+# "padded": the megatron side with right-padded microbatches scored from the logits instead of
+# the defaults (packed sequences, fused LM head)
+PADDED_FLAGS = ["--no-sequence-packing", "--no-fused-lm-head"]
 
 
 def side_flags(side: str, a) -> list[str]:
     if side == "megatron":
         return ["--rollout-engine", a.engine]
+    if side == "padded":
+        return ["--rollout-engine", a.engine, *PADDED_FLAGS]
     level = "1" if side == "async" else "0"
     return ["--rollout-engine", "process", "--rollout-process-cores", "1", "--async-level", level]
 
@@ -171,7 +192,7 @@ def side_flags(side: str, a) -> list[str]:
 def side_threads(side: str, a) -> int:
     if side == "trl":
         return a.trl_threads or a.threads
-    return a.threads if side == "megatron" else 1
+    return a.threads if side in ("megatron", "padded") else 1
 
 
 def megatron_flags(a, inputs: dict, save: str, side: str = "megatron") -> list[str]:
@@ -421,7 +442,7 @@ def run_side(side: str, round_: int, a, inputs: dict) -> dict:
     if side in MEGATRON_SIDES:
         cmd = [sys.executable, __file__, "--worker", "megatron", "--",
                *megatron_flags(a, inputs, work, side)]
-        if side != "megatron":  # the trainer on core 0 (its generator pins itself to core 1)
+        if side in ("sync", "async"):  # the trainer on core 0 (its generator pins itself to core 1)
             cmd = ["taskset", "-c", "0", *cmd]
         wall = _run(cmd, env, os.path.join(work, "log.txt"))
         rows = [json.loads(line) for line in open(os.path.join(work, "metrics.jsonl"))]
@@ -499,7 +520,7 @@ def summarize(results: list[dict], a) -> dict:
                                                  "steps", "warmup", "rounds", "threads",
                                                  "trl_threads", "lr", "beta", "seed",
                                                  "hidden_size", "num_layers", "engine", "device",
-                                                 "model_shape", "sides")},
+                                                 "model_shape", "sides", "long_tail")},
            "sides": by_side}
     trl = by_side.get("trl")
     for side in MEGATRON_SIDES:
@@ -603,6 +624,9 @@ def main(argv=None) -> int:
                    "sync / async (trainer on core 0, process engine on core 1, --async-level "
                    "0 / 1), trl (--trl-threads)")
     p.add_argument("--trl-threads", type=int, help="TRL's threads (default --threads)")
+    p.add_argument("--long-tail", action="store_true",
+                   help="tiny model whose EOS embedding is zero: geometric (long-tailed) "
+                   "response lengths instead of always --max-new-tokens")
     p.add_argument("--json", help="also write the summary here")
     p.add_argument("--worker", choices=["megatron", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
