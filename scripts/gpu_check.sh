@@ -28,6 +28,9 @@
 #   bench-lm-head    tools/bench_lm_head.py --device cuda: the fused LM-head op (hidden states in)
 #                    against the logits path and megatron-core at Qwen2.5-0.5B's head, bf16,
 #                    N = 16384 and 65536, with the exact KL
+#   bench-train-phase  tools/bench_train_phase.py: one RL step's training phase, packed + fused
+#                    LM head vs padded + logits, Qwen2.5-0.5B (24 layers, bf16), responses up
+#                    to 4096 tokens
 #   bench-rl         tools/bench_vs_trl.py --device cuda: Qwen2.5-0.5B-shaped RL steps vs TRL
 #   bench-weight-sync  tools/bench_weight_sync.py --engines process: s/GB of a 1 GB model's sync
 #   summary          tools/gpu_summary.py write OUT_DIR
@@ -150,6 +153,8 @@ if ((DRY)); then
         --json "$OUT/bench_logprob_kl.json"
     step dry-bench-lm-head 300 "$PYTHON" tools/bench_lm_head.py --tokens 64 --hidden 32 \
         --vocab 1000 --dtypes bf16 --reps 1 --exact --json "$OUT/bench_lm_head.json"
+    step dry-bench-train-phase 300 "$PYTHON" tools/bench_train_phase.py --dry-run \
+        --num-layers 24 --bf16 --max-response 4096 --num-sequences 64 --micro-batch-size 2
     step dry-bench-rl 300 "$PYTHON" tools/bench_vs_trl.py --device cuda --dry-run \
         --out "$WORK/bench_vs_trl"
     step dry-bench-weight-sync 300 "$PYTHON" tools/bench_weight_sync.py --engines process \
@@ -188,7 +193,8 @@ assert 'cuda' in b, 'megatron_rl._C was built without the CUDA kernels'"
         "${CPU_TIER_ON_GPU[@]}"
     if ((SKIP_BENCH)); then
         skip bench-kernel "--skip-bench"; skip bench-exact-kl "--skip-bench"
-        skip bench-lm-head "--skip-bench"; skip bench-rl "--skip-bench"
+        skip bench-lm-head "--skip-bench"; skip bench-train-phase "--skip-bench"
+        skip bench-rl "--skip-bench"
         skip bench-weight-sync "--skip-bench"
     else
         step bench-kernel 300 "$PYTHON" tools/bench_logprob_kl.py --device cuda \
@@ -197,6 +203,9 @@ assert 'cuda' in b, 'megatron_rl._C was built without the CUDA kernels'"
             --shapes 32768x152064 4096x32000 --json "$OUT/bench_exact_kl.json"
         step bench-lm-head 400 "$PYTHON" tools/bench_lm_head.py --device cuda \
             --tokens 16384 65536 --dtypes bf16 --exact --json "$OUT/bench_lm_head.json"
+        step bench-train-phase 600 "$PYTHON" tools/bench_train_phase.py --bf16 --num-layers 24 \
+            --max-response 1024 4096 --num-sequences 64 --micro-batch-size 2 \
+            --kl k3:loss exact:reward+loss --json "$OUT/bench_train_phase.json"
         step bench-rl 600 "$PYTHON" tools/bench_vs_trl.py --device cuda \
             --out "$WORK/bench_vs_trl" --json "$OUT/bench_vs_trl.json"
         step bench-weight-sync 300 "$PYTHON" tools/bench_weight_sync.py --engines process \

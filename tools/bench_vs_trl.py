@@ -404,7 +404,9 @@ def run_trl_worker(work: str, a) -> None:
         adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
         beta=a.beta, epsilon=0.2, loss_type="dapo", scale_rewards="group",
         logging_steps=1, report_to="none", save_strategy="no", seed=a.seed,
-        dataloader_num_workers=0, disable_dropout=True, log_completions=False)
+        dataloader_num_workers=0, disable_dropout=True, log_completions=False,
+        # TRL 1.16 turns activation checkpointing on by default; megatron-rl recomputes nothing
+        gradient_checkpointing=False)
     trainer = Trainer(model=model, reward_funcs=[reward], args=cfg,
                       train_dataset=Dataset.from_list(rows), processing_class=tok,
                       callbacks=[StepTimer()])

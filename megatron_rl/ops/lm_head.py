@@ -40,10 +40,11 @@ import torch
 
 from megatron_rl.ops import reference
 from megatron_rl.ops.logprob_kl import (_SUPPORTED_DTYPES, TokenLogprobOutput,
-                                        _combine_exact_partials, _combine_partials,
-                                        _exact_backend, exact_kl_grad, exact_kl_grad_accumulate_,
-                                        exact_kl_partials, logprob_grad, logprob_partials,
-                                        resolve_backend)
+                                        _combine_exact_partials, _exact_backend, exact_kl_grad,
+                                        exact_kl_grad_accumulate_,
+                                        exact_kl_partials, incoming_coefficients, logprob_grad,
+                                        logprob_partials, resolve_backend, token_arguments,
+                                        token_outputs)
 
 CHUNK_ENV_VAR = "MEGATRON_RL_LM_HEAD_CHUNK_TOKENS"
 # Bytes of one logits block (in the hidden dtype) computed at a time: large enough for the
@@ -106,14 +107,9 @@ class _LMHeadLogprobKL(torch.autograd.Function):
             acc = reference.compute_dtype(hidden_NH.dtype)
             row_max = sum_exp = target_z = hidden_NH.new_empty(0, dtype=acc)
             ent_w = row_max if with_entropy else row_max.new_empty(0)
-        vocab_local = weight_VH.shape[0]
-        owned = (targets_N >= vocab_start) & (targets_N < vocab_start + vocab_local)
-        global_max, shifted_lse, logprobs, entropy = _combine_partials(
-            row_max, sum_exp, target_z, ent_w, owned, tp_group, with_entropy)
-        log_ratio = k3 = None
-        if ref_N is not None:
-            log_ratio = ref_N - logprobs
-            k3 = torch.expm1(log_ratio) - log_ratio
+        global_max, shifted_lse, logprobs, entropy, log_ratio, k3 = token_outputs(
+            (row_max, sum_exp, target_z, ent_w), targets_N, vocab_start, weight_VH.shape[0],
+            tp_group, with_entropy, ref_N)
         exact_stats, kl = (None,) * 5, None
         if exact:
             if exact_parts:
@@ -143,17 +139,9 @@ class _LMHeadLogprobKL(torch.autograd.Function):
         if not (use_exact or use_lp) or not (want_h or want_w):
             return (None, None) + none
         grad_coef = entropy_grad = None
-        if use_lp:  # everything flows through log p: d log_ratio = -1, dK3 = 1 - exp(r)
-            grad_coef = torch.zeros_like(shifted_lse)
-            if g_logprobs is not None:
-                grad_coef = grad_coef + g_logprobs
-            if g_log_ratio is not None:
-                grad_coef = grad_coef - g_log_ratio
-            if g_k3 is not None:
-                grad_coef = grad_coef - g_k3 * torch.expm1(log_ratio)
-            grad_coef = grad_coef.to(shifted_lse.dtype).contiguous()
-            if g_entropy is not None:
-                entropy_grad = g_entropy.to(shifted_lse.dtype).contiguous()
+        if use_lp:
+            grad_coef, entropy_grad = incoming_coefficients(g_logprobs, g_log_ratio, g_k3,
+                                                            g_entropy, log_ratio, shifted_lse)
         g_kl_N = g_kl.to(exact_stats[-1].dtype).contiguous() if use_exact else None
         acc = reference.compute_dtype(hidden_NH.dtype)
         grad_h = (torch.zeros(hidden_NH.shape, dtype=acc, device=hidden_NH.device) if want_h
@@ -225,30 +213,14 @@ def lm_head_logprobs_and_kl(hidden: torch.Tensor, weight: torch.Tensor, targets:
         raise ValueError("hidden and weight need one dtype of "
                          f"{[str(d) for d in _SUPPORTED_DTYPES]}; got {hidden.dtype} and "
                          f"{weight.dtype}")
-    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden shape without "
-                         f"the hidden dim {tuple(hidden.shape[:-1])}")
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     if (ref_hidden is None) != (ref_weight is None):
         raise ValueError("the exact KL needs both ref_hidden and ref_weight")
     lead_shape = tuple(targets.shape)
     H, vocab_local = hidden.shape[-1], weight.shape[0]
     hidden_NH = hidden.reshape(-1, H).contiguous()
-    targets_N = targets.reshape(-1).to(torch.long).contiguous()
-    acc = reference.compute_dtype(hidden.dtype)
-    ref_N = None
-    if ref_logprobs is not None:
-        if tuple(ref_logprobs.shape) != lead_shape:
-            raise ValueError(f"ref_logprobs shape {tuple(ref_logprobs.shape)} must equal targets "
-                             f"shape {lead_shape}")
-        ref_N = ref_logprobs.detach().reshape(-1).to(acc).contiguous()
-    if tp_group is None and hidden.device.type == "cpu" and targets_N.numel() > 0:
-        if bool(((targets_N < vocab_start) | (targets_N >= vocab_start + vocab_local)).any()):
-            raise ValueError(f"targets must lie in [{vocab_start}, {vocab_start + vocab_local}) "
-                             f"when tp_group is None")
+    targets_N, ref_N = token_arguments(targets, tuple(hidden.shape[:-1]), "hidden",
+                                       "the hidden dim", ref_logprobs, temperature, vocab_start,
+                                       vocab_local, tp_group, hidden.device, hidden.dtype)
     ref_hidden_NH = ref_weight_VH = None
     if ref_hidden is not None:
         if tuple(ref_hidden.shape) != tuple(hidden.shape) or tuple(ref_weight.shape) != tuple(

@@ -199,20 +199,44 @@ def _combine_partials(row_max, sum_exp, target_z, ent_w, owned, tp_group, with_e
     return global_max, shifted_lse, logprobs, entropy
 
 
+def token_outputs(partials, targets_N, vocab_start: int, vocab_local: int, tp_group,
+                  with_entropy: bool, ref_N):
+    """(global_max, shifted_lse, logprobs, entropy | None, log_ratio | None, k3 | None) [N] from
+    this rank's partials (row_max, sum_exp, target_z, ent_w), combined over the TP group."""
+    owned = (targets_N >= vocab_start) & (targets_N < vocab_start + vocab_local)
+    global_max, shifted_lse, logprobs, entropy = _combine_partials(*partials, owned, tp_group,
+                                                                   with_entropy)
+    log_ratio = k3 = None
+    if ref_N is not None:
+        log_ratio = ref_N - logprobs
+        k3 = torch.expm1(log_ratio) - log_ratio      # exp(r) - 1 - r, accurate near r = 0
+    return global_max, shifted_lse, logprobs, entropy, log_ratio, k3
+
+
+def incoming_coefficients(g_logprobs, g_log_ratio, g_k3, g_entropy, log_ratio, like):
+    """(grad_coef [N], entropy_grad [N] | None) in `like`'s dtype: the per-row coefficients the
+    gradient kernels take. Everything flows through log p: d log_ratio / d log p = -1,
+    dK3 / d log p = 1 - exp(log_ratio); the entropy has its own term."""
+    grad_coef = torch.zeros_like(like)
+    if g_logprobs is not None:
+        grad_coef = grad_coef + g_logprobs
+    if g_log_ratio is not None:
+        grad_coef = grad_coef - g_log_ratio
+    if g_k3 is not None:
+        grad_coef = grad_coef - g_k3 * torch.expm1(log_ratio)
+    entropy_grad = None if g_entropy is None else g_entropy.to(like.dtype).contiguous()
+    return grad_coef.to(like.dtype).contiguous(), entropy_grad
+
+
 class _TokenLogprobKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_NV, targets_N, ref_N, inv_temperature, vocab_start, tp_group,
                 with_entropy, backend, ref_logits_NV=None):
         row_max, sum_exp, target_z, ent_w = logprob_partials(
             logits_NV, targets_N, vocab_start, inv_temperature, with_entropy, backend)
-        vocab_local = logits_NV.shape[1]
-        owned = (targets_N >= vocab_start) & (targets_N < vocab_start + vocab_local)
-        global_max, shifted_lse, logprobs, entropy = _combine_partials(
-            row_max, sum_exp, target_z, ent_w, owned, tp_group, with_entropy)
-        log_ratio = k3 = None
-        if ref_N is not None:
-            log_ratio = ref_N - logprobs
-            k3 = torch.expm1(log_ratio) - log_ratio      # exp(r) - 1 - r, accurate near r = 0
+        global_max, shifted_lse, logprobs, entropy, log_ratio, k3 = token_outputs(
+            (row_max, sum_exp, target_z, ent_w), targets_N, vocab_start, logits_NV.shape[1],
+            tp_group, with_entropy, ref_N)
         exact_stats, kl = (None,) * 5, None
         ctx.exact_backend = None
         if ref_logits_NV is not None:  # the exact KL (temperature 1), sharing backward's buffer
@@ -238,18 +262,8 @@ class _TokenLogprobKL(torch.autograd.Function):
             if exact_grad is None:
                 return (None,) * 9
             return (exact_kl_grad(logits_NV, *exact_grad),) + (None,) * 8
-        # Everything flows through logp: d log_ratio/d logp = -1, dK3/d logp = 1 - exp(r).
-        grad_coef = torch.zeros_like(shifted_lse)
-        if g_logprobs is not None:
-            grad_coef = grad_coef + g_logprobs
-        if g_log_ratio is not None:
-            grad_coef = grad_coef - g_log_ratio
-        if g_k3 is not None:
-            grad_coef = grad_coef - g_k3 * torch.expm1(log_ratio)
-        grad_coef = grad_coef.to(shifted_lse.dtype).contiguous()
-        entropy_grad = None
-        if g_entropy is not None:
-            entropy_grad = g_entropy.to(shifted_lse.dtype).contiguous()
+        grad_coef, entropy_grad = incoming_coefficients(g_logprobs, g_log_ratio, g_k3, g_entropy,
+                                                        log_ratio, shifted_lse)
         grad_logits = logprob_grad(logits_NV, targets_N, ctx.vocab_start, ctx.inv_temperature,
                                    global_max, shifted_lse, grad_coef, entropy_grad,
                                    entropy if entropy_grad is not None else None, ctx.backend)
@@ -261,6 +275,33 @@ class _TokenLogprobKL(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 # Public API.
 # --------------------------------------------------------------------------------------------
+def token_arguments(targets: torch.Tensor, lead_shape: tuple, what: str, last_dim: str,
+                    ref_logprobs: Optional[torch.Tensor], temperature: float, vocab_start: int,
+                    vocab_local: int, tp_group, device: torch.device, dtype: torch.dtype):
+    """(targets_N long, ref_N in the compute dtype or None): the per-token arguments shared by
+    the logits and the hidden-state ops, checked (a ValueError naming the argument)."""
+    if tuple(targets.shape) != lead_shape:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal {what} shape without "
+                         f"{last_dim} {lead_shape}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    targets_N = targets.reshape(-1).to(torch.long).contiguous()
+    ref_N = None
+    if ref_logprobs is not None:
+        if tuple(ref_logprobs.shape) != lead_shape:
+            raise ValueError(f"ref_logprobs shape {tuple(ref_logprobs.shape)} must equal targets "
+                             f"shape {lead_shape}")
+        ref_N = ref_logprobs.detach().reshape(-1).to(reference.compute_dtype(dtype)).contiguous()
+    if tp_group is None and device.type == "cpu" and targets_N.numel() > 0:
+        # Cheap on CPU (no device sync): out-of-range ids would silently give log p = -lse.
+        if bool(((targets_N < vocab_start) | (targets_N >= vocab_start + vocab_local)).any()):
+            raise ValueError(f"targets must lie in [{vocab_start}, {vocab_start + vocab_local}) "
+                             f"when tp_group is None")
+    return targets_N, ref_N
+
+
 def token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor, *,
                           ref_logprobs: Optional[torch.Tensor] = None, temperature: float = 1.0,
                           vocab_start: int = 0, tp_group=None, return_entropy: bool = False,
@@ -298,31 +339,14 @@ def token_logprobs_and_kl(logits: torch.Tensor, targets: torch.Tensor, *,
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"logits dtype {logits.dtype} not supported; use one of "
                          f"{[str(d) for d in _SUPPORTED_DTYPES]}")
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"targets shape {tuple(targets.shape)} must equal logits shape without "
-                         f"the vocab dim {tuple(logits.shape[:-1])}")
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.shape[-1] == 0:
         raise ValueError("logits have an empty vocab dim")
     lead_shape = tuple(targets.shape)
     vocab_local = logits.shape[-1]
     logits_NV = logits.reshape(-1, vocab_local).contiguous()
-    targets_N = targets.reshape(-1).to(torch.long).contiguous()
-    acc = reference.compute_dtype(logits.dtype)
-    ref_N = None
-    if ref_logprobs is not None:
-        if tuple(ref_logprobs.shape) != lead_shape:
-            raise ValueError(f"ref_logprobs shape {tuple(ref_logprobs.shape)} must equal targets "
-                             f"shape {lead_shape}")
-        ref_N = ref_logprobs.detach().reshape(-1).to(acc).contiguous()
-    if tp_group is None and logits.device.type == "cpu" and targets_N.numel() > 0:
-        # Cheap on CPU (no device sync): out-of-range ids would silently give log p = -lse.
-        if bool(((targets_N < vocab_start) | (targets_N >= vocab_start + vocab_local)).any()):
-            raise ValueError(f"targets must lie in [{vocab_start}, {vocab_start + vocab_local}) "
-                             f"when tp_group is None")
+    targets_N, ref_N = token_arguments(targets, tuple(logits.shape[:-1]), "logits",
+                                       "the vocab dim", ref_logprobs, temperature, vocab_start,
+                                       vocab_local, tp_group, logits.device, logits.dtype)
     concrete = resolve_backend(backend, logits.device, logits.dtype)
     ref_logits_NV = None
     if ref_logits is not None:
