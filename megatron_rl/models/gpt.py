@@ -43,8 +43,6 @@ def make_packed_seq_params(seq_lens: Sequence[int], total_len: int,
     row as absolute positions (rope_utils.py:211), which would continue positions across
     sequences.
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     from megatron_rl.parallel import device as rank_device
 
     lens = [int(n) for n in seq_lens]
@@ -54,10 +52,19 @@ def make_packed_seq_params(seq_lens: Sequence[int], total_len: int,
         raise ValueError(f"the sequences take {sum(lens)} tokens, more than total_len={total_len}")
     if total_len > sum(lens):
         lens.append(total_len - sum(lens))
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
-                      device=rank_device() if device is None else device)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    return thd_params(cu, max(lens), rank_device() if device is None else device)
+
+
+def thd_params(cu_seqlens: torch.Tensor, max_seqlen: int, device):
+    """PackedSeqParams (qkv_format "thd") for self-attention over the segments `cu_seqlens`
+    (int32 on `device`), whose longest is `max_seqlen` tokens (see make_packed_seq_params)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    m = int(max_seqlen)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
+                           max_seqlen_kv=m)
 
 
 def packed_segment_bounds(params, num_tokens: int, *, check_rope: bool = True) -> list[int]:

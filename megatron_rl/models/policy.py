@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models.config import ModelArgs, ModelOptions
-from megatron_rl.models.gpt import build_gpt_model
+from megatron_rl.models.gpt import build_gpt_model, thd_params
 from megatron_rl.models import hf_mapping
 from megatron_rl.parallel import ParallelConfig
 
@@ -153,12 +153,7 @@ def _packed_seq_params(batch: dict, device):
     None for a padded one."""
     if "cu_seqlens" not in batch:
         return None
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = batch["cu_seqlens"].to(device=device, dtype=torch.int32)
-    m = int(batch["max_seqlen"])
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
-                           max_seqlen_kv=m)
+    return thd_params(batch["cu_seqlens"], batch["max_seqlen"], device)
 
 
 class Policy:
