@@ -28,6 +28,8 @@ from typing import Sequence
 
 import torch
 
+from megatron_rl.batch import next_token_targets
+
 
 def balance_groups(group_tokens: Sequence[int], num_parts: int) -> list[list[int]]:
     """Indices of the groups each of `num_parts` ranks takes, balanced by token count: groups in
@@ -120,8 +122,7 @@ def padded_microbatches(tokens: torch.Tensor, rows: Sequence[int], micro_batch_s
         t = tokens[r]
         if equal_shapes and len(r) < micro_batch_size:
             t = torch.cat([t, t[:1].expand(micro_batch_size - len(r), -1)])
-        targets = torch.cat([t[:, 1:], t[:, -1:]], dim=1)
-        out.append(Microbatch(r, {"tokens": t}, targets))
+        out.append(Microbatch(r, {"tokens": t}, next_token_targets(t)))
     return out
 
 

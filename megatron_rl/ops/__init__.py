@@ -18,7 +18,7 @@ from megatron_rl.ops.logprob_kl import (
     token_logprobs_and_kl,
     vocab_parallel_logprobs,
 )
-from megatron_rl.ops.lm_head import lm_head_exact_kl, lm_head_logprobs, lm_head_logprobs_and_kl
+from megatron_rl.ops.lm_head import lm_head_exact_kl, lm_head_logprobs_and_kl
 
 __all__ = [
     "BACKEND_ENV_VAR",
@@ -27,7 +27,6 @@ __all__ = [
     "exact_kl",
     "extension_backends",
     "lm_head_exact_kl",
-    "lm_head_logprobs",
     "lm_head_logprobs_and_kl",
     "resolve_backend",
     "token_logprobs_and_kl",

@@ -243,14 +243,6 @@ def lm_head_logprobs_and_kl(hidden: torch.Tensor, weight: torch.Tensor, targets:
                               reshape(kl))
 
 
-def lm_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                     tp_group=None, vocab_start: int = 0, temperature: float = 1.0) -> torch.Tensor:
-    """[...] fp32 log-probs of `targets` from hidden states [..., H] and the output-layer shard
-    [V_local, H]: `vocab_parallel_logprobs` without the logits."""
-    return lm_head_logprobs_and_kl(hidden, weight, targets, temperature=temperature,
-                                   vocab_start=vocab_start, tp_group=tp_group).logprobs
-
-
 def lm_head_exact_kl(hidden: torch.Tensor, weight: torch.Tensor, ref_hidden: torch.Tensor,
                      ref_weight: torch.Tensor, tp_group=None) -> torch.Tensor:
     """[...] exact per-position KL(pi || pi_ref) from both models' hidden states and output
