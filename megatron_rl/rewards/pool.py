@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from megatron_rl.rewards.types import ERROR, TIMEOUT, Scored
 

@@ -8,7 +8,6 @@ that the scorer keeps between calls; ``close()`` or the context manager stops it
 from __future__ import annotations
 
 import atexit
-import time
 from typing import Any, Sequence
 
 from megatron_rl.rewards.pool import VerifierPool, default_num_workers

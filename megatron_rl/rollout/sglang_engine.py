@@ -34,6 +34,7 @@ import itertools
 import os
 import threading
 import time
+import torch
 
 from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.rollout.server import (BadAnswer, ManagedServer, ServerBackedEngine,

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from megatron_rl.models import ModelArgs, hf_mapping
+from megatron_rl.models import hf_mapping
 from megatron_rl.parallel_check import (PACKED_CONFIGS, RL_CONFIGS, load_layout_outputs,
                                         transformers_reference)
 
