@@ -215,3 +215,75 @@ def is_run_checkpoint(ckpt_dir: str) -> bool:
     False for a weights-only one (tools/convert_checkpoint.py)."""
     path = os.path.join(ckpt_dir, "extra_rank0.pt")
     return os.path.exists(path) and "rng" in torch.load(path, weights_only=False)
+
+
+# -- a training run's checkpoints: which to load, the policy and reference, saving a step --------
+
+def copy_weights(src, dst) -> None:
+    """dst's parameters := src's (two Policies of one model and layout)."""
+    with torch.no_grad():
+        for p_dst, p_src in zip(dst.module.parameters(), src.module.parameters()):
+            p_dst.copy_(p_src)
+
+
+def checkpoints_to_load(ck) -> tuple[str | None, str | None]:
+    """(run checkpoint to resume exactly, weights-only checkpoint to start from); either None,
+    for a CheckpointConfig `ck`.
+
+    The newest checkpoint under --save resumes the run. Else --load: a run's checkpoint
+    resumes (optimizer, RNG, data position, step), a weights-only one (tools/convert_checkpoint.py,
+    or any with --finetune) gives the initial weights at step 0. A run resumed under --save that
+    started from weights-only --load keeps that checkpoint as its reference.
+    """
+    from megatron_rl.convert import resolve_checkpoint
+
+    given = (resolve_checkpoint(ck.load)
+             if ck.load and os.path.abspath(ck.load) != ck.save else None)
+    weights_only = given is not None and (ck.finetune or not is_run_checkpoint(given))
+    own = latest_checkpoint(ck.save)
+    if own is not None:
+        return own, given if weights_only else None
+    if given is not None and not weights_only:
+        return given, None
+    return None, given
+
+
+def load_run_weights(policy, reference, resume: str | None, weights: str | None, hf: str,
+                     ref_hf: str | None, reference_resets: bool) -> dict | None:
+    """Policy and reference weights of a run, each source read once: the reference copies the
+    policy's initial weights instead of reading them again. The reference is `ref_hf`
+    (--ref-checkpoint), else the weights-only checkpoint, else `hf` (the run's initial weights);
+    after a resume with `reference_resets` (--ref-reset-interval), the reference saved beside
+    the run. Returns the resumed checkpoint's extra state (step, RNG, data position), or None."""
+    extra = None
+    if resume is not None:
+        extra = load_checkpoint(resume, policy)
+    elif weights is not None:
+        load_checkpoint(weights, policy, with_optimizer=False)
+    else:
+        policy.load_hf(hf)
+    if ref_hf:
+        reference.load_hf(ref_hf)
+    elif resume is None:
+        copy_weights(policy, reference)
+    elif weights is not None:
+        load_checkpoint(weights, reference, with_optimizer=False)
+    else:
+        reference.load_hf(hf)
+    if resume is not None and reference_resets:
+        ref_ckpt = latest_checkpoint(os.path.join(os.path.dirname(resume), "reference"))
+        if ref_ckpt is not None:
+            load_checkpoint(ref_ckpt, reference, with_optimizer=False)
+    return extra
+
+
+def save_run(root: str, step: int, policy, data_state: dict, engine_version: int,
+             reference=None) -> None:
+    """Collective: checkpoint `step` of a run under `root`: the policy with its optimizer, and
+    per rank the RNG states, the data position and the rollout engine's weight version. The
+    reference goes to <root>/reference when given (it differs from the initial weights only
+    after a reset, --ref-reset-interval)."""
+    extra = {"rng": rng_state(), "data": data_state, "engine_version": engine_version}
+    save_checkpoint(root, step, policy, extra, hf_config=policy.args.to_hf_config())
+    if reference is not None:
+        save_checkpoint(os.path.join(root, "reference"), step, reference, with_optimizer=False)

@@ -11,12 +11,16 @@ import argparse
 import json
 import os
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel import all_reduce, data_parallel_group
-from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.base import SamplingParams, on_client
+
+if TYPE_CHECKING:
+    from megatron_rl.runtime import Run
 
 
 def evaluate_engine(engine, records, encode, decode, scorer, k: int, params: SamplingParams,
@@ -47,35 +51,36 @@ def evaluate_engine(engine, records, encode, decode, scorer, k: int, params: Sam
             for t, (s, p_, n) in per_task.items()}
 
 
-def _eval_records(rt, limit: int, share: bool = True):
+def _eval_records(run: Run, limit: int, share: bool = True):
     """(this data-parallel rank's share of the eval records, or all of them, and every task of
     the whole set)."""
-    data = rt.eval_data
+    data = run.eval_data
+    assert data is not None
     n = len(data) if not limit else min(limit, len(data))
     records = [data.record(0, i) for i in range(n)]
-    mine = records[rt.dp_rank::rt.dp_size] if share else records
+    mine = records[run.dp_rank::run.dp_size] if share else records
     return mine, sorted({r.task for r in records} | {"all"})
 
 
-def evaluate(rt, step: int) -> dict:
-    """The trainer's periodic evaluation: flat metrics "eval/<task>/mean_at_k" ... (DP-reduced)."""
-    if rt.eval_data is None:
+def evaluate(run: Run, step: int) -> dict:
+    """The trainer's periodic evaluation: flat metrics "eval/<task>/mean_at_k" ... (DP-reduced).
+    An engine with one client rank evaluates the whole set there; the in-process engine
+    evaluates each data-parallel rank's share."""
+    if run.eval_data is None:
         return {}
-    cfg = rt.cfg
+    cfg, engine = run.cfg, run.engine
     k = cfg.eval.eval_samples
-    if cfg.rollout.rollout_engine != "local":  # one client for the whole eval set: rank 0
-        from megatron_rl.rollout.server import broadcast_from_rank0, dist_rank
+    if engine.client_rank is not None:
+        def on_the_client():
+            records, _ = _eval_records(run, cfg.eval.eval_max_prompts, share=False)
+            return evaluate_engine(engine, records, run.codec.encode, run.codec.decode,
+                                   run.scorer, k, run.sampling_params(seed=cfg.seed + 104729))
 
-        res = None
-        if dist_rank() == 0:
-            records, tasks = _eval_records(rt, cfg.eval.eval_max_prompts, share=False)
-            res = evaluate_engine(rt.engine, records, rt.encode_prompt, rt.decode, rt.scorer, k,
-                                  rt.sampling_params(seed=cfg.seed + 104729))
-        res = broadcast_from_rank0(res)
+        res = on_client(engine, on_the_client)
         return reduce_eval_results(res, sorted(res), group=None)
-    records, tasks = _eval_records(rt, cfg.eval.eval_max_prompts)
-    res = evaluate_engine(rt.engine, records, rt.encode_prompt, rt.decode, rt.scorer, k,
-                          rt.sampling_params(seed=cfg.seed + 104729 + rt.dp_rank))
+    records, tasks = _eval_records(run, cfg.eval.eval_max_prompts)
+    res = evaluate_engine(engine, records, run.codec.encode, run.codec.decode, run.scorer, k,
+                          run.sampling_params(seed=cfg.seed + 104729 + run.dp_rank))
     return reduce_eval_results(res, tasks, data_parallel_group())
 
 

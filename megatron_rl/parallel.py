@@ -18,10 +18,31 @@ import torch.distributed as dist
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False          # --sequence-parallel (needs TP > 1)
-    use_distributed_optimizer: bool = False  # --use-distributed-optimizer (shards optimizer state over DP)
+    """The trainer's model-parallel layout, with megatron's flag names; data parallelism takes
+    the remaining ranks (world size / (TP x PP)). A vLLM/SGLang server's own layout is not set
+    here; the local engine generates with the trainer's model, in this layout."""
+
+    tensor_model_parallel_size: int = dataclasses.field(default=1, metadata={
+        "min": 1, "help": "tensor-parallel ranks per model replica (megatron's TP): attention heads, "
+        "MLP and vocabulary are split over them; must divide the attention and key-value head "
+        "counts and the vocabulary size"})
+    pipeline_model_parallel_size: int = dataclasses.field(default=1, metadata={
+        "min": 1, "help": "pipeline stages per model replica (megatron's PP); must divide the "
+        "layer count. Without --sequence-packing, --micro-batch-size must divide each rank's "
+        "minibatch"})
+    sequence_parallel: bool = dataclasses.field(default=False, metadata={
+        "help": "megatron's sequence parallelism: the activations outside the tensor-parallel "
+        "layers are split over the sequence across the TP ranks; needs "
+        "--tensor-model-parallel-size > 1"})
+    use_distributed_optimizer: bool = dataclasses.field(default=False, metadata={
+        "help": "megatron's distributed optimizer: fp32 main parameters and Adam state sharded "
+        "over the data-parallel ranks (ZeRO-1); same updates, less memory per rank"})
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag for an inconsistent layout."""
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it "
+                             "splits the sequence over the tensor-parallel ranks)")
 
     def data_parallel_size(self, world_size: int) -> int:
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
@@ -56,6 +77,26 @@ def process_group_backend() -> str:
     host tensors on a CUDA build (so a stray host tensor in a collective still works), gloo on
     CPU. megatron-core's groups inherit it."""
     return "cpu:gloo,cuda:nccl" if use_cuda() else "gloo"
+
+
+def dist_rank() -> int:
+    """This process's global rank (0 outside torch.distributed)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def dist_barrier() -> None:
+    """A barrier over the default group (nothing outside torch.distributed or alone)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_from_rank0(obj):
+    """Rank 0's picklable `obj` on every rank."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_reduce(values, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -119,7 +160,7 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600
         if "WORLD_SIZE" in os.environ:  # launched by torchrun: MASTER_ADDR/PORT from the env
             init_method = "env://"
         else:  # a plain single process: a private port, and the environment left untouched
-            from megatron_rl.rollout.server import free_port  # standard library only
+            from megatron_rl.rollout.net import free_port  # standard library only
 
             init_method = f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(backend=process_group_backend(), init_method=init_method, rank=rank,

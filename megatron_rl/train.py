@@ -16,26 +16,33 @@ import concurrent.futures
 import dataclasses
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import TrainConfig, parse_config
-from megatron_rl.loss import build_advantages, policy_loss
-from megatron_rl.runtime import Runtime, setup_runtime
-from megatron_rl.batch import RolloutBatch, pack_rollouts
-from megatron_rl.packing import Layout, Microbatch, balance_groups
-from megatron_rl.evaluation import evaluate
-from megatron_rl.parallel import all_reduce, data_parallel_group, device
-from megatron_rl.rollout.server import broadcast_from_rank0, dist_rank
 from megatron_rl import metrics as global_metrics
+from megatron_rl.batch import RolloutBatch, pack_rollouts
+from megatron_rl.checkpoint import copy_weights
+from megatron_rl.config import TrainConfig, parse_config
+from megatron_rl.evaluation import evaluate
+from megatron_rl.loss import build_advantages, policy_loss
+from megatron_rl.packing import Layout, Microbatch, balance_groups
+from megatron_rl.parallel import all_reduce, data_parallel_group, device, dist_rank
+from megatron_rl.rollout.base import on_client
+from megatron_rl.rollout.threads import BackgroundThreads
+from megatron_rl.runtime import Run, setup_run
+
+if TYPE_CHECKING:
+    from megatron_rl.models.policy import Policy
 
 
 @dataclasses.dataclass
 class Rollout:
     """One step's batch on its way: the prompts taken from the data, and either the finished
-    (batch, metrics) or, for a server engine under --async-level, rank 0's generation running in
-    a background thread (`future`). `version` is the weight version that generates it."""
+    (batch, metrics) or, for an engine with weights of its own under --async-level, its client
+    rank's generation running in a background thread (`future`). `version` is the weight
+    version that generates it."""
     step: int
     data_state: dict              # the data position before this batch (a resume re-takes it)
     version: int
@@ -44,88 +51,88 @@ class Rollout:
     done: tuple | None = None     # (RolloutBatch, metrics)
 
 
-def start_rollout(rt: Runtime, step: int) -> Rollout:
-    """Take `step`'s prompts and start generating them. Generated once per batch: by the local
-    engine, each data-parallel replica's model-parallel group generates its share together (one
-    rank samples, the group follows), here and now; a server engine gets the whole batch from one
-    client (global rank 0) -- in a background thread when it runs ahead (--async-level >= 1),
-    so that generation overlaps training."""
-    data_state = rt.train_data.state_dict()
-    records = rt.train_data.next_batch(rt.cfg.algorithm.num_prompts_per_step)
-    r = Rollout(step, data_state, rt.engine.weight_version, records)
-    if rt.overlaps_rollout():
-        if dist_rank() == 0:
-            r.future = rt.rollout_thread().submit(_generate, rt, records, _seed(rt, step))
+def start_rollout(run: Run, step: int, threads: BackgroundThreads | None = None) -> Rollout:
+    """Take `step`'s prompts and start generating them. Generated once per batch: by an engine
+    without a client rank (the in-process one), each data-parallel replica's model-parallel
+    group generates its share together, here and now; an engine with one client gets the whole
+    batch from that rank -- in one of `threads` when given (--async-level >= 1), so that
+    generation overlaps training."""
+    data_state = run.train_data.state_dict()
+    records = run.train_data.next_batch(run.cfg.algorithm.num_prompts_per_step)
+    r = Rollout(step, data_state, run.engine.weight_version, records)
+    if threads is not None:
+        if dist_rank() == run.engine.client_rank:
+            r.future = threads.submit(_generate, run, records, _seed(run, step))
     else:
-        r.done = _build_batch(rt, r)
+        r.done = _build_batch(run, r)
     return r
 
 
-def finish_rollout(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
+def finish_rollout(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
     """The step's batch and its metrics (waits for a background generation)."""
-    return r.done if r.done is not None else _build_batch(rt, r)
+    return r.done if r.done is not None else _build_batch(run, r)
 
 
-def generate_batch(rt: Runtime, step: int) -> tuple[RolloutBatch, dict]:
+def generate_batch(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """Sample group_size responses for this DP rank's prompts of `step` and score them."""
-    return finish_rollout(rt, start_rollout(rt, step))
+    return finish_rollout(run, start_rollout(run, step))
 
 
-def _seed(rt: Runtime, step: int) -> int:
-    return rt.cfg.seed + 7919 * step
+def _seed(run: Run, step: int) -> int:
+    return run.cfg.seed + 7919 * step
 
 
-def _build_batch(rt: Runtime, r: Rollout) -> tuple[RolloutBatch, dict]:
-    cfg, algo = rt.cfg, rt.cfg.algorithm
-    if cfg.rollout.rollout_engine == "local":
-        mine = r.records[rt.dp_rank::rt.dp_size]
+def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
+    cfg, algo, engine = run.cfg, run.cfg.algorithm, run.engine
+    if engine.client_rank is None:
+        mine = r.records[run.dp_rank::run.dp_size]
         prompt_ids, completions, rewards, reasons = _score(
-            rt, mine, *_generate(rt, mine, _seed(rt, r.step) + rt.dp_rank))
-        if algo.sequence_packing and rt.dp_size > 1:  # re-deal the groups by token count
+            run, mine, *_generate(run, mine, _seed(run, r.step) + run.dp_rank))
+        if algo.sequence_packing and run.dp_size > 1:  # re-deal the groups by token count
             parts = _gather_dp((prompt_ids, completions, rewards))
             whole = [sum((list(p[i]) for p in parts), []) for i in range(3)]
-            prompt_ids, completions, rewards = _deal_groups(rt, *whole)
+            prompt_ids, completions, rewards = _deal_groups(run, *whole)
+        engine_stats: dict = {}
     else:
-        whole = None
-        if dist_rank() == 0:  # the one client; a server pool's counts (rollout/servers_live...)
+        def generate_and_score():
             generated = (r.future.result() if r.future is not None
-                         else _generate(rt, r.records, _seed(rt, r.step)))
+                         else _generate(run, r.records, _seed(run, r.step)))
             if cfg.rollout.rollout_release_memory:  # generated: the GPUs are the trainer's now
-                rt.engine.release_memory()
-            stats = getattr(rt.engine, "stats", dict)()
-            whole = (*_score(rt, r.records, *generated), stats)
-        prompt_ids, completions, rewards, reasons, server_stats = broadcast_from_rank0(whole)
-        prompt_ids, completions, rewards = _deal_groups(rt, prompt_ids, completions, rewards)
-        reasons = reasons if rt.dp_rank == 0 else {}  # counted once in the global sum
+                engine.release_memory()
+            return (*_score(run, r.records, *generated), engine.stats())
+
+        prompt_ids, completions, rewards, reasons, engine_stats = on_client(engine,
+                                                                            generate_and_score)
+        prompt_ids, completions, rewards = _deal_groups(run, prompt_ids, completions, rewards)
+        reasons = reasons if run.dp_rank == 0 else {}  # counted once in the global sum
     # the one host -> device boundary: from here on the batch lives where the model does
-    batch = pack_rollouts(prompt_ids, completions, rewards, rt.pad_id).to(device())
+    batch = pack_rollouts(prompt_ids, completions, rewards, run.codec.pad_id).to(device())
     dp_group = data_parallel_group()
     metrics = global_metrics.count_metrics(reasons, "reward_errors/", dp_group)
-    if cfg.rollout.rollout_engine != "local":
-        metrics.update(server_stats)
+    metrics.update(engine_stats)
     # behaviour policy = the weights that generated the batch (see --old-logprobs)
     if cfg.use_rollout_logprobs():
         batch.old_logprobs = batch.rollout_logprobs.clone()
     else:
-        batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, layout(cfg),
-                                                      seq_lengths=batch.seq_lengths)
+        batch.old_logprobs = run.policy.token_logprobs(batch.tokens, layout(cfg),
+                                                       seq_lengths=batch.seq_lengths)
         metrics.update(global_metrics.mismatch_metrics(batch.rollout_logprobs,
                                                        batch.old_logprobs, batch.loss_mask,
                                                        dp_group))
     return batch, metrics
 
 
-def _deal_groups(rt: Runtime, prompt_ids, completions, rewards):
+def _deal_groups(run: Run, prompt_ids, completions, rewards):
     """This data-parallel rank's groups (prompt ids, completions, flat rewards) of the whole
     batch: with --sequence-packing dealt by token count (packing.balance_groups), so that no rank
     trains on a long tail the others wait for; else every dp_size-th group."""
-    g = rt.cfg.algorithm.group_size
-    if rt.cfg.algorithm.sequence_packing:
+    g = run.cfg.algorithm.group_size
+    if run.cfg.algorithm.sequence_packing:
         tokens = [sum(len(p) + len(c.token_ids) for c in grp)
                   for p, grp in zip(prompt_ids, completions)]
-        mine = balance_groups(tokens, rt.dp_size)[rt.dp_rank]
+        mine = balance_groups(tokens, run.dp_size)[run.dp_rank]
     else:
-        mine = list(range(len(prompt_ids)))[rt.dp_rank::rt.dp_size]
+        mine = list(range(len(prompt_ids)))[run.dp_rank::run.dp_size]
     return ([prompt_ids[i] for i in mine], [completions[i] for i in mine],
             [x for i in mine for x in rewards[i * g:(i + 1) * g]])
 
@@ -138,21 +145,21 @@ def _gather_dp(obj) -> list:
     return out
 
 
-def _generate(rt: Runtime, records, seed: int):
+def _generate(run: Run, records, seed: int):
     """(prompt ids, group_size completions per prompt) for `records`."""
-    prompt_ids = [rt.encode_prompt(r.text) for r in records]
-    return prompt_ids, rt.engine.generate(prompt_ids, rt.cfg.algorithm.group_size,
-                                          rt.sampling_params(seed=seed))
+    prompt_ids = [run.codec.encode(r.text) for r in records]
+    return prompt_ids, run.engine.generate(prompt_ids, run.cfg.algorithm.group_size,
+                                           run.sampling_params(seed=seed))
 
 
-def _score(rt: Runtime, records, prompt_ids, completions):
+def _score(run: Run, records, prompt_ids, completions):
     """(prompt ids, completions, flat rewards, reward-error counts) for `records`."""
-    g = rt.cfg.algorithm.group_size
-    texts = [rt.decode(c.token_ids) for group in completions for c in group]
+    g = run.cfg.algorithm.group_size
+    texts = [run.codec.decode(c.token_ids) for group in completions for c in group]
     expand = lambda xs: [x for x in xs for _ in range(g)]  # noqa: E731
-    rewards, reasons = rt.scorer.score_batch(texts, expand([r.answer for r in records]),
-                                             expand([r.task for r in records]),
-                                             expand([r.metadata for r in records]))
+    rewards, reasons = run.scorer.score_batch(texts, expand([r.answer for r in records]),
+                                              expand([r.task for r in records]),
+                                              expand([r.metadata for r in records]))
     return prompt_ids, completions, list(rewards), dict(reasons)
 
 
@@ -162,19 +169,22 @@ def _global_sum(x) -> float:
                             data_parallel_group()))
 
 
-def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
-    """Advantages and PPO epochs over minibatches. Returns False when an update was skipped."""
-    algo, loss_cfg = rt.cfg.algorithm, rt.cfg.loss
+def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: RolloutBatch,
+                   metrics: dict) -> bool:
+    """Advantages and PPO epochs over minibatches of `batch`: the policy's optimizer steps, with
+    the reference's log-probs for the KL. Adds the step's loss and KL metrics to `metrics`.
+    Returns False when an update was skipped (a non-finite loss or gradient)."""
+    algo, loss_cfg = cfg.algorithm, cfg.loss
     # the reference is scored even with --kl-placement none: its KL is always logged
     exact_kl = None
-    lay = layout(rt.cfg)
+    lay = layout(cfg)
     if loss_cfg.kl.exact:
-        ref_lp, exact_kl = score_reference_exact(rt.policy, rt.reference, batch.tokens, lay,
+        ref_lp, exact_kl = score_reference_exact(policy, reference, batch.tokens, lay,
                                                  batch.seq_lengths)
         metrics["kl_exact"] = global_metrics.token_mean(exact_kl, batch.loss_mask,
                                                         data_parallel_group())
     else:
-        ref_lp = rt.reference.token_logprobs(batch.tokens, lay, seq_lengths=batch.seq_lengths)
+        ref_lp = reference.token_logprobs(batch.tokens, lay, seq_lengths=batch.seq_lengths)
     advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, batch.loss_mask,
                                   loss_cfg, batch.group_size, token_kl=exact_kl)
     rollout_tokens = _global_sum(batch.loss_mask.sum())
@@ -192,16 +202,16 @@ def train_on_batch(rt: Runtime, batch: RolloutBatch, metrics: dict) -> bool:
             norm_seqs = _global_sum(len(idx))
             micro = [_microbatch(batch, advantages, ref_lp, m)
                      for m in lay.microbatches(batch.tokens, batch.seq_lengths, idx,
-                                               rt.policy.pad_multiple, rt.policy.pp_size > 1)]
-            reference = rt.reference if loss_cfg.kl.exact_kl_in_loss else None
-            loss_fn = make_rl_loss_fn(rt.policy, loss_cfg, norm_tokens, norm_seqs, reference)
-            results = rt.policy.forward_backward(micro, loss_fn, reference=reference,
-                                                 for_scoring=True)
-            finite = not bool(all_reduce(nonfinite_flag(results, rt.policy.parameters()),
+                                               policy.pad_multiple, policy.pp_size > 1)]
+            in_loss = reference if loss_cfg.kl.exact_kl_in_loss else None
+            loss_fn = make_rl_loss_fn(policy, loss_cfg, norm_tokens, norm_seqs, in_loss)
+            results = policy.forward_backward(micro, loss_fn, reference=in_loss,
+                                              for_scoring=True)
+            finite = not bool(all_reduce(nonfinite_flag(results, policy.parameters()),
                                          op=dist.ReduceOp.MAX))
             if finite:
-                metrics["lr"] = rt.policy.lr  # the rate this update uses (--lr-decay-style)
-                updated, grad_norm = rt.policy.step()
+                metrics["lr"] = policy.lr  # the rate this update uses (--lr-decay-style)
+                updated, grad_norm = policy.step()
                 grad_norms.append(grad_norm if grad_norm is not None else float("nan"))
             else:
                 updated = False
@@ -303,39 +313,55 @@ def nonfinite_flag(results: list[dict], params) -> torch.Tensor:
 
 
 def train(cfg: TrainConfig) -> dict:
-    rt = setup_runtime(cfg)
+    """Build the run (setup_run), train it to --train-iters, close it. Returns the last step's
+    metrics."""
+    run = setup_run(cfg)
+    # an engine with weights of its own generates ahead in the background under --async-level:
+    # up to k requests in flight, from its client rank
+    threads = (BackgroundThreads(max(cfg.algorithm.async_level, 1))
+               if cfg.overlaps_rollout() else None)
     try:
-        last = _train_loop(cfg, rt)
+        last = train_loop(run, threads)
     except BaseException:
-        rt.close(abort=True)
+        # nothing waits for a generation in flight: the engine stops (a managed server is
+        # killed, so its request fails at once) and the request's daemon thread ends with the
+        # process, even when an attached server never answers
+        if threads is not None:
+            threads.shutdown(wait=False, cancel_futures=True)
+        run.close()
         raise
-    rt.close()
+    if threads is not None:
+        threads.shutdown(wait=True)
+    run.close()
     return last
 
 
-def _train_loop(cfg: TrainConfig, rt: Runtime) -> dict:
+def train_loop(run: Run, threads: BackgroundThreads | None = None) -> dict:
+    """Steps start_step .. --train-iters of `run`; `threads` generate ahead (--async-level)."""
+    cfg, engine, logger = run.cfg, run.engine, run.logger
     pending: collections.deque[Rollout] = collections.deque()  # batches started ahead
     nonfinite_in_row = 0
     last = {}
-    for step in rt.progress(range(rt.start_step, cfg.train_iters)):
+    for step in logger.progress(range(run.start_step, cfg.train_iters), total=cfg.train_iters,
+                                initial=run.start_step):
         t0 = time.perf_counter()
         # keep --async-level batches ahead of this one (none past the last step): generated by
         # weights <= k updates old
         while (len(pending) <= cfg.algorithm.async_level
                and step + len(pending) < cfg.train_iters):
-            pending.append(start_rollout(rt, step + len(pending)))
+            pending.append(start_rollout(run, step + len(pending), threads))
         current = pending.popleft()
-        batch, metrics = finish_rollout(rt, current)
+        batch, metrics = finish_rollout(run, current)
         metrics["rollout/staleness"] = float(step - current.version)
         t_rollout = time.perf_counter() - t0
         metrics.update(global_metrics.batch_metrics(batch.rewards, batch.response_lengths,
                                                     batch.finish_reasons, data_parallel_group()))
         t1 = time.perf_counter()
-        ok = train_on_batch(rt, batch, metrics)
+        ok = train_on_batch(run.policy, run.reference, cfg, batch, metrics)
         nonfinite_in_row = 0 if ok else nonfinite_in_row + 1
         metrics["skipped_update"] = float(not ok)
         if nonfinite_in_row >= cfg.algorithm.max_nonfinite_steps:
-            rt.log(step + 1, metrics)
+            logger.log(step + 1, metrics)
             raise FloatingPointError(f"{nonfinite_in_row} consecutive non-finite updates at step "
                                      f"{step}: stopping (--max-nonfinite-steps)")
         t_train = time.perf_counter() - t1
@@ -346,22 +372,22 @@ def _train_loop(cfg: TrainConfig, rt: Runtime) -> dict:
                 r.future.result()
         t3 = time.perf_counter()
         if cfg.rollout.rollout_release_memory:
-            rt.engine.resume_memory()
-        rt.engine.update_weights(step + 1)
+            engine.resume_memory()
+        engine.update_weights(step + 1)
         metrics.update({"time/rollout_wait": t3 - t2, "time/weight_sync": time.perf_counter() - t3})
         reset = cfg.algorithm.ref_reset_interval
         if reset and (step + 1) % reset == 0:
-            rt.reset_reference()
+            copy_weights(run.policy, run.reference)
         tokens, t_step = _global_sum(batch.loss_mask.sum()), time.perf_counter() - t0
         metrics.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": t_step,
                         "throughput/tokens_per_s": tokens / max(t_step, 1e-9)})
         if cfg.eval.eval_interval and (step + 1) % cfg.eval.eval_interval == 0:
-            metrics.update(evaluate(rt, step + 1))
-        rt.log(step + 1, metrics)
+            metrics.update(evaluate(run, step + 1))
+        logger.log(step + 1, metrics)
         last = metrics
         if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0:
             # resume re-generates the pending (async) batches: record the data position before them
-            rt.save(step + 1, data_state=pending[0].data_state if pending else None)
+            run.save(step + 1, data_state=pending[0].data_state if pending else None)
     return last
 
 

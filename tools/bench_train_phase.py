@@ -26,9 +26,8 @@ a log-normal with median --max-response / 4 and sigma --length-sigma, clipped to
 of a configuration trains on the batch drawn from seed + k, so every configuration sees the
 same batches.
 
-What runs is the trainer's own code: a megatron_rl.runtime.Runtime holding the policy, the
-reference and a TrainConfig (engine, data, tokenizer and scorer left empty: train_on_batch uses
-none of them), the old log-probs as train._build_batch computes them
+What runs is the trainer's own code: the policy, the reference and a TrainConfig (no engine,
+data, tokenizer or scorer: train_on_batch takes none of them), the old log-probs as train._build_batch computes them
 (`policy.token_logprobs(batch.tokens, train.layout(cfg), seq_lengths=...)`, reproduced: that
 one line, since _build_batch needs an engine), then `train.train_on_batch` itself: reference
 log-probs (train.score_reference_exact for the exact estimator), advantages, forward+backward
@@ -223,14 +222,14 @@ def train_config(a, combo: str, kl_spec: str):
                        algorithm=algo, optimizer=OptimConfig(lr=a.lr), seed=a.seed)
 
 
-def build_runtime(a, cfg):
-    """A Runtime with the policy and its reference (a copy of its initial weights); the parts
-    train_on_batch does not use (engine, data, tokenizer, scorer) are None."""
+def build_models(a, cfg):
+    """(policy, reference), the reference a copy of the policy's initial weights: all that
+    train_on_batch trains with."""
     import torch
 
+    from megatron_rl.checkpoint import copy_weights
     from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import ParallelConfig, init_distributed
-    from megatron_rl.runtime import Runtime
 
     init_distributed(ParallelConfig(), seed=a.seed)
     args = model_args(a)
@@ -238,11 +237,8 @@ def build_runtime(a, cfg):
     policy = Policy(args, trainable=True, params_dtype=dtype, optim=cfg.optimizer,
                     options=cfg.model.options)
     reference = Policy(args, trainable=False, params_dtype=dtype, options=cfg.model.options)
-    rt = Runtime(cfg=cfg, policy=policy, reference=reference, engine=None, tokenizer=None,
-                 train_data=None, eval_data=None, scorer=None, dp_rank=0, dp_size=1,
-                 pad_id=PAD_ID, stop_ids=(1,))
-    rt.reset_reference()
-    return rt
+    copy_weights(policy, reference)
+    return policy, reference
 
 
 # ------------------------------------------------------------------------------------------------
@@ -411,30 +407,30 @@ def run_train_worker(a) -> dict:
     start_memory_guard(a.limit_bytes, a.result_file, ctx)
     torch.set_num_threads(a.threads)
     cfg = train_config(a, a.combo, a.kl[0])
-    rt = build_runtime(a, cfg)
+    policy, reference = build_models(a, cfg)
     # Adam's state exists from a run's first step on: allocate it now (a step on zero gradients
     # changes no weight), so that the timed optimizer steps are steady-state ones
-    rt.policy.step()
+    policy.step()
     rss_built = rss_bytes()
     timer = PhaseTimer()
-    timer.wrap(rt.policy, "token_logprobs", "old_lp")
-    timer.wrap(rt.reference, "token_logprobs", "ref_lp")
-    timer.wrap(rt.policy, "collect_per_token", "ref_lp")  # score_reference_exact's pass
-    timer.wrap(rt.policy, "forward_backward", "fwd_bwd")
-    timer.wrap(rt.policy, "step", "optim")
+    timer.wrap(policy, "token_logprobs", "old_lp")
+    timer.wrap(reference, "token_logprobs", "ref_lp")
+    timer.wrap(policy, "collect_per_token", "ref_lp")  # score_reference_exact's pass
+    timer.wrap(policy, "forward_backward", "fwd_bwd")
+    timer.wrap(policy, "step", "optim")
     lay = train.layout(cfg)
     steps = []
     for k in range(a.warmup + a.steps):
         batch = make_batch(a, ctx["max_response"], a.seed + k).to(device())
-        shapes = microbatch_shapes(batch, lay, rt.policy.pad_multiple)
+        shapes = microbatch_shapes(batch, lay, policy.pad_multiple)
         timer.seconds = dict.fromkeys(PHASES, 0.0)
         bvt._sync()
         t0 = time.perf_counter()
         # train._build_batch's recompute of the behaviour policy's log-probs
-        batch.old_logprobs = rt.policy.token_logprobs(batch.tokens, lay,
+        batch.old_logprobs = policy.token_logprobs(batch.tokens, lay,
                                                       seq_lengths=batch.seq_lengths)
         metrics: dict = {}
-        ok = train.train_on_batch(rt, batch, metrics)
+        ok = train.train_on_batch(policy, reference, cfg, batch, metrics)
         bvt._sync()
         total = time.perf_counter() - t0
         timer.seconds["other"] = total - sum(v for p, v in timer.seconds.items() if p != "other")
@@ -443,7 +439,7 @@ def run_train_worker(a) -> dict:
             "updated": ok, "response_tokens": sum(batch.response_lengths),
             "all_tokens": sum(batch.seq_lengths), "padded_length": batch.tokens.shape[1],
             "microbatches": len(shapes), "model_tokens": sum(sum(s) for s in shapes),
-            "flops": step_flops(rt.policy.args, shapes, COMBOS[a.combo][1], cfg.loss.kl),
+            "flops": step_flops(policy.args, shapes, COMBOS[a.combo][1], cfg.loss.kl),
             "metrics": {m: float(metrics[m]) for m in ("pg_loss", "kl_k3", "entropy",
                                                        "grad_norm", "kl_exact") if m in metrics}})
         print(f"{a.combo} {a.kl[0]} step {k}{' (warm-up)' if k < a.warmup else ''}: "
@@ -487,20 +483,20 @@ def run_fit_worker(a) -> dict:
     start_memory_guard(a.limit_bytes, a.result_file, ctx)
     torch.set_num_threads(a.threads)
     cfg = train_config(a, a.combo, a.kl[0])
-    rt = build_runtime(a, cfg)
-    rt.policy.step()  # Adam's state, as in run_train_worker
+    policy, reference = build_models(a, cfg)
+    policy.step()  # Adam's state, as in run_train_worker
     batch, m = fit_microbatch(a, a.fit_tokens, COMBOS[a.combo][0])
     batch = batch.to(device())
     batch.old_logprobs = torch.zeros_like(batch.loss_mask)
     advantages = torch.randn(batch.num_sequences, device=batch.device)
     ref_lp = torch.zeros_like(batch.loss_mask)
     loss_cfg = cfg.loss
-    reference = rt.reference if loss_cfg.kl.exact_kl_in_loss else None
-    loss_fn = train.make_rl_loss_fn(rt.policy, loss_cfg, float(batch.loss_mask.sum()),
+    reference = reference if loss_cfg.kl.exact_kl_in_loss else None
+    loss_fn = train.make_rl_loss_fn(policy, loss_cfg, float(batch.loss_mask.sum()),
                                     float(batch.num_sequences), reference)
     bvt._sync()
     t0 = time.perf_counter()
-    rt.policy.forward_backward([train._microbatch(batch, advantages, ref_lp, m)], loss_fn,
+    policy.forward_backward([train._microbatch(batch, advantages, ref_lp, m)], loss_fn,
                                reference=reference, for_scoring=True)
     bvt._sync()
     return {**ctx, "status": "ok", "tokens": m.num_tokens, "sequences": len(m.rows),
@@ -743,7 +739,7 @@ def notes(a) -> list[str]:
            else "micro-batch-size x the batch's padded length (the same token budget)"),
         f"{a.warmup} warm-up + {a.steps} timed step(s) per configuration, "
         "each configuration in its own process (peak RSS: the whole process)",
-        "phases via the trainer's own train.train_on_batch on a Runtime holding policy, "
+        "phases via the trainer's own train.train_on_batch with the policy, "
         "reference and TrainConfig; old log-probs as train._build_batch recomputes them; "
         "Adam's state allocated before timing (one step on zero gradients)",
     ]

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     import reproduce
     from megatron_rl.config import parse_config
     from megatron_rl.kl import KLConfig
-    from megatron_rl.runtime import setup_runtime
+    from megatron_rl.runtime import setup_run
     from megatron_rl.train import generate_batch, train_on_batch
 
     t0 = time.time()
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
                         "--kl-estimator", "k1", "--kl-placement", "reward",
                         "--kl-coef", f"{a.beta:g}", "--ppo-minibatches", "1",
                         "--seed", str(a.seed)])
-    rt = setup_runtime(cfg)
+    rt = setup_run(cfg)
     captured = {}
 
     def capture_step():   # the optimizer step, replaced: keep the raw gradient, change nothing
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     for s in tqdm(range(a.warmup_steps), desc="warm-up RL steps (k1:reward)", unit="step"):
         rt.cfg.algorithm.loss.kl = KLConfig(estimator="k1", placement="reward", coef=a.warmup_beta)
         batch, _ = generate_batch(rt, step=s)
-        if not train_on_batch(rt, batch, {}):
+        if not train_on_batch(rt.policy, rt.reference, rt.cfg, batch, {}):
             raise FloatingPointError(f"warm-up step {s} skipped (non-finite)")
         rt.engine.update_weights(s + 1)
     rt.policy.step = capture_step
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
             rt.cfg.algorithm.loss.kl = KLConfig(estimator=est, placement=placement, coef=a.beta)
             metrics: dict = {}
             captured.pop("g", None)
-            train_on_batch(rt, batch, metrics)
+            train_on_batch(rt.policy, rt.reference, rt.cfg, batch, metrics)
             g = captured["g"]
             if not torch.isfinite(g).all():
                 raise FloatingPointError(f"non-finite gradient for {name} at repetition {r}")

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Callable
 
+from megatron_rl.processes import set_parent_death_signal
 from megatron_rl.rewards.types import ERROR, TIMEOUT, Scored
 
 _READY = "__ready__"
@@ -37,21 +38,9 @@ class _SoftTimeout(BaseException):
     """Raised in a worker by its own alarm; BaseException so verifier code cannot swallow it."""
 
 
-def _set_parent_death_signal() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int | None,
                  warmup: tuple[str, str] | None) -> None:
-    _set_parent_death_signal()
+    set_parent_death_signal(signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if memory_limit_mb:
         try:

@@ -9,6 +9,15 @@ import dataclasses
 from typing import Protocol, Sequence
 
 
+class ServerError(RuntimeError):
+    """The server could not be started, died, or failed a request after a restart."""
+
+
+class BadAnswer(ServerError):
+    """The server answered a generate request, but not with what was asked (malformed JSON,
+    fewer completions, token ids outside the vocabulary, no answer within the timeout)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings. temperature 1.0 / top_p 1.0 / top_k -1 samples the policy itself,
@@ -38,21 +47,62 @@ class Completion:
 
 
 class RolloutEngine(Protocol):
-    """Any rollout engine. `generate` returns, per prompt, `n` completions."""
+    """What the training loop asks of a rollout engine, and all it asks: the loop never looks at
+    which engine it has.
+
+    weight_version: the trainer step whose weights the engine serves.
+    client_rank: the global rank that sends `generate` requests for the whole batch (a server
+        or a child process: one client, the batch is then scattered), or None when every rank
+        takes part in generating its own data-parallel share (the in-process engine: each
+        replica's model-parallel group generates together).
+    holds_own_weights: the engine keeps a copy of the weights of its own (a server, a child
+        process), which `update_weights` must refresh; False when it reads the policy itself.
+    """
 
     weight_version: int
+    client_rank: int | None
+    holds_own_weights: bool
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
-                 params: SamplingParams) -> list[list[Completion]]: ...
+                 params: SamplingParams) -> list[list[Completion]]:
+        """`n` completions per prompt, in prompt order. Called on `client_rank` (every rank
+        when it is None)."""
+        ...
 
     def update_weights(self, version: int) -> None:
-        """Make the engine serve the trainer's current weights, tagged `version` (collective
-        over all training ranks for engines that read them from the policy)."""
+        """Make the engine serve the trainer's current weights, tagged `version`. Collective
+        over all training ranks (the weights are gathered from every model-parallel shard)."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the trainer's log ("rollout/..."), read on `client_rank` after a
+        generate; {} when the engine has none."""
+        ...
+
+    def release_memory(self) -> None:
+        """Free the accelerator memory the engine holds (weights offloaded, KV cache dropped) for
+        the training phase; a no-op for engines without a memory-saving mode."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take back what `release_memory` freed, before the next weight update."""
         ...
 
     def health(self) -> bool: ...
 
     def shutdown(self) -> None: ...
+
+
+def on_client(engine: RolloutEngine, fn):
+    """Collective: `fn()` run on the engine's client rank, its picklable result on every rank
+    (the batch a one-client engine generated, scored there, shared with the trainer's ranks)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return fn()
+    box = [fn() if dist.get_rank() == engine.client_rank else None]
+    dist.broadcast_object_list(box, src=engine.client_rank)
+    return box[0]
 
 
 def check_completions(out, num_prompts: int, n: int, vocab_size: int | None,

@@ -66,7 +66,12 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
 
 
 class LocalEngine:
-    """Generation with the training `Policy` (megatron_rl.models.policy) itself."""
+    """Generation with the training `Policy` (megatron_rl.models.policy) itself: every rank
+    generates its data-parallel share, each model-parallel group together (client_rank None),
+    from the policy's own weights (nothing to copy at a weight update)."""
+
+    client_rank = None
+    holds_own_weights = False
 
     def __init__(self, policy, pad_token_id: int = 0, kv_cache: bool | None = None):
         """kv_cache: True = KV-cached decoding (error where the layout does not support it),
@@ -84,6 +89,15 @@ class LocalEngine:
 
     def update_weights(self, version: int) -> None:
         self.weight_version = version
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def release_memory(self) -> None:
+        pass
+
+    def resume_memory(self) -> None:
+        pass
 
     def health(self) -> bool:
         return True

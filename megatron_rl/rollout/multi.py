@@ -57,10 +57,11 @@ from collections import deque
 from typing import Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import (TRANSPORT_ERRORS, ServerError, ServerRequestError,
-                                        broadcast_from_rank0, dist_barrier, dist_rank)
-from megatron_rl.rollout.shm_weights import SharedBuckets
+from megatron_rl.parallel import broadcast_from_rank0, dist_barrier, dist_rank
+from megatron_rl.rollout.base import ServerError
+from megatron_rl.rollout.net import ServerRequestError, TRANSPORT_ERRORS
 from megatron_rl.rollout.threads import BackgroundThreads
+from megatron_rl.rollout.weight_sync import Payload, WeightSync, load_payload
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,9 @@ class ServerPool:
     policy: the trainer's Policy, needed by update_weights.
     """
 
+    client_rank = 0
+    holds_own_weights = True
+
     def __init__(self, engines: Sequence, policy=None, start: bool = True, max_rejoins: int = 3,
                  reboot_managed: bool = True):
         if not engines:
@@ -140,18 +144,20 @@ class ServerPool:
         self.members = [_Member(i, e, BackgroundThreads(1, name=f"rollout-server-{i}"))
                         for i, e in enumerate(engines)]
         for m in self.members:  # never pruned, unlike the exports (the weights come after)
-            server = getattr(m.engine, "server", None)
-            m.boot_path = getattr(server, "model_path", None)
+            server = m.engine.server
+            m.boot_path = server.model_path if server is not None else None
         first = engines[0]
-        self.weight_version = getattr(first, "weight_version", 0)
-        self.exporter = getattr(first, "exporter", None)
+        self.weight_version = first.weight_version
+        # the first member's weight sync serves the pool: one export (or gather) per update,
+        # under its work_dir, loaded into every server
+        self.sync: WeightSync | None = first.sync
+        self.exporter = self.sync.exporter if self.sync is not None else None
         self.last_sync_seconds: dict[str, float] = {}
         # each generate call is served by one weight version: a weight load waits for the calls
         # in flight, and calls wait for a load in progress
         self._cond = threading.Condition()
         self._active_calls = 0
         self.num_generate_calls = 0  # pool-level calls (each spread over the servers)
-        self._buckets: SharedBuckets | None = None  # tensor sync's one shared buffer
         self._loading = False
         if start:
             self.start()
@@ -164,13 +170,13 @@ class ServerPool:
     def name(self, member: _Member) -> str:
         """How warnings and errors name a server: its index and URL."""
         e = member.engine
-        url = getattr(e, "url", None)
-        if url is None and getattr(e, "server", None) is not None:
+        url = e.url
+        if url is None and e.server is not None:
             try:
                 url = e.server.url
             except ServerError:
                 url = None
-        kind = getattr(getattr(e, "server", None), "name", None) or type(e).__name__
+        kind = e.server.name if e.server is not None else type(e).__name__
         return f"{kind} server {member.index}" + (f" at {url}" if url else "")
 
     def live_members(self) -> list[_Member]:
@@ -179,7 +185,7 @@ class ServerPool:
     def _usable(self) -> list[_Member]:
         """Live servers that may generate now (an SGLang server restarted from its initial
         checkpoint waits for the next update_weights)."""
-        return [m for m in self.members if m.live and not getattr(m.engine, "_needs_resync", False)]
+        return [m for m in self.members if m.live and not m.engine.needs_resync]
 
     def _take_out(self, member: _Member, exc: BaseException | str) -> None:
         with self._cond:  # generate's chunk threads and update_weights may race to take it out
@@ -192,8 +198,8 @@ class ServerPool:
             log.warning("rollout: %s failed and is out of the rotation (%d of %d servers left): "
                         "%s", self.name(member), left, len(self.members),
                         member.last_error[:2000])
-        server = getattr(member.engine, "server", None)
-        if server is not None and getattr(server, "managed", False):
+        server = member.engine.server
+        if server is not None and server.managed:
             # free its resources, without waiting (a hung request may still hold the server)
             member.stopping = threading.Thread(target=_quiet_shutdown, args=(member.engine,),
                                                daemon=True,
@@ -204,7 +210,7 @@ class ServerPool:
         """Rank 0: bring each server out of the rotation back up in the background (see the
         module docstring); the next update_weights loads and re-admits the ones that are up."""
         for m in self.members:
-            managed = getattr(getattr(m.engine, "server", None), "managed", False)
+            managed = m.engine.server is not None and m.engine.server.managed
             if (m.live or m.rejoin is not None or m.rejoins >= self.max_rejoins
                     or (managed and not self.reboot_managed)):
                 continue
@@ -217,7 +223,7 @@ class ServerPool:
         if self._shut_down:  # the pool shut down meanwhile: boot nothing
             raise ServerError("the pool was shut down")
         e = member.engine
-        server = getattr(e, "server", None)
+        server = e.server
         if server is None:
             raise ServerError("no server to bring up")
         if server.managed:
@@ -260,7 +266,7 @@ class ServerPool:
             m.engine.start(wait=False)
         for m in self.members:
             e, status = m.engine, None
-            if getattr(e, "server", None) is not None:
+            if e.server is not None:
                 try:
                     e.server.start()
                     status = ("ok", e.server.url)
@@ -303,8 +309,8 @@ class ServerPool:
 
     def stats(self) -> dict[str, float]:
         """Metrics for the trainer's log (global rank 0 holds the servers)."""
-        restarts = sum(getattr(getattr(m.engine, "server", None), "num_restarts", 0) or 0
-                       for m in self.members)
+        restarts = sum(m.engine.server.num_restarts for m in self.members
+                       if m.engine.server is not None)
         return {"rollout/generate_calls": float(self.num_generate_calls),
                 "rollout/servers_live": float(len(self.live_members())),
                 "rollout/servers_total": float(len(self.members)),
@@ -390,10 +396,10 @@ class ServerPool:
 
     def _generate_on(self, member: _Member, prompts, n: int, params: SamplingParams):
         """In the member's thread: one chunk on one server, checked."""
-        if not member.live or getattr(member.engine, "_needs_resync", False):
+        if not member.live or member.engine.needs_resync:
             raise _SitOut()
         out = member.engine.generate(prompts, n, params)
-        if getattr(member.engine, "_needs_resync", False):
+        if member.engine.needs_resync:
             # restarted from the initial checkpoint during the request: stale weights
             raise _SitOut()
         if len(out) != len(prompts) or any(len(row) != n for row in out):
@@ -402,35 +408,18 @@ class ServerPool:
         return out
 
     # -- weights ---------------------------------------------------------------------------------
-    def _sync_mode(self) -> str:
-        config = getattr(self.members[0].engine, "config", None)
-        return getattr(config, "sync", "disk")
-
     def update_weights(self, version: int) -> None:
         """Collective over all training ranks: the policy's weights into every live server,
         tagged `version` (gathered or exported once, loaded in parallel), versions checked."""
-        if self.policy is None:
-            raise ValueError("update_weights needs the policy: ServerPool(..., policy=policy)")
+        if self.policy is None or self.sync is None:
+            raise ValueError("update_weights needs the policy: ServerPool(..., policy=policy), "
+                             "over engines with a weight sync")
         t0 = time.perf_counter()
-        mode = self._sync_mode()
-        if mode == "disk":
-            payload = self.exporter.export(self.policy, version)
-            self.last_sync_seconds["export"] = time.perf_counter() - t0
-        else:
-            from megatron_rl.rollout.weight_sync import policy_hf_state_dict
-
-            dtype = getattr(self.members[0].engine.config, "dtype", None)
-            payload = policy_hf_state_dict(self.policy, dst=0, dtype=dtype)
-            self.last_sync_seconds["gather"] = time.perf_counter() - t0
+        payload = self.sync.prepare(self.policy, version)
+        self.last_sync_seconds.update(self.sync.last_seconds)
         if self.rank == 0:
+            assert payload is not None
             t1 = time.perf_counter()
-            if mode == "tensor" and hasattr(self.members[0].engine, "load_weights_from_shared"):
-                # one shared buffer for every server (vLLM): (path, metadata per bucket)
-                if self._buckets is None:
-                    self._buckets = SharedBuckets()
-                bucket = getattr(self.members[0].engine.config, "bucket_bytes", 512 << 20)
-                metas = list(self._buckets.fill(payload, bucket))  # (may move the buffer)
-                payload = (self._buckets.path, metas)
             with self._cond:  # between generate calls (see __init__)
                 self._cond.wait_for(lambda: not self._loading)
                 self._loading = True
@@ -438,11 +427,10 @@ class ServerPool:
             try:
                 back = self._rejoin_candidates()
                 members = self.live_members() + back
-                if mode == "distributed":  # one NCCL broadcast at a time
-                    outcomes = [self._load_into(m, mode, payload, version) for m in members]
+                if payload.kind == "distributed":  # one NCCL broadcast at a time
+                    outcomes = [self._load_into(m, payload) for m in members]
                 else:
-                    futures = [m.executor.submit(self._load_into, m, mode, payload, version)
-                               for m in members]
+                    futures = [m.executor.submit(self._load_into, m, payload) for m in members]
                     outcomes = [f.result() for f in futures]
                 for m, exc in zip(members, outcomes):
                     if m in back:
@@ -459,8 +447,7 @@ class ServerPool:
                 with self._cond:
                     self._loading = False
                     self._cond.notify_all()
-            if mode == "disk" and payload is not None:
-                self.exporter.prune(payload)
+            self.sync.prune(payload)
             self.last_sync_seconds["load"] = time.perf_counter() - t1
             self.last_sync_seconds["total"] = time.perf_counter() - t0
         dist_barrier()
@@ -488,24 +475,16 @@ class ServerPool:
         self.weight_version = version
 
     @staticmethod
-    def _load_into(member: _Member, mode: str, payload, version: int) -> BaseException | None:
+    def _load_into(member: _Member, payload: Payload) -> BaseException | None:
         """In the member's thread: load and read the version back; the error, if any."""
-        e = member.engine
+        e, version = member.engine, payload.version
         try:
-            if mode == "disk":
-                e.load_weights_from_path(payload, version)
-            elif mode == "tensor" and isinstance(payload, tuple):
-                e.load_weights_from_shared(*payload, version)
-            elif mode == "tensor":
-                e.load_weights_from_tensors(payload, version)
-            else:
-                e.load_weights_distributed(payload, version)
+            load_payload(e, payload)
             got = e.server_weight_version()
             # in memory, a server restarted mid-load reports no version (the initial weights)
-            if (got is not None or mode != "disk") and got != version:
+            if (got is not None or payload.kind != "disk") and got != version:
                 raise ServerError(f"reports weight version {got} after loading {version}")
-            if hasattr(e, "_needs_resync"):
-                e._needs_resync = False
+            e.needs_resync = False
             return None
         except Exception as exc:  # noqa: BLE001 - the caller sorts it
             return exc

@@ -16,12 +16,12 @@ Requests go over a pipe and are served one at a time, so weights change only bet
     ("load_dir", path, version)               -> ("ok", version)   --weight-sync disk
     ("stop",)
 
-Weight sync (`update_weights`, collective over the training ranks): the policy is gathered to
-rank 0 under HF names (weight_sync.policy_hf_state_dict). `tensor` (the default) copies it into
-a shared-memory buffer (shm_weights.SharedBuckets) and names it to the child bucket by bucket
-(--weight-sync-bucket-mb); the child stages views of each bucket and loads the whole state when
-the last one has arrived.
-`disk` writes a versioned HF directory (weight_sync.WeightExporter) that the child reloads.
+Weight sync (`update_weights`, collective over the training ranks, through
+weight_sync.WeightSync): the policy is gathered to rank 0 under HF names. `tensor` (the default)
+copies it into a shared-memory buffer (shm_weights.SharedBuckets) and names it to the child
+bucket by bucket (--weight-sync-bucket-mb); the child stages views of each bucket and loads the
+whole state when the last one has arrived. `disk` writes a versioned HF directory that the child
+reloads.
 
 Samples are a function of (seed, prompts, weights) alone: the child samples the whole batch
 with the request's seed, so the batch does not depend on the trainer's layout (TP, PP, DP).
@@ -40,11 +40,10 @@ from typing import Sequence
 
 import torch
 
-from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import (ServerError, broadcast_from_rank0, dist_barrier,
-                                        dist_rank)
-from megatron_rl.rollout.shm_weights import SharedBuckets, read_bucket
-from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
+from megatron_rl.parallel import broadcast_from_rank0, dist_rank
+from megatron_rl.rollout.base import Completion, SamplingParams, ServerError
+from megatron_rl.rollout.shm_weights import read_bucket
+from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
 
 # torchrun's variables: the child is a world of its own (TORCHELASTIC_USE_AGENT_STORE would make
 # its process group wait for torchrun's store)
@@ -70,7 +69,10 @@ class ProcessConfig:
 
 class ProcessEngine:
     """RolloutEngine over a child process (see module docstring). `policy`: the trainer's
-    Policy, whose weights `update_weights` sends."""
+    Policy, whose weights `update_weights` sends. Global rank 0 is its one client."""
+
+    client_rank = 0
+    holds_own_weights = True
 
     def __init__(self, config: ProcessConfig, policy=None):
         if config.sync not in ("tensor", "disk"):
@@ -80,14 +82,12 @@ class ProcessEngine:
         self.policy = policy
         self.weight_version = read_version(config.hf_checkpoint) or 0
         self.rank = dist_rank()
-        self.last_sync_seconds: dict[str, float] = {}
-        self.last_sync_bytes = 0
         self.num_generate_calls = 0
         self._lock = threading.Lock()
         self._conn = self._proc = None
-        self._buckets: SharedBuckets | None = None
-        self._exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
-                                        dtype=config.dtype)
+        self.sync = WeightSync(config.sync, config.work_dir, dtype=config.dtype,
+                               bucket_bytes=config.bucket_bytes, shared_memory=True)
+        self.last_sync_seconds = self.sync.last_seconds
         # rank 0 starts the child; every rank learns whether it came up (no rank may go on to
         # the next collective while rank 0 raises)
         error = None
@@ -169,43 +169,41 @@ class ProcessEngine:
 
     def update_weights(self, version: int) -> None:
         """Collective over all training ranks: gather the policy to rank 0, hand it over."""
-        if self.policy is None:
-            raise ValueError("update_weights needs the policy: ProcessEngine(..., policy=policy)")
-        t0 = time.perf_counter()
-        if self.config.sync == "disk":
-            path = self._exporter.export(self.policy, version)
-            t_out = time.perf_counter() - t0
-            if self.rank == 0:
-                loaded = self._call(("load_dir", path, version), self.config.request_timeout,
-                                    f"load weights version {version} from {path}")
-                self.last_sync_bytes = sum(os.path.getsize(os.path.join(path, f))
-                                           for f in os.listdir(path) if f.endswith(".safetensors"))
-                self._exporter.prune(path)
-        else:
-            hf = policy_hf_state_dict(self.policy, dst=0, dtype=self.config.dtype)
-            t_out = time.perf_counter() - t0
-            if self.rank == 0:
-                if self._buckets is None:
-                    self._buckets = SharedBuckets()
-                for meta in self._buckets.fill(hf, self.config.bucket_bytes):
-                    self._call(("bucket", self._buckets.path, meta), self.config.request_timeout,
-                               f"weights version {version}, bucket of {len(meta)} tensors")
-                loaded = self._call(("commit", version), self.config.request_timeout,
-                                    f"load weights version {version}")
-                self.last_sync_bytes = sum(t.numel() * t.element_size() for t in hf.values())
-        if self.rank == 0:
-            if loaded != version:
-                raise ServerError(f"rollout process reports weight version {loaded} after "
-                                  f"loading version {version}")
-            self.last_sync_seconds.update(gather=t_out, total=time.perf_counter() - t0)
-        dist_barrier()
+        sync_engine(self.sync, self.policy, self, version)
         self.weight_version = version
+
+    def load_weights_from_path(self, path: str, version: int) -> None:
+        """The child reloads the HF directory `path` (--weight-sync disk)."""
+        loaded = self._call(("load_dir", path, version), self.config.request_timeout,
+                            f"load weights version {version} from {path}")
+        self._check_version(loaded, version)
+        self.sync.exporter.prune(path)
+
+    def load_weights_from_shared(self, path: str, metas: list[list[dict]], version: int) -> None:
+        """The child stages each bucket of the shared buffer `path`, then loads them all."""
+        for meta in metas:
+            self._call(("bucket", path, meta), self.config.request_timeout,
+                       f"weights version {version}, bucket of {len(meta)} tensors")
+        loaded = self._call(("commit", version), self.config.request_timeout,
+                            f"load weights version {version}")
+        self._check_version(loaded, version)
+
+    def _check_version(self, loaded: int, version: int) -> None:
+        if loaded != version:
+            raise ServerError(f"rollout process reports weight version {loaded} after "
+                              f"loading version {version}")
 
     def stats(self) -> dict[str, float]:
         """Metrics for the trainer's log (rank 0): generate requests so far (one per batch) and
         the last weight sync's size."""
         return {"rollout/generate_calls": float(self.num_generate_calls),
-                "rollout/weight_sync_mb": self.last_sync_bytes / 2 ** 20}
+                "rollout/weight_sync_mb": self.sync.last_bytes / 2 ** 20}
+
+    def release_memory(self) -> None:
+        pass  # the child keeps its weights (on CPU cores of its own, or beside the trainer)
+
+    def resume_memory(self) -> None:
+        pass
 
     def health(self) -> bool:
         return self.rank != 0 or (self._proc is not None and self._proc.is_alive())
@@ -226,9 +224,7 @@ class ProcessEngine:
                     self._proc.terminate()
                     self._proc.join(10)
             self._proc = None
-        if self._buckets is not None:
-            self._buckets.close()
-            self._buckets = None
+        self.sync.close()
 
 
 def _serve(conn, config: ProcessConfig) -> None:

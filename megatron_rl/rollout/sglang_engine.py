@@ -7,9 +7,8 @@ SamplingParams.seed, so the output order and seeding are explicit). The server r
 It stops at `stop_token_ids` / `max_new_tokens`; sglang checks stop ids only with EOS enabled,
 so with stop ids the model's EOS also stops (list it among the stop ids, as the trainer does).
 
-Weight sync, three ways (`SGLangConfig.sync`):
-- "disk": the policy is exported as an HF directory through the shared mapping
-  (weight_sync.WeightExporter) and loaded with `/update_weights_from_disk` (any placement);
+Weight sync, three ways (`SGLangConfig.sync`, through weight_sync.WeightSync):
+- "disk": the policy is exported as an HF directory through the shared mapping and loaded with `/update_weights_from_disk` (any placement);
 - "tensor" (colocated: server and trainer on one machine): the HF tensors are shared through
   torch's file_system shared-memory strategy and loaded with `/update_weights_from_tensor`,
   inside a `/begin_weight_update` ... `/end_weight_update` session;
@@ -34,25 +33,25 @@ import itertools
 import os
 import threading
 import time
+
 import torch
 
-from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import (BadAnswer, ManagedServer, ServerBackedEngine,
-                                        ServerError, dist_barrier, dist_rank, free_port,
-                                        http_json, read_hf_config)
+from megatron_rl.parallel import dist_rank
+from megatron_rl.rollout.base import BadAnswer, Completion, SamplingParams, ServerError
+from megatron_rl.rollout.managed_server import ManagedServer
+from megatron_rl.rollout.net import free_port, http_json
+from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
+                                               server_python)
 from megatron_rl.rollout.shm_weights import bucket_names
-from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
+from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON_ENV_VAR = "MEGATRON_RL_SGLANG_PYTHON"
 SYNC_MODES = ("disk", "tensor", "distributed")
 
 
 def sglang_python() -> str | None:
-    """The SGLang venv's interpreter: $MEGATRON_RL_SGLANG_PYTHON, else <repo>/.venv-sglang."""
-    path = os.environ.get(PYTHON_ENV_VAR) or os.path.join(REPO_ROOT, ".venv-sglang", "bin",
-                                                         "python")
-    return path if os.path.exists(path) else None
+    """The SGLang venv's interpreter: $MEGATRON_RL_SGLANG_PYTHON, else <repo>/.venv-sglang, or None."""
+    return server_python(PYTHON_ENV_VAR, ".venv-sglang")
 
 
 @dataclasses.dataclass
@@ -97,9 +96,10 @@ class SGLangEngine(ServerBackedEngine):
         self.vocab_size = read_hf_config(model_path).get("vocab_size")
         self.request_timeout = config.request_timeout
         self.weight_version = read_version(model_path) or 0
-        self.exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
-                                       dtype=config.dtype)
-        self.last_sync_seconds: dict[str, float] = {}
+        self.sync = WeightSync(config.sync, config.work_dir, dtype=config.dtype,
+                               bucket_bytes=config.nccl_bucket_bytes)
+        self.exporter = self.sync.exporter
+        self.last_sync_seconds = self.sync.last_seconds
         self.rank = dist_rank()
         self.python = config.python or sglang_python()
         self._nccl_group = None
@@ -158,7 +158,7 @@ class SGLangEngine(ServerBackedEngine):
         elif self.weight_version and self.policy is not None and server.num_restarts:
             # Restarted from the initial checkpoint (tensor / NCCL sync): the trainer must
             # re-send its weights; flag it so the next update_weights does.
-            self._needs_resync = True
+            self.needs_resync = True
 
     # -- generation ------------------------------------------------------------------------------
     def _request(self, prompts: list[list[int]], n: int,
@@ -193,28 +193,9 @@ class SGLangEngine(ServerBackedEngine):
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, version: int) -> None:
         """Collective over all training ranks: send the policy's weights to the server."""
-        if self.policy is None:
-            raise ValueError("update_weights needs the policy: SGLangEngine(..., policy=policy)")
-        t0 = time.perf_counter()
-        mode = self.config.sync
-        if mode == "disk":
-            path = self.exporter.export(self.policy, version)
-            if self.rank == 0:
-                self.last_sync_seconds["export"] = time.perf_counter() - t0
-                self.load_weights_from_path(path, version)
-        else:
-            hf = policy_hf_state_dict(self.policy, dst=0, dtype=self.config.dtype)
-            if self.rank == 0:
-                self.last_sync_seconds["gather"] = time.perf_counter() - t0
-                if mode == "tensor":
-                    self.load_weights_from_tensors(hf, version)
-                else:
-                    self.load_weights_distributed(hf, version)
-        if self.rank == 0:
-            self.last_sync_seconds["total"] = time.perf_counter() - t0
-        dist_barrier()
+        sync_engine(self.sync, self.policy, self, version)
         self.weight_version = version
-        self._needs_resync = False
+        self.needs_resync = False
 
     def load_weights_from_path(self, path: str, version: int) -> None:
         t0 = time.perf_counter()

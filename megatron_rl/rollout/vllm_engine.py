@@ -10,8 +10,8 @@ rollout_logprobs are log-probs of the distribution actually sampled (after tempe
 after top-k/top-p renormalisation when those are set); at temperature 1 without truncation they
 are the policy's own log-probs.
 
-Weight sync (`update_weights`): the policy is exported as an HF directory through the shared
-mapping (weight_sync.WeightExporter), then the worker extension in vllm_worker.py reloads it in
+Weight sync (`update_weights`, through weight_sync.WeightSync): the policy is exported as an HF
+directory through the shared mapping, then the worker extension in vllm_worker.py reloads it in
 place (`/collective_rpc mrl_reload_weights`, ~0.03 s for a tiny model) and re-packs a tied
 lm_head, which vLLM's own `reload_weights` leaves stale on CPU. The worker echoes the version it
 loaded, and the prefix cache is reset so no KV computed with old weights is reused. On an
@@ -28,14 +28,15 @@ import dataclasses
 import os
 import time
 
-from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.server import (BadAnswer, ManagedServer, ServerBackedEngine,
-                                        ServerError, ServerRequestError, dist_barrier, dist_rank,
-                                        read_hf_config)
-from megatron_rl.rollout.shm_weights import SharedBuckets, meta_nbytes
-from megatron_rl.rollout.weight_sync import WeightExporter, policy_hf_state_dict, read_version
+from megatron_rl.parallel import dist_rank
+from megatron_rl.rollout.base import BadAnswer, Completion, SamplingParams, ServerError
+from megatron_rl.rollout.managed_server import ManagedServer
+from megatron_rl.rollout.net import ServerRequestError
+from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
+                                               server_python)
+from megatron_rl.rollout.shm_weights import meta_nbytes
+from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON_ENV_VAR = "MEGATRON_RL_VLLM_PYTHON"
 WORKER_EXTENSION = "megatron_rl.rollout.vllm_worker.WeightSyncExtension"
 SERVED_MODEL_NAME = "policy"
@@ -43,9 +44,7 @@ SERVED_MODEL_NAME = "policy"
 
 def vllm_python() -> str | None:
     """The vLLM venv's interpreter: $MEGATRON_RL_VLLM_PYTHON, else <repo>/.venv-vllm, or None."""
-    path = os.environ.get(PYTHON_ENV_VAR) or os.path.join(REPO_ROOT, ".venv-vllm", "bin",
-                                                         "python")
-    return path if os.path.exists(path) else None
+    return server_python(PYTHON_ENV_VAR, ".venv-vllm")
 
 
 @dataclasses.dataclass
@@ -98,13 +97,14 @@ class VLLMEngine(ServerBackedEngine):
         self.vocab_size = hf_config.get("vocab_size")
         self.request_timeout = config.request_timeout
         self.has_extension = config.url is None  # an attached server is probed at start
-        self.exporter = WeightExporter(os.path.join(config.work_dir, "weights"),
-                                       dtype=config.dtype)
-        self.last_sync_seconds: dict[str, float] = {}
-        self.last_sync_bytes = 0
-        self._buckets: SharedBuckets | None = None
         if config.sync not in ("disk", "tensor"):
             raise ValueError(f"VLLMConfig.sync {config.sync!r}: disk or tensor")
+        # tensor: shared-memory buckets the worker extension reads
+        self.sync = WeightSync(config.sync, config.work_dir, dtype=config.dtype,
+                               bucket_bytes=config.bucket_bytes, shared_memory=True)
+        self.exporter = self.sync.exporter
+        self.last_sync_seconds = self.sync.last_seconds
+        self.last_sync_bytes = 0
         self.rank = dist_rank()
         self.python = config.python or vllm_python()
         self.server: ManagedServer | None = None
@@ -157,7 +157,7 @@ class VLLMEngine(ServerBackedEngine):
         Under tensor sync a restart serves the initial checkpoint: flagged, the server takes no
         request until the next update_weights (a ServerPool sits it out meanwhile)."""
         if self.config.sync == "tensor" and server.num_restarts and self.last_sync_bytes:
-            self._needs_resync = True
+            self.needs_resync = True
         if not server.managed:  # an attached server: does it run the worker extension?
             try:
                 resp = server.post("/collective_rpc", {"method": "mrl_weight_version"},
@@ -209,31 +209,8 @@ class VLLMEngine(ServerBackedEngine):
     def update_weights(self, version: int) -> None:
         """Collective over all training ranks: the policy's weights into the server (an HF
         export it reloads, or shared-memory buckets: config.sync)."""
-        if self.policy is None:
-            raise ValueError("update_weights needs the policy: VLLMEngine(..., policy=policy)")
-        t0 = time.perf_counter()
-        if self.config.sync == "tensor":
-            payload = policy_hf_state_dict(self.policy, dst=0, dtype=self.config.dtype)
-        else:
-            payload = self.exporter.export(self.policy, version)
-        t_out = time.perf_counter() - t0
-        if self.rank == 0:
-            if self.config.sync == "tensor":
-                self.load_weights_from_tensors(payload, version)
-            else:
-                self.load_weights_from_path(payload, version)
-            self.last_sync_seconds["gather" if self.config.sync == "tensor" else "export"] = t_out
-            self.last_sync_seconds["total"] = time.perf_counter() - t0
-        dist_barrier()
+        sync_engine(self.sync, self.policy, self, version)
         self.weight_version = version
-
-    def load_weights_from_tensors(self, hf: dict, version: int) -> None:
-        """Colocated (same host): HF-named tensors through a shared-memory buffer
-        (`shm_weights`), then `load_weights_from_shared`."""
-        if self._buckets is None:
-            self._buckets = SharedBuckets()
-        metas = list(self._buckets.fill(hf, self.config.bucket_bytes))
-        self.load_weights_from_shared(self._buckets.path, metas, version)
 
     def load_weights_from_shared(self, path: str, metas: list[list[dict]], version: int) -> None:
         """Weights already in a shared buffer (one SharedBuckets.fill metadata list per bucket;
@@ -245,7 +222,7 @@ class VLLMEngine(ServerBackedEngine):
                               f"server (--worker-extension-cls {WORKER_EXTENSION})")
         t0 = time.perf_counter()
         server = self.server
-        self._needs_resync = False  # a restart during the posts below sets it again
+        self.needs_resync = False  # a restart during the posts below sets it again
         for meta in metas:
             server.post("/collective_rpc", {"method": "mrl_stage_bucket",
                                             "kwargs": {"path": path, "meta": meta}},
@@ -307,8 +284,6 @@ class VLLMEngine(ServerBackedEngine):
     # -- health ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         self._stop_server()
-        if self._buckets is not None:
-            self._buckets.close()
-            self._buckets = None
+        self.sync.close()
 
 

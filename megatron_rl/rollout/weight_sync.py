@@ -1,10 +1,21 @@
-"""Trainer -> rollout engine weights: the policy as an HF checkpoint (directory or tensors).
+"""Trainer -> rollout engine weights: every way the policy's weights reach an engine.
 
 Every path goes through the one shared mapping (`megatron_rl.models.hf_mapping`): the policy's
 full megatron state dict is gathered across TP/PP ranks (`Policy.full_state_dict`, collective),
-mapped with `megatron_to_hf`, and either written as an HF safetensors directory that a server
-reloads (vLLM `reload_weights`, SGLang `/update_weights_from_disk`) or handed over as tensors
-(SGLang `/update_weights_from_tensor`, NCCL broadcast).
+mapped with `megatron_to_hf`, and handed over in one of four forms (`Payload.kind`):
+
+    disk         an HF safetensors directory the target reloads (vLLM `reload_weights`, SGLang
+                 `/update_weights_from_disk`, the process engine's child)
+    shared       HF-named tensors in a shared-memory buffer on this host, named bucket by
+                 bucket (shm_weights; vLLM's worker extension, the process engine's child)
+    tensor       the tensors themselves, for a target that takes them over on this host
+                 (SGLang `/update_weights_from_tensor`)
+    distributed  the tensors, which the target receives by NCCL broadcast from trainer rank 0
+                 (SGLang `/update_weights_from_distributed`, in buckets)
+
+`WeightSync` prepares the payload once (collective over the training ranks; it lands on global
+rank 0) and loads it into one target or several (a server pool), each through its
+`WeightTarget` method for that form; `sync_engine` is what an engine's `update_weights` runs.
 
 `WeightExporter` writes one directory per version, `<root>/v<version>`, each complete
 (config.json + safetensors + `weight_version.json`), written atomically; older versions are
@@ -14,15 +25,18 @@ from, so a restart serves the current weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
 import time
+from typing import Protocol
 
 import torch
 
 from megatron_rl.models import hf_mapping
+from megatron_rl.rollout.shm_weights import SharedBuckets
 
 VERSION_FILE = "weight_version.json"
 
@@ -115,3 +129,132 @@ class WeightExporter:
             full = os.path.join(self.root, d)
             if os.path.abspath(full) != os.path.abspath(current):
                 shutil.rmtree(full, ignore_errors=True)
+
+
+class WeightTarget(Protocol):
+    """What receives weights: an engine's loaders, one per payload form it takes (called on
+    global rank 0 with the version the weights are tagged with; each checks the version the
+    target reports back)."""
+
+    def load_weights_from_path(self, path: str, version: int) -> None: ...
+
+    def load_weights_from_shared(self, path: str, metas: list[list[dict]],
+                                 version: int) -> None: ...
+
+    def load_weights_from_tensors(self, hf: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def load_weights_distributed(self, hf: dict[str, torch.Tensor], version: int) -> None: ...
+
+
+@dataclasses.dataclass
+class Payload:
+    """One version of the weights in the form a target loads (see the module docstring):
+    `path` for disk; `path` (the shared buffer) and `metas` (one list per bucket) for shared;
+    `tensors` for tensor and distributed."""
+
+    kind: str
+    version: int
+    path: str | None = None
+    metas: list[list[dict]] | None = None
+    tensors: dict[str, torch.Tensor] | None = None
+    nbytes: int = 0
+
+
+class WeightSync:
+    """How the trainer's weights reach one engine or a pool of engines of one kind.
+
+    mode: the --weight-sync mode: "disk", "tensor" or "distributed".
+    work_dir: disk exports go to <work_dir>/weights (WeightExporter).
+    dtype: the dtype the target computes in; tensors are cast to it.
+    bucket_bytes: the most bytes one shared-memory or NCCL bucket names (--weight-sync-bucket-mb).
+    shared_memory: under "tensor", the target reads a shared-memory buffer (kind "shared")
+        rather than taking the tensors themselves (kind "tensor").
+    """
+
+    MODES = ("disk", "tensor", "distributed")
+
+    def __init__(self, mode: str, work_dir: str, dtype: str | torch.dtype | None = None,
+                 bucket_bytes: int = 512 << 20, shared_memory: bool = False):
+        if mode not in self.MODES:
+            raise ValueError(f"weight sync mode {mode!r}; valid: " + ", ".join(self.MODES))
+        self.mode, self.dtype, self.bucket_bytes = mode, dtype, bucket_bytes
+        self.shared_memory = shared_memory
+        self.exporter = WeightExporter(os.path.join(work_dir, "weights"), dtype=dtype)
+        self.last_seconds: dict[str, float] = {}
+        self.last_bytes = 0
+        self._buckets: SharedBuckets | None = None
+
+    def prepare(self, policy, version: int) -> Payload | None:
+        """Collective over the training ranks: the policy's weights as this sync's payload, on
+        global rank 0 (None on the others)."""
+        t0 = time.perf_counter()
+        if self.mode == "disk":
+            path = self.exporter.export(policy, version)
+            self.last_seconds["export"] = time.perf_counter() - t0
+            if path is None:
+                return None
+            nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                         if f.endswith(".safetensors"))
+            return Payload("disk", version, path=path, nbytes=nbytes)
+        hf = policy_hf_state_dict(policy, dst=0, dtype=self.dtype)
+        self.last_seconds["gather"] = time.perf_counter() - t0
+        if hf is None:
+            return None
+        nbytes = sum(t.numel() * t.element_size() for t in hf.values())
+        if self.mode == "tensor" and self.shared_memory:
+            if self._buckets is None:
+                self._buckets = SharedBuckets()
+            metas = list(self._buckets.fill(hf, self.bucket_bytes))  # (may move the buffer)
+            return Payload("shared", version, path=self._buckets.path, metas=metas,
+                           nbytes=nbytes)
+        return Payload(self.mode, version, tensors=hf, nbytes=nbytes)
+
+    def load(self, target: WeightTarget, payload: Payload) -> None:
+        """Global rank 0: `payload` into `target` (load_payload), timed."""
+        t0 = time.perf_counter()
+        load_payload(target, payload)
+        self.last_seconds["load"] = time.perf_counter() - t0
+        self.last_bytes = payload.nbytes
+
+    def prune(self, payload: Payload) -> None:
+        """Delete disk exports older than `payload`'s (a restart serves the newest)."""
+        if payload.kind == "disk" and payload.path is not None:
+            self.exporter.prune(payload.path)
+
+    def close(self) -> None:
+        if self._buckets is not None:
+            self._buckets.close()
+            self._buckets = None
+
+
+def load_payload(target: WeightTarget, payload: Payload) -> None:
+    """`payload` into `target`, through the target's loader for the payload's form."""
+    if payload.kind == "disk":
+        assert payload.path is not None
+        target.load_weights_from_path(payload.path, payload.version)
+    elif payload.kind == "shared":
+        assert payload.path is not None and payload.metas is not None
+        target.load_weights_from_shared(payload.path, payload.metas, payload.version)
+    elif payload.kind == "tensor":
+        assert payload.tensors is not None
+        target.load_weights_from_tensors(payload.tensors, payload.version)
+    else:
+        assert payload.tensors is not None
+        target.load_weights_distributed(payload.tensors, payload.version)
+
+
+def sync_engine(sync: WeightSync, policy, target: WeightTarget, version: int) -> None:
+    """An engine's `update_weights`: collective over the training ranks. The weights are
+    prepared once and loaded into `target` on global rank 0; every rank waits for the load."""
+    from megatron_rl.parallel import dist_barrier, dist_rank
+
+    if policy is None:
+        raise ValueError(f"update_weights needs the policy: {type(target).__name__}(..., "
+                         "policy=policy)")
+    t0 = time.perf_counter()
+    payload = sync.prepare(policy, version)
+    if dist_rank() == 0:
+        assert payload is not None
+        sync.load(target, payload)
+        sync.last_seconds["total"] = time.perf_counter() - t0
+    dist_barrier()

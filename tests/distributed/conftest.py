@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from megatron_rl.rollout.server import free_port
+from megatron_rl.rollout.net import free_port
 
 
 @pytest.fixture(scope="session")

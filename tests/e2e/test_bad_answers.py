@@ -17,7 +17,7 @@ import time
 import pytest
 
 from megatron_rl.rollout.base import SamplingParams
-from megatron_rl.rollout.server import BadAnswer
+from megatron_rl.rollout.base import BadAnswer
 from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
 from rollout_checks import PROMPTS, TINY, FaultProxy
 
@@ -32,7 +32,7 @@ TIMEOUT = 3.0  # the engine's request timeout; the proxy's "slow" fault answers 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("bad_answers")
     path = make_tiny_hf_checkpoint(str(root / "hf"), "qwen2", tie_word_embeddings=True, **TINY)
@@ -63,7 +63,7 @@ def test_one_bad_answer_is_asked_again(setup, fault, caplog):
     expected = _tokens(server.generate(PROMPTS, 2, PARAMS))  # straight to the server
     proxy.faults.extend([fault])
     before, calls = proxy.completions_requests, engine.num_generate_calls
-    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.server"):
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.server_engine"):
         got = _tokens(engine.generate(PROMPTS, 2, PARAMS))
     assert got == expected  # the same request again: the server's own samples
     assert proxy.completions_requests - before == 2 and engine.num_generate_calls == calls + 1

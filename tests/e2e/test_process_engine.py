@@ -78,7 +78,7 @@ def test_async_process_engine_overlaps_and_resumes(tiny_char_model, tiny_char_re
 def test_failed_request_and_dead_child_are_reported(tiny_char_model, tmp_path):
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.process import ProcessConfig, ProcessEngine
-    from megatron_rl.rollout.server import ServerError
+    from megatron_rl.rollout.base import ServerError
 
     engine = ProcessEngine(ProcessConfig(hf_checkpoint=tiny_char_model,
                                          work_dir=str(tmp_path / "w")))

@@ -22,7 +22,7 @@ import pytest
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.multi import ServerPool, chunk_seed, split_chunks
-from megatron_rl.rollout.server import http_json
+from megatron_rl.rollout.net import http_json
 from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
 from rollout_checks import PROMPTS, TINY, TOL, make_policy, mismatch, train_step
 
@@ -37,7 +37,7 @@ MANY = PROMPTS + [[1, 2, 3], [400, 401], [77, 78, 79, 80, 81]]  # 6 prompts: 3 p
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("pool")
     path = make_tiny_hf_checkpoint(str(root / "hf"), "llama", tie_word_embeddings=False, **TINY)

@@ -67,23 +67,23 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tiny_char_model, tiny_char
 
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):
     from megatron_rl.config import parse_config
-    from megatron_rl.runtime import setup_runtime
+    from megatron_rl.runtime import setup_run
     from megatron_rl.train import generate_batch, train_on_batch
 
     cfg = parse_config(train_args(tiny_char_model, arithmetic_jsonl, str(tmp_path / "run"), 1))
-    rt = setup_runtime(cfg)
+    run = setup_run(cfg)
     try:
-        batch, _ = generate_batch(rt, 0)
-        before = [p.detach().clone() for p in rt.policy.parameters()]
+        batch, _ = generate_batch(run, 0)
+        before = [p.detach().clone() for p in run.policy.parameters()]
         batch.rewards[0] = float("nan")
         metrics = {}
-        assert train_on_batch(rt, batch, metrics) is False
-        assert all(torch.equal(a, p) for a, p in zip(before, rt.policy.parameters()))
+        assert train_on_batch(run.policy, run.reference, cfg, batch, metrics) is False
+        assert all(torch.equal(a, p) for a, p in zip(before, run.policy.parameters()))
         batch.rewards[0] = 1.0
-        assert train_on_batch(rt, batch, metrics) is True
-        assert any(not torch.equal(a, p) for a, p in zip(before, rt.policy.parameters()))
+        assert train_on_batch(run.policy, run.reference, cfg, batch, metrics) is True
+        assert any(not torch.equal(a, p) for a, p in zip(before, run.policy.parameters()))
     finally:
-        rt.close()
+        run.close()
 
 
 def test_bad_configuration_names_the_valid_choices(tiny_char_model, arithmetic_jsonl, tmp_path):

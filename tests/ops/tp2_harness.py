@@ -22,7 +22,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 def run_two_ranks(case, backends: list[str]) -> dict:
     import torch.multiprocessing as mp
 
-    from megatron_rl.rollout.server import free_port
+    from megatron_rl.rollout.net import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "results.pt")

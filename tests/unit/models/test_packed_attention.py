@@ -303,7 +303,7 @@ def _tp_worker(out: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_packed_tp2_and_sequence_parallel_match_tp1(tmp_path):
-    from megatron_rl.rollout.server import free_port
+    from megatron_rl.rollout.net import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", os.path.abspath(__file__),

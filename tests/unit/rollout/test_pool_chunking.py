@@ -13,15 +13,21 @@ import pytest
 
 from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.rollout.multi import ServerPool, chunk_seed, split_chunks
-from megatron_rl.rollout.server import ServerError, ServerRequestError, free_port
+from megatron_rl.rollout.base import ServerError
+from megatron_rl.rollout.net import ServerRequestError, free_port
 
 PROMPTS = [[10 + i, 1, 2][: 1 + i % 3] for i in range(7)]
 
 
 class EchoEngine:
-    """Completion j of prompt p under seed s: tokens [p[0], s, j]."""
+    """Completion j of prompt p under seed s: tokens [p[0], s, j]. A pool member's public
+    contract (server_engine.ServerBackedEngine's) without a server behind it."""
 
     weight_version = 0
+    server = None
+    url = None
+    sync = None
+    needs_resync = False
 
     def __init__(self):
         self.calls = []

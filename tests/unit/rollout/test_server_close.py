@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from megatron_rl.rollout.server import ManagedServer, ServerError, http_json
+from megatron_rl.rollout.base import ServerError
+from megatron_rl.rollout.managed_server import ManagedServer
+from megatron_rl.rollout.net import http_json
 
 
 def _http_server(model_path, host, port):

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from megatron_rl.rollout.server import ManagedServer, advertised_host, http_json
+from megatron_rl.rollout.managed_server import ManagedServer
+from megatron_rl.rollout.net import advertised_host, http_json
 
 
 def _http_server(model_path, host, port):

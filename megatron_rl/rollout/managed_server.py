@@ -1,4 +1,4 @@
-"""Rollout server processes (vLLM, SGLang): launch, health wait, restart, shutdown, HTTP.
+"""Rollout server processes (vLLM, SGLang): launch, health wait, restart, shutdown.
 
 A `ManagedServer` owns one inference server process, started from an argv that depends on the
 model directory it should serve (so a restart can serve the *current* weights, the last export,
@@ -15,97 +15,29 @@ not the initial checkpoint). It
   so no vLLM EngineCore / SGLang scheduler child outlives the trainer.
 Or it attaches to a server someone else runs (`ManagedServer.attach(url)`): no restarts then.
 
-Only the standard library (and rollout/base.py, which uses only it) is used, so this module
-also imports inside the server venvs.
+Only the standard library (and rollout/base.py and net.py, which use only it) is used.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import http.client
-import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
 import urllib.error
-import urllib.request
 import weakref
 from typing import Any, Callable, Sequence
 
-from megatron_rl.rollout.base import Completion, SamplingParams, check_completions
+from megatron_rl.processes import set_parent_death_signal
+from megatron_rl.rollout.base import ServerError
+from megatron_rl.rollout.net import (HOST, TRANSPORT_ERRORS, ServerRequestError, advertised_host,
+                                     free_port, http_json)
 
 log = logging.getLogger(__name__)
-
-HOST = "127.0.0.1"
-
-
-class ServerError(RuntimeError):
-    """The server could not be started, died, or failed a request after a restart."""
-
-
-class BadAnswer(ServerError):
-    """The server answered a generate request, but not with what was asked (malformed JSON,
-    fewer completions, token ids outside the vocabulary, no answer within the timeout)."""
-
-
-class ServerRequestError(RuntimeError):
-    """The server answered a request with an HTTP error status (a bad request, not a crash)."""
-
-    def __init__(self, url: str, status: int, body: str):
-        super().__init__(f"{url}: HTTP {status}: {body[:2000]}")
-        self.status, self.body = status, body
-
-
-# Errors that mean "the server is not there / went away", as opposed to an HTTP error status.
-TRANSPORT_ERRORS = (urllib.error.URLError, ConnectionError, http.client.HTTPException,
-                    TimeoutError, socket.timeout)
-
-
-def advertised_host(bind: str) -> str:
-    """The name other processes (and nodes) use for a server bound to `bind`: the address
-    itself, or this machine's fully qualified name for a wildcard bind (0.0.0.0, ::)."""
-    return socket.getfqdn() if bind in ("", "0.0.0.0", "::") else bind
-
-
-def free_port(host: str = HOST) -> int:
-    """A port that was free a moment ago (the kernel's pick for port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def http_json(method: str, url: str, payload: Any = None, timeout: float = 600.0) -> Any:
-    """One HTTP request with a JSON body; returns the decoded JSON (or the text, or None).
-
-    Raises ServerRequestError on an HTTP error status and a TRANSPORT_ERRORS member when the
-    server cannot be reached or drops the connection.
-    """
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            body = resp.read().decode()
-    except urllib.error.HTTPError as e:
-        raise ServerRequestError(url, e.code, e.read().decode(errors="replace")) from None
-    if not body:
-        return None
-    try:
-        return json.loads(body)
-    except json.JSONDecodeError:
-        return body
-
-
-def _set_parent_death_signal() -> None:
-    """In the child before exec: get SIGTERM when the launching thread's process dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 _LIVE: "weakref.WeakSet[ManagedServer]" = weakref.WeakSet()
@@ -205,7 +137,7 @@ class ManagedServer:
                 self.proc = subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     env={**os.environ, **self.env}, start_new_session=True,
-                    preexec_fn=_set_parent_death_signal)
+                    preexec_fn=set_parent_death_signal)
             _LIVE.add(self)
             self._ready, self._launched_at = False, t0
             if wait:
@@ -369,155 +301,3 @@ def _group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
-
-
-def read_hf_config(model_path: str) -> dict:
-    """The config.json of an HF checkpoint directory ({} when there is none)."""
-    path = os.path.join(model_path, "config.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
-# -- collectives shared by the server engines (no-ops without torch.distributed) ----------------
-
-def dist_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def dist_barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def broadcast_from_rank0(obj):
-    """Rank 0's picklable `obj` on every rank."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-class ServerBackedEngine:
-    """What the vLLM and SGLang engines share: the server process (`self.server`, a
-    ManagedServer on rank 0 or None elsewhere), its URL (`self.url`, on every rank), and
-    `generate`: one request (the engine's `_request`), its answer checked
-    (`base.check_completions`), retried on a bad answer."""
-
-    NAME = "server"
-    server: "ManagedServer | None"
-    url: str | None
-    vocab_size: int | None = None  # token ids at or above it are a bad answer
-    max_bad_answers: int = 2       # retries of a generate request whose answer is bad
-    request_timeout: float = 3600.0
-    num_generate_calls: int = 0  # generate requests answered (the trainer makes one per batch)
-    _needs_resync = False        # restarted from the initial weights: no request until a sync
-
-    def generate(self, prompts: Sequence[Sequence[int]], n: int,
-                 params: SamplingParams) -> list[list[Completion]]:
-        """`n` samples per prompt. A bad answer (BadAnswer from `_request`, a failed check) is
-        asked again with the same request (same seed) up to `max_bad_answers` times, then raises
-        BadAnswer naming the server, the request and every failure; the caller's batch is
-        untouched, so the step can be generated again. No answer within `request_timeout` is not
-        asked again (a hung server would hang again: the wait stays one timeout, and a pool
-        re-dispatches the prompts to its other servers)."""
-        if not prompts:
-            return []
-        if self._needs_resync:
-            raise ServerError(f"{self.NAME} server {self.url} restarted from the initial "
-                              "checkpoint; call update_weights before generating")
-        prompts = [[int(t) for t in p] for p in prompts]
-        what = (f"generate {len(prompts)} prompts x n={n}, seed {params.seed}, "
-                f"max_new_tokens {params.max_new_tokens}")
-        failures = []
-        for attempt in range(1 + self.max_bad_answers):
-            try:
-                out = self._request(prompts, n, params)
-                if self._needs_resync:  # restarted during the request: the initial weights
-                    raise ServerError(f"{self.NAME} server {self.url} restarted from the initial "
-                                      f"checkpoint during {what}; its samples are not the "
-                                      "policy's (call update_weights before generating)")
-                check_completions(out, len(prompts), n, self.vocab_size, params.max_new_tokens)
-            except ValueError as e:  # BadAnswer is a ServerError, not a ValueError
-                failures.append(f"bad answer: {e}")
-            except BadAnswer as e:
-                failures.append(str(e))
-            except (TimeoutError, urllib.error.URLError) as e:
-                if isinstance(e, urllib.error.URLError) and not isinstance(e.reason, TimeoutError):
-                    raise
-                failures.append(f"no answer within {self.request_timeout:.0f} s (not asked again)")
-                break
-            else:
-                self.num_generate_calls += 1
-                return out
-            if attempt < self.max_bad_answers:
-                log.warning("%s server %s: %s (%s); asking again", self.NAME, self.url,
-                            failures[-1], what)
-        raise BadAnswer(f"{self.NAME} server {self.url}: {what}: {len(failures)} bad answer(s): "
-                        + "; ".join(failures))
-
-    def _request(self, prompts: list[list[int]], n: int,
-                 params: SamplingParams) -> list[list[Completion]]:
-        """One generate request and its parsed answer (BadAnswer when it cannot be parsed)."""
-        raise NotImplementedError
-
-    # (path, payload) of the server's endpoints that free and retake its GPU memory
-    RELEASE: tuple[str, Any] = ("", None)
-    RESUME: tuple[str, Any] = ("", None)
-
-    def release_memory(self) -> None:
-        """A server on the trainer's GPUs frees its GPU memory for the training phase (weights
-        offloaded to host memory, KV cache dropped); `resume_memory` takes it back. The server
-        must run with its memory-saving mode on (VLLMConfig.sleep_mode, SGLangConfig.
-        memory_saver). Rank 0, which owns the server; a no-op elsewhere."""
-        if self.server is not None:
-            self._post(*self.RELEASE)
-
-    def resume_memory(self) -> None:
-        if self.server is not None:
-            self._post(*self.RESUME)
-
-    def stats(self) -> dict[str, float]:
-        """Metrics for the trainer's log (global rank 0, the one client)."""
-        return {"rollout/generate_calls": float(self.num_generate_calls)}
-
-    def start(self, wait: bool = True) -> None:
-        """Start the server (rank 0) and share its URL with every rank (collective when
-        distributed). wait=False only launches the process (to boot several servers at once);
-        call start() again to wait for it (wait=False is not collective: no rank broadcasts)."""
-        if self.server is not None:
-            self.server.start(wait=wait)
-        if not wait:
-            return
-        if self.server is not None:
-            self.url = self.server.url
-        self.url = broadcast_from_rank0(self.url)
-
-    def _post(self, path: str, payload, timeout: float = 600.0):
-        """POST to the server: through the ManagedServer on rank 0 (restart and retry on a dead
-        process), directly elsewhere."""
-        if self.server is not None:
-            return self.server.post(path, payload, timeout)
-        return http_json("POST", self.url + path, payload, timeout)
-
-    def health(self) -> bool:
-        """True when the server answers; a managed server that does not is restarted first."""
-        if self.server is None:
-            return True
-        if self.server.healthy():
-            return True
-        if self.server.managed:
-            self.server.ensure_healthy()
-        return self.server.healthy()
-
-    def _stop_server(self) -> None:
-        if self.server is not None and self.server.managed:
-            self.server.close()

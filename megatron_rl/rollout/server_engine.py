@@ -1,0 +1,158 @@
+"""What the vLLM and SGLang engines share: a server process on global rank 0 (launched or
+attached), its URL on every rank, generate requests checked and asked again on a bad answer,
+memory release, and where a server's Python environment is."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import urllib.error
+from typing import Any, Sequence
+
+from megatron_rl.parallel import broadcast_from_rank0
+from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerError,
+                                      check_completions)
+from megatron_rl.rollout.managed_server import ManagedServer
+from megatron_rl.rollout.net import http_json
+from megatron_rl.rollout.weight_sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def server_python(env_var: str, venv: str) -> str | None:
+    """A server's interpreter: $<env_var>, else <repo>/<venv>/bin/python; None when neither
+    exists."""
+    path = os.environ.get(env_var) or os.path.join(REPO_ROOT, venv, "bin", "python")
+    return path if os.path.exists(path) else None
+
+
+def read_hf_config(model_path: str) -> dict:
+    """The config.json of an HF checkpoint directory ({} when there is none)."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+class ServerBackedEngine:
+    """What the vLLM and SGLang engines share: the server process (`self.server`, a
+    ManagedServer on rank 0 or None elsewhere), its URL (`self.url`, on every rank), and
+    `generate`: one request (the engine's `_request`), its answer checked
+    (`base.check_completions`), retried on a bad answer."""
+
+    NAME = "server"
+    client_rank = 0            # the server is launched (or attached) and driven by global rank 0
+    holds_own_weights = True
+    server: "ManagedServer | None"
+    sync: WeightSync
+    url: str | None
+    vocab_size: int | None = None  # token ids at or above it are a bad answer
+    max_bad_answers: int = 2       # retries of a generate request whose answer is bad
+    request_timeout: float = 3600.0
+    num_generate_calls: int = 0  # generate requests answered (the trainer makes one per batch)
+    needs_resync = False        # restarted from the initial weights: no request until a sync
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int,
+                 params: SamplingParams) -> list[list[Completion]]:
+        """`n` samples per prompt. A bad answer (BadAnswer from `_request`, a failed check) is
+        asked again with the same request (same seed) up to `max_bad_answers` times, then raises
+        BadAnswer naming the server, the request and every failure; the caller's batch is
+        untouched, so the step can be generated again. No answer within `request_timeout` is not
+        asked again (a hung server would hang again: the wait stays one timeout, and a pool
+        re-dispatches the prompts to its other servers)."""
+        if not prompts:
+            return []
+        if self.needs_resync:
+            raise ServerError(f"{self.NAME} server {self.url} restarted from the initial "
+                              "checkpoint; call update_weights before generating")
+        prompts = [[int(t) for t in p] for p in prompts]
+        what = (f"generate {len(prompts)} prompts x n={n}, seed {params.seed}, "
+                f"max_new_tokens {params.max_new_tokens}")
+        failures = []
+        for attempt in range(1 + self.max_bad_answers):
+            try:
+                out = self._request(prompts, n, params)
+                if self.needs_resync:  # restarted during the request: the initial weights
+                    raise ServerError(f"{self.NAME} server {self.url} restarted from the initial "
+                                      f"checkpoint during {what}; its samples are not the "
+                                      "policy's (call update_weights before generating)")
+                check_completions(out, len(prompts), n, self.vocab_size, params.max_new_tokens)
+            except ValueError as e:  # BadAnswer is a ServerError, not a ValueError
+                failures.append(f"bad answer: {e}")
+            except BadAnswer as e:
+                failures.append(str(e))
+            except (TimeoutError, urllib.error.URLError) as e:
+                if isinstance(e, urllib.error.URLError) and not isinstance(e.reason, TimeoutError):
+                    raise
+                failures.append(f"no answer within {self.request_timeout:.0f} s (not asked again)")
+                break
+            else:
+                self.num_generate_calls += 1
+                return out
+            if attempt < self.max_bad_answers:
+                log.warning("%s server %s: %s (%s); asking again", self.NAME, self.url,
+                            failures[-1], what)
+        raise BadAnswer(f"{self.NAME} server {self.url}: {what}: {len(failures)} bad answer(s): "
+                        + "; ".join(failures))
+
+    def _request(self, prompts: list[list[int]], n: int,
+                 params: SamplingParams) -> list[list[Completion]]:
+        """One generate request and its parsed answer (BadAnswer when it cannot be parsed)."""
+        raise NotImplementedError
+
+    # (path, payload) of the server's endpoints that free and retake its GPU memory
+    RELEASE: tuple[str, Any] = ("", None)
+    RESUME: tuple[str, Any] = ("", None)
+
+    def release_memory(self) -> None:
+        """A server on the trainer's GPUs frees its GPU memory for the training phase (weights
+        offloaded to host memory, KV cache dropped); `resume_memory` takes it back. The server
+        must run with its memory-saving mode on (VLLMConfig.sleep_mode, SGLangConfig.
+        memory_saver). Rank 0, which owns the server; a no-op elsewhere."""
+        if self.server is not None:
+            self._post(*self.RELEASE)
+
+    def resume_memory(self) -> None:
+        if self.server is not None:
+            self._post(*self.RESUME)
+
+    def stats(self) -> dict[str, float]:
+        """Metrics for the trainer's log (global rank 0, the one client)."""
+        return {"rollout/generate_calls": float(self.num_generate_calls)}
+
+    def start(self, wait: bool = True) -> None:
+        """Start the server (rank 0) and share its URL with every rank (collective when
+        distributed). wait=False only launches the process (to boot several servers at once);
+        call start() again to wait for it (wait=False is not collective: no rank broadcasts)."""
+        if self.server is not None:
+            self.server.start(wait=wait)
+        if not wait:
+            return
+        if self.server is not None:
+            self.url = self.server.url
+        self.url = broadcast_from_rank0(self.url)
+
+    def _post(self, path: str, payload, timeout: float = 600.0):
+        """POST to the server: through the ManagedServer on rank 0 (restart and retry on a dead
+        process), directly elsewhere."""
+        if self.server is not None:
+            return self.server.post(path, payload, timeout)
+        return http_json("POST", self.url + path, payload, timeout)
+
+    def health(self) -> bool:
+        """True when the server answers; a managed server that does not is restarted first."""
+        if self.server is None:
+            return True
+        if self.server.healthy():
+            return True
+        if self.server.managed:
+            self.server.ensure_healthy()
+        return self.server.healthy()
+
+    def _stop_server(self) -> None:
+        if self.server is not None and self.server.managed:
+            self.server.close()
