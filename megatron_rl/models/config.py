@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl.parallel import ParallelConfig, use_cuda
+
 SUPPORTED_ARCHITECTURES = {
     # HF architecture name -> family
     "Qwen2ForCausalLM": "qwen2",
@@ -165,35 +167,42 @@ ATTENTION_BACKENDS = ("auto", "local", "flash", "fused", "unfused")
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
-    """Model-level execution options, with megatron's flag names and semantics.
+    """Model-level execution options, with megatron's flag names and semantics. Each field's
+    metadata "help" says what it does; `validate` checks the combination."""
 
-    recompute_granularity / recompute_method / recompute_num_layers: --recompute-granularity
-    {full,selective}, --recompute-method {uniform,block}, --recompute-num-layers N (activation
-    recomputation; "full" needs a method and a layer count, "selective" recomputes the core
-    attention and takes neither).
-    bias_swiglu_fusion / rope_fusion / gradient_accumulation_fusion: None = on where CUDA is
-    present and the kernel is available, off elsewhere (no error); False = off
-    (--no-bias-swiglu-fusion, --no-rope-fusion, --no-gradient-accumulation-fusion); True = on,
-    and an error where it cannot run.
-    attention_backend: --attention-backend. "auto": TransformerEngine's attention where TE is
-    installed on a CUDA machine, else megatron-core's local layers with a
-    `scaled_dot_product_attention` core (flash / memory-efficient kernels on CUDA); "local": that
-    SDPA path even where TE is installed; "flash" / "fused" / "unfused": TE's backend of that
-    name (needs TE on CUDA).
-    fused_lm_head: --fused-lm-head (default) / --no-fused-lm-head. The trainer scores tokens
-    (log-probs, entropy, the exact KL) from the final hidden states and the output weight with
-    ops.lm_head, a token chunk at a time, instead of materialising the [tokens, V/TP] logits
-    and their gradient (benchmarks/RESULTS.md "LM head"); generation always uses logits.
-    """
-
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    bias_swiglu_fusion: bool | None = None
-    rope_fusion: bool | None = None
-    gradient_accumulation_fusion: bool | None = None
-    attention_backend: str = "auto"
-    fused_lm_head: bool = True
+    recompute_granularity: str | None = dataclasses.field(default=None, metadata={
+        "choices": RECOMPUTE_GRANULARITIES, "help": "activation recomputation in the backward "
+        "pass, memory for compute: full = whole layers (needs --recompute-method and "
+        "--recompute-num-layers), selective = the core attention only (takes neither); unset: "
+        "none"})
+    recompute_method: str | None = dataclasses.field(default=None, metadata={
+        "choices": RECOMPUTE_METHODS, "help": "which layers --recompute-granularity full "
+        "recomputes: uniform = every layer, in chunks of --recompute-num-layers; block = the "
+        "first --recompute-num-layers layers of each pipeline stage"})
+    recompute_num_layers: int | None = dataclasses.field(default=None, metadata={
+        "help": "layers per recomputed chunk (uniform) or recomputed layers per pipeline stage "
+        "(block); between 1 and the layers per stage; with --recompute-granularity full only"})
+    bias_swiglu_fusion: bool | None = dataclasses.field(default=None, metadata={
+        "help": "megatron's fused SwiGLU kernel (torch.compile'd). Unset: on with CUDA, off on "
+        "the CPU; --bias-swiglu-fusion: on, an error where it cannot run; --no-...: off"})
+    rope_fusion: bool | None = dataclasses.field(default=None, metadata={
+        "help": "TransformerEngine's fused RoPE kernel. Unset: on with CUDA where TE provides "
+        "it, else off; --rope-fusion: on, an error where it cannot run; --no-...: off"})
+    gradient_accumulation_fusion: bool | None = dataclasses.field(default=None, metadata={
+        "help": "apex's fused weight-gradient accumulation into the fp32 main gradients "
+        "(fused_weight_gradient_mlp_cuda). Unset: on with CUDA where apex provides it, else "
+        "off; --gradient-accumulation-fusion: on, an error where it cannot run; --no-...: off"})
+    attention_backend: str = dataclasses.field(default="auto", metadata={
+        "choices": ATTENTION_BACKENDS, "help": "auto = TransformerEngine's attention where TE is "
+        "installed on a CUDA machine, else megatron-core's local layers with a "
+        "scaled_dot_product_attention core (flash / memory-efficient kernels on CUDA); local = "
+        "that SDPA path even where TE is installed; flash / fused / unfused = TE's backend of "
+        "that name (needs TE on CUDA)"})
+    fused_lm_head: bool = dataclasses.field(default=True, metadata={
+        "help": "the trainer scores tokens (log-probs, entropy, the exact KL) from the final "
+        "hidden states and the output weight a token chunk at a time (ops.lm_head) instead of "
+        "materialising the [tokens, vocab/TP] logits and their gradient; generation always "
+        "uses the logits"})
 
     def validate(self, layers_per_stage: int | None = None) -> None:
         """Raise ValueError naming the flag for an inconsistent choice."""
@@ -224,16 +233,9 @@ class ModelOptions:
                 raise ValueError(f"ModelOptions.{name} must be None (auto), True or False")
 
 
-def cuda_present() -> bool:
-    """Whether this rank computes on a CUDA device (decided by megatron_rl.parallel.device())."""
-    from megatron_rl.parallel import device
-
-    return device().type == "cuda"
-
-
 def te_available() -> bool:
     """TransformerEngine importable on a CUDA machine."""
-    if not cuda_present():
+    if not use_cuda():
         return False
     try:
         import transformer_engine  # noqa: F401
@@ -244,7 +246,7 @@ def te_available() -> bool:
 
 def fusion_availability(use_te: bool) -> dict[str, str | None]:
     """For each fusion, None when it can run here, else why not."""
-    if not cuda_present():
+    if not use_cuda():
         reason = "needs CUDA (this rank computes on the CPU)"
         return dict(bias_swiglu_fusion=reason, rope_fusion=reason,
                     gradient_accumulation_fusion=reason)
@@ -299,11 +301,9 @@ def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_pa
         raise ValueError(
             f"--pipeline-model-parallel-size {pipeline_parallel} must divide num_hidden_layers "
             f"({args.num_hidden_layers})")
-    if sequence_parallel and tensor_parallel == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits "
-                         "the sequence over the tensor-parallel ranks)")
+    ParallelConfig(tensor_parallel, pipeline_parallel, sequence_parallel).validate()
     options.validate(args.num_hidden_layers // pipeline_parallel)
-    on_gpu = cuda_present()
+    on_gpu = use_cuda()
     kwargs = dict(
         num_layers=args.num_hidden_layers,
         hidden_size=args.hidden_size,

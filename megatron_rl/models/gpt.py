@@ -281,7 +281,7 @@ def build_gpt_model(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_paral
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_rl.models.config import cuda_present
+    from megatron_rl.parallel import device, use_cuda
 
     if use_te is None:
         use_te = use_transformer_engine(options)
@@ -314,8 +314,6 @@ def build_gpt_model(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_paral
         rope_scaling=args.rope_scaling_factor is not None,
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
     )
-    if cuda_present():
-        from megatron_rl.parallel import device
-
+    if use_cuda():
         model = model.to(device())
     return model

@@ -245,7 +245,7 @@ def test_deterministic_mode_reaches_megatron():
 def test_fusions_are_off_without_cuda_and_refused_when_forced(monkeypatch):
     from megatron_rl.models import config
 
-    monkeypatch.setattr(config, "cuda_present", lambda: False)
+    monkeypatch.setattr(config, "use_cuda", lambda: False)
     assert config.resolve_fusions(ModelOptions(), use_te=False) == dict(
         bias_activation_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
     for name in ("bias_swiglu_fusion", "rope_fusion", "gradient_accumulation_fusion"):
@@ -266,7 +266,7 @@ def test_fusions_default_on_where_cuda_and_the_kernel_are(monkeypatch):
 
     from megatron_rl.models import config
 
-    monkeypatch.setattr(config, "cuda_present", lambda: True)
+    monkeypatch.setattr(config, "use_cuda", lambda: True)
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
     monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
     assert config.resolve_fusions(ModelOptions(), use_te=False) == dict(
