@@ -9,14 +9,20 @@
       optimizer   OptimConfig      Adam and the learning-rate schedule
       eval        EvalConfig       periodic evaluation
       checkpoint  CheckpointConfig save / load / finetune
-      train_iters, seed, deterministic_mode, log_interval
+      train_iters, seed, deterministic_mode
 
 Each setting is declared once, in the dataclass of the module that consumes it (ParallelConfig in
 parallel.py, ModelOptions in models/config.py, OptimConfig in models/policy.py, LossConfig in
-loss.py, KLConfig in kl.py). The command line and YAML keep one flat namespace: a field's flag is
+loss.py, KLConfig in kl.py), its flag's help text (and its valid "choices" and "min", where
+declared) in the field's metadata; for LossConfig, KLConfig and OptimConfig in _DECLARED_HERE
+below. The command line and YAML keep one flat namespace: a field's flag is
 `--<field-name>` with '_' -> '-', prefixed by its group's `prefix` metadata where a name would be
 ambiguous (KLConfig's fields are `--kl-*`) or renamed by its `flag` metadata (`--loss-aggregation`).
 YAML keys are those flag names with '-' -> '_'.
+
+Checks: TrainConfig.validate (every flag's choices and minimum, each group's `validate`, the
+rules across groups), run by parse_config; TrainConfig.check_layout(dp_size) once the
+data-parallel size is known.
 
 Precedence: defaults < `--config FILE.yaml` < command-line flags. The KL switch defaults to the
 paper's recommended configuration: K1 in the reward, beta 0.05, RLOO, loss normalised by the
@@ -29,6 +35,7 @@ import argparse
 import dataclasses
 import os
 import typing
+import warnings
 from typing import Any
 
 import yaml
@@ -36,60 +43,115 @@ import yaml
 from megatron_rl.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.kl import ESTIMATOR_NAMES, OFF_POLICY_CORRECTIONS, PLACEMENTS
 from megatron_rl.loss import AGGREGATIONS, LossConfig
-from megatron_rl.models.config import (ATTENTION_BACKENDS, RECOMPUTE_GRANULARITIES,
-                                       RECOMPUTE_METHODS, ModelOptions)
+from megatron_rl.models.config import ModelOptions
 from megatron_rl.models.policy import LR_DECAY_STYLES, OptimConfig
-from megatron_rl.parallel import ParallelConfig
+from megatron_rl.parallel import ParallelConfig, use_cuda
 
 _field = dataclasses.field
 
 
+def _opt(default=dataclasses.MISSING, *, help: str, factory=dataclasses.MISSING, **metadata):
+    """A setting's field: its default and its flag's help text (what it does, its unit, what it
+    applies to), with optional "choices" and "min" that TrainConfig.validate checks."""
+    return _field(default=default, default_factory=factory, metadata={"help": help, **metadata})
+
+
 @dataclasses.dataclass
 class ModelConfig:
-    hf_checkpoint: str = ""               # initial weights and tokenizer (HF dir)
-    ref_checkpoint: str | None = None     # reference policy weights (HF dir; default: the initial weights)
-    bf16: bool = False
+    hf_checkpoint: str = _opt("", help=(
+        "Hugging Face checkpoint directory: the architecture (config.json), the tokenizer, and "
+        "the initial weights unless --load gives them; the process engine and started servers "
+        "load it too. Required"))
+    ref_checkpoint: str | None = _opt(None, help=(
+        "Hugging Face directory of the reference policy (pi_ref of the KL). Unset: the initial "
+        "weights (a weights-only --load, else --hf-checkpoint)"))
+    bf16: bool = _opt(False, help=(
+        "bfloat16 parameters for the trainer and the reference (the optimizer keeps fp32 main "
+        "parameters and gradients) and bfloat16 for the rollout engine; off: float32 "
+        "everywhere. With --old-logprobs auto, bf16 makes the trainer recompute the behaviour "
+        "log-probs"))
     options: ModelOptions = _field(default_factory=ModelOptions)
+
+    def validate(self) -> None:
+        if not self.hf_checkpoint:
+            raise ValueError("--hf-checkpoint is required (model config and tokenizer; initial "
+                             "weights unless --load gives them)")
+        self.options.validate()
 
 
 @dataclasses.dataclass
 class DataConfig:
-    train_data: list[str] = _field(default_factory=list)  # prepared JSONL files
-    eval_data: list[str] = _field(default_factory=list)
-    chat_template: bool = False
-    prompt_template: str = "{prompt}"
-    task_instruction: bool = True         # append the task's answer-format instruction
+    train_data: list[str] = _opt(factory=list, help=(
+        "training prompt files (JSONL from tools/prepare_data.py), read in epochs shuffled by "
+        "--seed. Required"))
+    eval_data: list[str] = _opt(factory=list, help=(
+        "evaluation prompt files (JSONL), read in file order every --eval-interval steps; "
+        "unset: no evaluation"))
+    chat_template: bool = _opt(False, help=(
+        "render each prompt with the tokenizer's chat template (a user message and the "
+        "generation prompt; the tokenizer adds no special tokens of its own then); off, or a "
+        "tokenizer without a template: --prompt-template"))
+    prompt_template: str = _opt("{prompt}", help=(
+        "format string of a prompt without chat template; {prompt} (required) is the user "
+        "message: the problem and, with --task-instruction, its answer-format instruction"))
+    task_instruction: bool = _opt(True, help=(
+        "append the task's answer-format instruction (e.g. math: the final answer in "
+        "\\boxed{}) to each problem; --no-task-instruction: the bare problem text"))
+
+    def validate(self) -> None:
+        if not self.train_data:
+            raise ValueError("--train-data is required (JSONL files from tools/prepare_data.py)")
+
+
+ROLLOUT_ENGINES = ("local", "process", "vllm", "sglang")
+WEIGHT_SYNC_MODES = ("auto", "disk", "tensor", "distributed")
+OLD_LOGPROBS = ("auto", "recompute", "rollout")
 
 
 @dataclasses.dataclass
 class RolloutConfig:
-    # local: the training model itself; process: the same decoder in a process of its own (own
-    # weights, overlaps training under --async-level); vllm | sglang: servers
-    rollout_engine: str = "local"
-    # attach to running servers (one URL or several) instead of starting them
-    rollout_url: list[str] = _field(default_factory=list)
-    rollout_num_servers: int = 1          # servers to start (vLLM/SGLang), one engine over all
-    rollout_host: str = "127.0.0.1"       # bind address of a started server; 0.0.0.0: other nodes
-    # how the trainer's weights reach a server after every step: auto = the fastest measured
-    # (benchmarks/RESULTS.md "Weight sync": tensor for the process engine; disk for vLLM, and
-    # for SGLang on CPU, its tensor path on GPUs); disk = an HF export reloaded by the server; tensor = in memory, same
-    # host (process, vLLM: shared-memory buckets; SGLang: update_weights_from_tensor);
-    # distributed = SGLang NCCL broadcast (GPUs)
-    weight_sync: str = "auto"
-    weight_sync_bucket_mb: int = 512     # bucket of a bucketed transfer (tensor, distributed)
-    # CPU cores the process engine's child is pinned to (its torch threads: their count);
-    # empty: the trainer's affinity and thread count
-    rollout_process_cores: list[int] = _field(default_factory=list)
-    # GPU memory share of a vLLM/SGLang server started on the trainer's GPUs (vLLM's
-    # --gpu-memory-utilization, SGLang's --mem-fraction-static); None: the server's default
-    rollout_gpu_memory_utilization: float | None = None
-    # a vLLM/SGLang server on the trainer's GPUs frees its GPU memory while the trainer trains
-    # (weights to host memory, KV cache dropped: vLLM sleep mode, SGLang
-    # release_memory_occupation) and takes it back before the weight sync; GPUs, --async-level 0
-    rollout_release_memory: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
+    rollout_engine: str = _opt("local", choices=ROLLOUT_ENGINES, help=(
+        "what generates the rollouts: local = the training model itself, each data-parallel "
+        "replica its share, in the trainer's layout; process = the same decoder in a process "
+        "of its own on rank 0 (own weights: overlaps training under --async-level); vllm, "
+        "sglang = servers driven by rank 0, started here or attached with --rollout-url"))
+    rollout_url: list[str] = _opt(factory=list, help=(
+        "vllm/sglang only: attach to running servers at these URLs instead of starting them "
+        "(several: one engine over all)"))
+    rollout_num_servers: int = _opt(1, min=1, help=(
+        "vllm/sglang only: servers to start, one engine over all (not with --rollout-url)"))
+    rollout_host: str = _opt("127.0.0.1", help=(
+        "vllm/sglang only: bind address of a started server; 0.0.0.0: reachable from other "
+        "nodes"))
+    weight_sync: str = _opt("auto", choices=WEIGHT_SYNC_MODES, help=(
+        "how the trainer's weights reach an engine with weights of its own after every step "
+        "(ignored by the local engine): disk = an HF export the engine reloads; tensor = in "
+        "memory on this host (process, vLLM: shared-memory buckets; SGLang: "
+        "update_weights_from_tensor); distributed = SGLang's NCCL broadcast (GPUs); auto = the "
+        "fastest measured (benchmarks/RESULTS.md \"Weight sync\"): tensor for the process "
+        "engine, disk for vLLM, for SGLang disk on the CPU and tensor on GPUs"))
+    weight_sync_bucket_mb: int = _opt(512, min=1, help=(
+        "MiB per bucket of a bucketed weight sync: --weight-sync tensor of the process engine "
+        "and vLLM, distributed of SGLang"))
+    rollout_process_cores: list[int] = _opt(factory=list, help=(
+        "process engine only: CPU cores its child is pinned to (its torch threads: their "
+        "count); unset: the trainer's affinity and thread count"))
+    rollout_gpu_memory_utilization: float | None = _opt(None, help=(
+        "vllm/sglang on GPUs only: share of GPU memory a started server takes (vLLM's "
+        "--gpu-memory-utilization, SGLang's --mem-fraction-static); unset: the server's "
+        "default"))
+    rollout_release_memory: bool = _opt(False, help=(
+        "vllm/sglang on the trainer's GPUs, --async-level 0 only: the server frees its GPU "
+        "memory while the trainer trains (weights to host memory, KV cache dropped: vLLM's "
+        "sleep mode, SGLang's release_memory_occupation) and takes it back before the weight "
+        "sync"))
+    temperature: float = _opt(1.0, help=(
+        "sampling temperature of the rollouts and of evaluation"))
+    top_p: float = _opt(1.0, help=(
+        "nucleus sampling: sample from the smallest set of tokens holding this probability "
+        "(1: the whole distribution); rollouts and evaluation"))
+    max_new_tokens: int = _opt(256, min=1, help=(
+        "tokens per response at most (rollouts and evaluation)"))
 
     def __post_init__(self):
         # YAML may give one URL as a string (and None for none)
@@ -99,61 +161,113 @@ class RolloutConfig:
             self.rollout_url = [self.rollout_url]
         else:
             self.rollout_url = list(self.rollout_url)
-        if self.rollout_num_servers < 1:
-            raise ValueError(f"--rollout-num-servers {self.rollout_num_servers}: must be >= 1")
+
+    def validate(self) -> None:
+        engine, sync = self.rollout_engine, self.weight_sync
         if self.rollout_num_servers > 1 and self.rollout_url:
             raise ValueError("--rollout-num-servers starts servers, --rollout-url attaches to "
                              "running ones: give one of them")
-        if self.rollout_num_servers > 1 and self.rollout_engine in ("local", "process"):
+        if self.rollout_num_servers > 1 and engine in ("local", "process"):
             raise ValueError("--rollout-num-servers needs --rollout-engine vllm or sglang")
-        if self.rollout_url and self.rollout_engine in ("local", "process"):
-            raise ValueError(f"--rollout-url needs --rollout-engine vllm or sglang, not "
-                             f"{self.rollout_engine}")
+        if self.rollout_url and engine in ("local", "process"):
+            raise ValueError(f"--rollout-url needs --rollout-engine vllm or sglang, not {engine}")
+        if engine == "vllm" and sync not in ("auto", "disk", "tensor"):
+            raise ValueError(f"--weight-sync {sync} is SGLang's; vLLM takes disk (an HF export "
+                             "it reloads) or tensor (shared memory, servers on this host)")
+        if engine == "process" and sync not in ("auto", "disk", "tensor"):
+            raise ValueError(f"--weight-sync {sync}: the process engine takes tensor (shared "
+                             "memory, the default) or disk")
+        if self.rollout_release_memory:
+            if engine not in ("vllm", "sglang"):
+                raise ValueError("--rollout-release-memory frees a vLLM or SGLang server's GPU "
+                                 f"memory; --rollout-engine is {engine}")
 
 
 @dataclasses.dataclass
 class AlgorithmConfig:
-    num_prompts_per_step: int = 8         # per global batch
-    group_size: int = 5                   # samples per prompt (the paper: 5)
-    ppo_minibatches: int = 1              # optimizer steps per rollout batch (1 = on-policy)
-    ppo_epochs: int = 1
-    micro_batch_size: int = 8             # sequences per microbatch without packing
-    # pack each microbatch's sequences into one row (attention within each sequence, RoPE
-    # restarting), microbatches by token count; --no-sequence-packing: right-padded rows of
-    # --micro-batch-size sequences
-    sequence_packing: bool = True
-    # tokens per packed microbatch (slime's --max-tokens-per-gpu, verl's
-    # ppo_max_token_len_per_gpu); 0: --micro-batch-size x the batch's longest sequence
-    max_tokens_per_microbatch: int = 0
+    num_prompts_per_step: int = _opt(8, min=1, help=(
+        "prompts per RL step, over all data-parallel ranks; a batch holds num_prompts_per_step "
+        "x --group-size responses. Must be divisible by the data-parallel size x "
+        "--ppo-minibatches"))
+    group_size: int = _opt(5, min=1, help=(
+        "responses sampled per prompt: the group the advantage baseline is taken from (rloo, "
+        "grpo and dr_grpo need >= 2)"))
+    ppo_minibatches: int = _opt(1, min=1, help=(
+        "optimizer steps per pass over a rollout batch, each on an equal share of its prompts; "
+        "1: one on-policy update per RL step, more: the later updates are off-policy"))
+    ppo_epochs: int = _opt(1, min=1, help=(
+        "passes over a rollout batch, each of --ppo-minibatches optimizer steps"))
+    micro_batch_size: int = _opt(8, min=1, help=(
+        "sequences per microbatch of the trainer's forward/backward with "
+        "--no-sequence-packing; with packing, the token budget per microbatch is "
+        "micro_batch_size x the batch's longest sequence unless --max-tokens-per-microbatch "
+        "gives one"))
+    sequence_packing: bool = _opt(True, help=(
+        "pack each microbatch's sequences into one row (attention within each sequence, RoPE "
+        "restarting) and form microbatches by token count, the groups dealt to the "
+        "data-parallel ranks by token count; --no-sequence-packing: right-padded rows of "
+        "--micro-batch-size sequences"))
+    max_tokens_per_microbatch: int = _opt(0, help=(
+        "tokens per packed microbatch (slime's --max-tokens-per-gpu, verl's "
+        "ppo_max_token_len_per_gpu); 0: --micro-batch-size x the batch's longest sequence. "
+        "Packing only"))
     loss: LossConfig = _field(default_factory=LossConfig)
-    ref_reset_interval: int = 0           # reset the reference to the policy every N steps (0: never)
-    async_level: int = 0                  # rollouts may come from a policy up to k steps stale
-    # behaviour-policy log-probs for the ratio and the KL: "recompute" = one forward of the
-    # trainer over the batch; "rollout" = the engine's; "auto" = the engine's where they are the
-    # policy's own (local engine, fp32, temperature 1, top-p 1), else recompute
-    old_logprobs: str = "auto"
-    max_nonfinite_steps: int = 3          # stop after this many consecutive NaN/inf updates
+    ref_reset_interval: int = _opt(0, min=0, help=(
+        "every this many RL steps the reference takes the policy's weights (0: never; saved "
+        "with the checkpoints when on)"))
+    async_level: int = _opt(0, min=0, help=(
+        "k: rollouts run up to k steps ahead of training, from weights up to k updates old. "
+        "With the process engine or a server they are generated in the background while the "
+        "trainer trains; the local engine generates them ahead in turn (stale, no overlap). "
+        "0: generate, then train"))
+    old_logprobs: str = _opt("auto", choices=OLD_LOGPROBS, help=(
+        "behaviour-policy log-probs for the PPO ratio and the KL: recompute = one forward of "
+        "the trainer over the batch; rollout = the engine's; auto = the engine's where they "
+        "are the policy's own (local or process engine, fp32, temperature 1, top-p 1, or "
+        "generated in the background under --async-level), else recompute"))
+    max_nonfinite_steps: int = _opt(3, min=1, help=(
+        "stop after this many consecutive RL steps whose update was skipped (a NaN/inf loss or "
+        "gradient)"))
+
+    def validate(self) -> None:
+        if self.max_tokens_per_microbatch < 0:
+            raise ValueError(f"--max-tokens-per-microbatch {self.max_tokens_per_microbatch}: "
+                             "must be >= 0 (0: --micro-batch-size x the batch's longest "
+                             "sequence)")
+        if self.num_prompts_per_step % self.ppo_minibatches:
+            raise ValueError("--ppo-minibatches must divide --num-prompts-per-step")
 
 
 @dataclasses.dataclass
 class EvalConfig:
-    eval_interval: int = 0
-    eval_samples: int = 4                 # k of mean@k / pass@k
-    eval_max_prompts: int = 0             # 0: all
+    eval_interval: int = _opt(0, min=0, help=(
+        "evaluate on --eval-data every this many RL steps (0: never)"))
+    eval_samples: int = _opt(4, min=1, help=(
+        "responses per evaluation prompt: the k of mean@k and pass@k (sampled with "
+        "--temperature, --top-p, --max-new-tokens)"))
+    eval_max_prompts: int = _opt(0, min=0, help=(
+        "evaluate the first this many prompts of --eval-data (0: all)"))
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    """save: where checkpoints and logs go; a run restarted with the same --save resumes from its
-    newest checkpoint there (exactly: optimizer, RNG, data position). load: a checkpoint to start
-    from when --save has none: a run's checkpoint resumes it (into --save); a weights-only one
-    (tools/convert_checkpoint.py) starts at step 0 with a fresh optimizer, and becomes the
-    reference unless --ref-checkpoint is given. finetune: treat even a run's checkpoint under
-    --load as weights only (megatron's --finetune)."""
-    save: str = "outputs/run"
-    load: str | None = None
-    finetune: bool = False
-    save_interval: int = 0
+    save: str = _opt("outputs/run", help=(
+        "run directory: checkpoints, metrics.jsonl, tensorboard/, config.json (usable as "
+        "--config) and the engines' work directories. A run restarted with the same --save "
+        "resumes from its newest checkpoint there (exactly: optimizer, RNG, data position)"))
+    load: str | None = _opt(None, help=(
+        "a checkpoint to start from when --save has none: a run's checkpoint resumes it (into "
+        "--save); a weights-only one (tools/convert_checkpoint.py) starts at step 0 with a "
+        "fresh optimizer and becomes the reference unless --ref-checkpoint is given"))
+    finetune: bool = _opt(False, help=(
+        "take even a run's checkpoint under --load as weights only: step 0, fresh optimizer "
+        "(megatron's --finetune); needs --load"))
+    save_interval: int = _opt(0, min=0, help=(
+        "save a checkpoint every this many RL steps (0: never)"))
+
+    def validate(self) -> None:
+        if self.finetune and not self.load:
+            raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
 
 
 @dataclasses.dataclass
@@ -166,12 +280,15 @@ class TrainConfig:
     optimizer: OptimConfig = _field(default_factory=OptimConfig)
     eval: EvalConfig = _field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = _field(default_factory=CheckpointConfig)
-    train_iters: int = 100
-    seed: int = 1234
-    # Megatron's --deterministic-mode: deterministic kernels (parallel.init_distributed), for
-    # bitwise-reproducible GPU runs and resumes; slower. CPU runs are deterministic already.
-    deterministic_mode: bool = False
-    log_interval: int = 1
+    train_iters: int = _opt(100, min=0, help=(
+        "RL steps (a rollout batch and its updates each); a resumed run continues to this step"))
+    seed: int = _opt(1234, help=(
+        "seed of the prompt order, the sampling (step s: seed + 7919 s), the model's "
+        "initialisation RNGs and the engines"))
+    deterministic_mode: bool = _opt(False, help=(
+        "megatron's --deterministic-mode: deterministic kernels, cuBLAS with a fixed workspace "
+        "and NCCL's ring algorithm (also in the process engine's child), for bitwise-"
+        "reproducible GPU runs and resumes; slower. CPU runs are deterministic already"))
 
     @property
     def loss(self) -> LossConfig:
@@ -200,80 +317,166 @@ class TrainConfig:
         return self.rollout.rollout_engine != "local" and self.algorithm.async_level >= 1
 
     def validate(self) -> None:
-        for name, (path, _) in flag_fields().items():  # YAML values bypass argparse's choices
+        """Raise ValueError naming the flag for an invalid or inconsistent setting: every flag's
+        declared choices and minimum (YAML values bypass argparse's checks), then each group's
+        own rules, then the rules across groups. The one place a TrainConfig is checked;
+        `check_layout` adds what needs the data-parallel size."""
+        for name, (path, meta) in _flag_paths_and_metadata().items():
             value = _get(self, path)
-            if name in _CHOICES and value is not None and value not in _CHOICES[name]:
-                raise ValueError(f"{_flag(name)} {value!r}; valid: " + ", ".join(_CHOICES[name]))
-        a = self.algorithm
-        if a.max_tokens_per_microbatch < 0:
-            raise ValueError(f"--max-tokens-per-microbatch {a.max_tokens_per_microbatch}: must "
-                             "be >= 0 (0: --micro-batch-size x the batch's longest sequence)")
-        if a.num_prompts_per_step % a.ppo_minibatches:
-            raise ValueError("--ppo-minibatches must divide --num-prompts-per-step")
-        if not self.model.hf_checkpoint:
-            raise ValueError("--hf-checkpoint is required (model config and tokenizer; initial "
-                             "weights unless --load gives them)")
-        if not self.data.train_data:
-            raise ValueError("--train-data is required (JSONL files from tools/prepare_data.py)")
-        engine, sync = self.rollout.rollout_engine, self.rollout.weight_sync
-        if engine == "vllm" and sync not in ("auto", "disk", "tensor"):
-            raise ValueError(f"--weight-sync {sync} is SGLang's; vLLM takes disk (an HF export "
-                             "it reloads) or tensor (shared memory, servers on this host)")
-        if engine == "process" and sync not in ("auto", "disk", "tensor"):
-            raise ValueError(f"--weight-sync {sync}: the process engine takes tensor (shared "
-                             "memory, the default) or disk")
+            if value is None:
+                continue
+            if "choices" in meta and value not in meta["choices"]:
+                raise ValueError(f"{_flag(name)} {value!r}; valid: " + ", ".join(meta["choices"]))
+            if ("min" in meta and isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and value < meta["min"]):
+                raise ValueError(f"{_flag(name)} {value}: must be >= {meta['min']}")
+        self.model.validate()
+        self.parallel.validate()
+        self.data.validate()
+        self.rollout.validate()
+        self.algorithm.validate()
+        self.checkpoint.validate()
+        self.optimizer.validate()
         if self.overlaps_rollout() and self.algorithm.old_logprobs == "recompute":
             raise ValueError("--async-level >= 1 with a server engine generates in the background:"
                              " the generating weights are gone when the batch is trained on, so "
                              "the behaviour log-probs are the engine's (--old-logprobs auto or "
                              "rollout), not a recompute")
         if self.rollout.rollout_release_memory:
-            if engine not in ("vllm", "sglang"):
-                raise ValueError("--rollout-release-memory frees a vLLM or SGLang server's GPU "
-                                 f"memory; --rollout-engine is {engine}")
             if self.algorithm.async_level:
                 raise ValueError("--rollout-release-memory needs --async-level 0: under async "
                                  "the server generates while the trainer trains")
-            from megatron_rl.parallel import use_cuda
-
             if not use_cuda():
                 raise ValueError("--rollout-release-memory frees GPU memory (vLLM sleep mode, "
                                  "SGLang release_memory_occupation): it needs GPUs")
-        if self.checkpoint.finetune and not self.checkpoint.load:
-            raise ValueError("--finetune needs --load (the checkpoint whose weights to start from)")
-        self.model.options.validate()
-        self.optimizer.validate()
+
+    def check_layout(self, dp_size: int) -> None:
+        """Raise ValueError where the batch does not split over `dp_size` data-parallel ranks
+        (known once the process groups exist): each PPO minibatch takes an equal share of the
+        prompts on every rank, and under pipeline parallelism without packing all microbatches
+        need one shape."""
+        algo = self.algorithm
+        if algo.num_prompts_per_step % (dp_size * algo.ppo_minibatches):
+            raise ValueError(f"--num-prompts-per-step {algo.num_prompts_per_step} must be "
+                             f"divisible by data-parallel size {dp_size} x --ppo-minibatches "
+                             f"{algo.ppo_minibatches}")
+        per_minibatch = algo.num_prompts_per_step // (dp_size * algo.ppo_minibatches) * algo.group_size
+        if (per_minibatch % algo.micro_batch_size and self.parallel.pipeline_model_parallel_size > 1
+                and not algo.sequence_packing):
+            raise ValueError(f"--micro-batch-size {algo.micro_batch_size} must divide the "
+                             f"{per_minibatch} sequences of a minibatch per data-parallel rank under "
+                             "pipeline parallelism (all microbatches need one shape)")
 
 
-_CHOICES = {
-    "kl_estimator": list(ESTIMATOR_NAMES), "kl_placement": list(PLACEMENTS),
-    "kl_off_policy_correction": list(OFF_POLICY_CORRECTIONS),
-    "loss_aggregation": sorted(AGGREGATIONS), "advantage_estimator": sorted(ADVANTAGE_ESTIMATORS),
-    "rollout_engine": ["local", "process", "vllm", "sglang"], "old_logprobs": ["auto", "recompute", "rollout"],
-    "recompute_granularity": list(RECOMPUTE_GRANULARITIES),
-    "recompute_method": list(RECOMPUTE_METHODS), "attention_backend": list(ATTENTION_BACKENDS),
-    "lr_decay_style": list(LR_DECAY_STYLES),
-    "weight_sync": ["auto", "disk", "tensor", "distributed"],
+# Help and choices of the flags whose fields are declared in loss.py (LossConfig), kl.py
+# (KLConfig) and models/policy.py (OptimConfig), by flag name. A field's own metadata must not
+# declare them as well (_walk raises).
+_DECLARED_HERE = {
+    "clip_low": dict(help=(
+        "PPO clip below: the ratio pi/pi_old is clipped at 1 - clip_low (1: no lower clip)")),
+    "clip_high": dict(help=(
+        "PPO clip above: the ratio is clipped at 1 + clip_high (0.28: DAPO's clip-higher; inf: "
+        "no upper clip)")),
+    "loss_aggregation": dict(choices=sorted(AGGREGATIONS), help=(
+        "how token losses become the loss: token-sum-over-batch-tokens = their sum over the "
+        "token count of the whole rollout batch (the paper's; the same for all its PPO "
+        "minibatches); token-mean = over the token count of the optimizer step's minibatch; "
+        "seq-mean-token-mean = the mean of each sequence's token mean; seq-mean-token-sum = "
+        "the sum over the sequence count (no length normalisation). The first two coincide "
+        "with one optimizer step per batch")),
+    "advantage_estimator": dict(choices=sorted(ADVANTAGE_ESTIMATORS), help=(
+        "baseline within each prompt's group: rloo = the mean of the other responses' returns "
+        "(unbiased); grpo = the group mean, then divided by the group's std; dr_grpo = the "
+        "group mean (the last two include the response itself: gradient scaled by "
+        "1 - 1/group_size); reinforce = no baseline")),
+    "kl_estimator": dict(choices=list(ESTIMATOR_NAMES), help=(
+        "per-token estimator K_t of KL(pi || pi_ref), log r = log pi_ref - log pi: k1 = -log "
+        "r; k2 = (log r)^2 / 2; k3 = r - 1 - log r; low_var_kl = k3 with verl/slime's clamps "
+        "(no gradient where a clamp is active); exact = the per-position KL from both full "
+        "distributions (a reference forward inside the step). Which gradient it gives depends "
+        "on --kl-placement: k1 in the reward is the unbiased gradient of the sequence-level "
+        "reverse KL (the default); k3 in the loss (GRPO's default) is biased: the gradient of "
+        "the token-level forward KL; k1 in the loss has zero expected gradient (no "
+        "regularisation); k3 in the reward is biased; reward+loss is unbiased on-policy for "
+        "k1, k3 and exact")),
+    "kl_placement": dict(choices=list(PLACEMENTS), help=(
+        "where the KL enters: reward = --kl-coef x sum_t K_t subtracted from each response's "
+        "return (stop-gradient; it reaches the policy through the advantage); loss = "
+        "--kl-coef x K_t added to each token's loss (differentiated path-wise); reward+loss = "
+        "both; none = no KL term (the KL is still logged)")),
+    "kl_coef": dict(help="beta: the weight of the KL term"),
+    "kl_reward_to_go": dict(help=(
+        "reward placement: credit token t with the KL of positions s >= t only instead of the "
+        "whole sequence's (same expectation, lower variance). No effect with exact, whose "
+        "reward side always charges the later positions' KL")),
+    "kl_off_policy_correction": dict(choices=list(OFF_POLICY_CORRECTIONS), help=(
+        "the KL of samples from an older policy (--ppo-minibatches > 1, --async-level): none = "
+        "as on-policy (biased off-policy); token-is = the KL loss term weighted by pi/pi_old "
+        "per token (biased for the sequence-level KL, bounded variance); seq-is = prefix-level "
+        "importance weights on both sides (unbiased for k1 and, in reward+loss, k3 when not "
+        "truncated; variance grows with the divergence)")),
+    "kl_is_truncation": dict(help=(
+        "truncate the importance weights of --kl-off-policy-correction at this value "
+        "(min(w, c)): bounded variance, biased towards the uncorrected estimator; unset: no "
+        "truncation")),
+    "kl_is_weight_grad": dict(help=(
+        "token-is only: let the gradient flow through the weight pi/pi_old, which makes the "
+        "loss term the gradient of the token-level KL at each visited prefix; off: the weight "
+        "is detached")),
+    "lr": dict(help="peak learning rate, reached after --lr-warmup-iters"),
+    "min_lr": dict(help=(
+        "learning rate at the end of the decay (linear, cosine), kept after --lr-decay-iters")),
+    "weight_decay": dict(help=(
+        "AdamW weight decay (biases and 1-D parameters such as norm weights excluded)")),
+    "adam_beta1": dict(help="Adam's beta1 (first-moment decay)"),
+    "adam_beta2": dict(help="Adam's beta2 (second-moment decay)"),
+    "adam_eps": dict(help="Adam's epsilon, added to the denominator for numerical stability"),
+    "clip_grad": dict(help="clip the global gradient norm to this (0: no clipping)"),
+    "lr_warmup_iters": dict(help=(
+        "optimizer steps of linear warmup from --lr-warmup-init to --lr")),
+    "lr_decay_style": dict(choices=list(LR_DECAY_STYLES), help=(
+        "learning-rate schedule after the warmup (megatron's): constant = --lr; linear, cosine "
+        "= from --lr down to --min-lr at --lr-decay-iters")),
+    "lr_decay_iters": dict(help=(
+        "optimizer step at which the decay reaches --min-lr; unset: --train-iters x "
+        "--ppo-minibatches x --ppo-epochs (linear, cosine)")),
+    "lr_warmup_init": dict(help="learning rate at the start of the warmup"),
 }
+
+# Keys a config file may hold that no setting reads (a run's config.json written when they were
+# settings): accepted with a warning and ignored.
+_IGNORED_KEYS = frozenset({"log_interval"})
 
 
 # -- the flat namespace over the groups -------------------------------------------------------
 
 def _walk(cls, path: tuple = (), prefix: str = ""):
-    """(flat name, field path, type) for every leaf field under dataclass `cls`."""
+    """(flat name, field path, type, metadata) for every leaf field under dataclass `cls`."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         if dataclasses.is_dataclass(kind):
             yield from _walk(kind, path + (f.name,), prefix + f.metadata.get("prefix", ""))
-        else:
-            yield f.metadata.get("flag", prefix + f.name), path + (f.name,), kind
+            continue
+        name = f.metadata.get("flag", prefix + f.name)
+        meta = dict(f.metadata)
+        if name in _DECLARED_HERE:
+            if set(meta) & set(_DECLARED_HERE[name]):
+                raise TypeError(f"flag --{name}: {sorted(set(meta) & set(_DECLARED_HERE[name]))} "
+                                "declared by its field and in config._DECLARED_HERE")
+            meta.update(_DECLARED_HERE[name])
+        yield name, path + (f.name,), kind, meta
+
+
+def _flag_paths_and_metadata() -> dict[str, tuple[tuple[str, ...], dict]]:
+    """{flat name: (path of attributes in TrainConfig, the field's metadata)}."""
+    return {name: (path, meta) for name, path, _, meta in _walk(TrainConfig)}
 
 
 def flag_fields() -> dict[str, tuple[tuple[str, ...], Any]]:
     """{flat name (YAML key; flag with '_' -> '-'): (path of attributes in TrainConfig, type)}."""
     out = {}
-    for name, path, kind in _walk(TrainConfig):
+    for name, path, kind, _ in _walk(TrainConfig):
         if name in out:
             raise TypeError(f"flag --{name} declared twice: {out[name][0]} and {path}")
         out[name] = (path, kind)
@@ -308,8 +511,9 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _argparse_kwargs(name: str, kind) -> dict[str, Any]:
-    kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+def _argparse_kwargs(name: str, kind, meta: dict, default) -> dict[str, Any]:
+    kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
+                          "help": _help_text(meta, default)}
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     base = args[0] if args and typing.get_origin(kind) is not list else kind
     if base is bool:
@@ -320,9 +524,21 @@ def _argparse_kwargs(name: str, kind) -> dict[str, Any]:
             kw["type"] = typing.get_args(kind)[0]
     elif base in (int, float):
         kw["type"] = base
-    if name in _CHOICES:
-        kw["choices"] = _CHOICES[name]
+    if "choices" in meta:
+        kw["choices"] = list(meta["choices"])
     return kw
+
+
+def _help_text(meta: dict, default) -> str:
+    """The field's help followed by its default, escaped for argparse's %-formatting."""
+    if default is None or default == "" or default == []:
+        shown = "unset"
+    elif isinstance(default, bool):
+        shown = "on" if default else "off"
+    else:
+        shown = str(default)
+    text = meta.get("help", "")
+    return (f"{text} (default: {shown})" if text else f"default: {shown}").replace("%", "%%")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,12 +547,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file with the flags' names as keys (flags override it)")
     groups: dict[str, Any] = {}
     defaults = TrainConfig()
-    for name, (path, kind) in flag_fields().items():
+    for name, path, kind, meta in _walk(TrainConfig):
         group = path[0] if len(path) > 1 else "run"
         if group not in groups:
             groups[group] = p.add_argument_group(group)
-        groups[group].add_argument(_flag(name), help=f"default: {_get(defaults, path)}",
-                                   **_argparse_kwargs(name, kind))
+        groups[group].add_argument(_flag(name), **_argparse_kwargs(name, kind, meta,
+                                                                   _get(defaults, path)))
     return p
 
 
@@ -349,6 +565,10 @@ def parse_config(argv=None) -> TrainConfig:
     if path:
         with open(path) as fh:
             loaded = yaml.safe_load(fh) or {}
+        ignored = sorted(set(loaded) & _IGNORED_KEYS)
+        if ignored:
+            warnings.warn(f"{path}: ignoring {ignored}: no setting reads them")
+            loaded = {k: v for k, v in loaded.items() if k not in _IGNORED_KEYS}
         unknown = sorted(set(loaded) - set(fields))
         if unknown:
             raise ValueError(f"{path}: unknown keys {unknown}; valid: {sorted(fields)}")

@@ -1,4 +1,4 @@
-"""TrainConfig: which behaviour-policy log-probs the trainer uses (--old-logprobs)."""
+"""TrainConfig: flags, help, checks, and which behaviour-policy log-probs the trainer uses."""
 import pytest
 
 from megatron_rl.config import parse_config
@@ -67,3 +67,58 @@ def test_release_memory_is_checked():
     if not use_cuda():
         with pytest.raises(ValueError, match="it needs GPUs"):
             parse_config(BASE + ["--rollout-engine", "sglang", "--rollout-release-memory"])
+
+
+def test_every_flag_has_help_beyond_its_default():
+    """Each flag of `megatron-rl train` says what it does, not only its default; the help is
+    declared once, with the field (or, for the dataclasses of loss.py, kl.py and
+    models/policy.py, in config._DECLARED_HERE)."""
+    import re
+
+    from megatron_rl.config import _DECLARED_HERE, build_parser, flag_fields
+
+    parser = build_parser()
+    flags = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    assert set(flags) == set(flag_fields())
+    assert set(_DECLARED_HERE) <= set(flags), set(_DECLARED_HERE) - set(flags)
+    for name, action in flags.items():
+        text = re.sub(r"\s*\(?default: [^()]*\)?$", "", action.help or "")
+        assert len(text.split()) >= 3, f"--{name.replace('_', '-')}: no help ({action.help!r})"
+    parser.format_help()  # every help string survives argparse's %-formatting
+
+
+def test_declared_minimums_and_layout_checks():
+    with pytest.raises(ValueError, match="--group-size 0: must be >= 1"):
+        parse_config(BASE + ["--group-size", "0"])
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 0: must be >= 1"):
+        parse_config(BASE + ["--tensor-model-parallel-size", "0"])
+    with pytest.raises(ValueError, match="--sequence-parallel needs --tensor-model-parallel-size"):
+        parse_config(BASE + ["--sequence-parallel"])
+    cfg = parse_config(BASE + ["--num-prompts-per-step", "8", "--ppo-minibatches", "2"])
+    cfg.check_layout(2)
+    with pytest.raises(ValueError, match="--num-prompts-per-step 8 must be divisible by "
+                                         "data-parallel size 3 x --ppo-minibatches 2"):
+        cfg.check_layout(3)
+    # pipeline parallelism without packing: every microbatch of one shape
+    cfg = parse_config(BASE + ["--num-prompts-per-step", "4", "--group-size", "5",
+                               "--micro-batch-size", "8", "--pipeline-model-parallel-size", "2",
+                               "--no-sequence-packing"])
+    with pytest.raises(ValueError, match="--micro-batch-size 8 must divide the 20 sequences"):
+        cfg.check_layout(1)
+    cfg.algorithm.sequence_packing = True
+    cfg.check_layout(1)
+
+
+def test_config_file_keys_no_setting_reads_are_ignored(tmp_path):
+    """A run's config.json may hold a key of a setting that was never read: it loads (with a
+    warning) to the same configuration; other unknown keys are errors."""
+    from megatron_rl.config import to_flat_dict
+
+    old = tmp_path / "config.yaml"
+    old.write_text("log_interval: 1\nkl_coef: 0.1\n")
+    with pytest.warns(UserWarning, match=r"ignoring \['log_interval'\]"):
+        cfg = parse_config(["--config", str(old)] + BASE)
+    assert to_flat_dict(cfg) == to_flat_dict(parse_config(BASE + ["--kl-coef", "0.1"]))
+    old.write_text("log_intervals: 1\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_config(["--config", str(old)] + BASE)
