@@ -46,6 +46,7 @@ from megatron_rl.loss import AGGREGATIONS, LossConfig
 from megatron_rl.models.config import ModelOptions
 from megatron_rl.models.policy import LR_DECAY_STYLES, OptimConfig
 from megatron_rl.parallel import ParallelConfig, use_cuda
+from megatron_rl.rollout.factory import ENGINES
 
 _field = dataclasses.field
 
@@ -103,14 +104,13 @@ class DataConfig:
             raise ValueError("--train-data is required (JSONL files from tools/prepare_data.py)")
 
 
-ROLLOUT_ENGINES = ("local", "process", "vllm", "sglang")
 WEIGHT_SYNC_MODES = ("auto", "disk", "tensor", "distributed")
 OLD_LOGPROBS = ("auto", "recompute", "rollout")
 
 
 @dataclasses.dataclass
 class RolloutConfig:
-    rollout_engine: str = _opt("local", choices=ROLLOUT_ENGINES, help=(
+    rollout_engine: str = _opt("local", choices=tuple(ENGINES), help=(
         "what generates the rollouts: local = the training model itself, each data-parallel "
         "replica its share, in the trainer's layout; process = the same decoder in a process "
         "of its own on rank 0 (own weights: overlaps training under --async-level); vllm, "
@@ -163,24 +163,24 @@ class RolloutConfig:
             self.rollout_url = list(self.rollout_url)
 
     def validate(self) -> None:
+        """The engine's capabilities (rollout.factory.ENGINES) against the settings for it."""
         engine, sync = self.rollout_engine, self.weight_sync
+        spec = ENGINES[engine]
+        servers = " or ".join(name for name, s in ENGINES.items() if s.servers)
         if self.rollout_num_servers > 1 and self.rollout_url:
             raise ValueError("--rollout-num-servers starts servers, --rollout-url attaches to "
                              "running ones: give one of them")
-        if self.rollout_num_servers > 1 and engine in ("local", "process"):
-            raise ValueError("--rollout-num-servers needs --rollout-engine vllm or sglang")
-        if self.rollout_url and engine in ("local", "process"):
-            raise ValueError(f"--rollout-url needs --rollout-engine vllm or sglang, not {engine}")
-        if engine == "vllm" and sync not in ("auto", "disk", "tensor"):
-            raise ValueError(f"--weight-sync {sync} is SGLang's; vLLM takes disk (an HF export "
-                             "it reloads) or tensor (shared memory, servers on this host)")
-        if engine == "process" and sync not in ("auto", "disk", "tensor"):
-            raise ValueError(f"--weight-sync {sync}: the process engine takes tensor (shared "
-                             "memory, the default) or disk")
-        if self.rollout_release_memory:
-            if engine not in ("vllm", "sglang"):
-                raise ValueError("--rollout-release-memory frees a vLLM or SGLang server's GPU "
-                                 f"memory; --rollout-engine is {engine}")
+        if self.rollout_num_servers > 1 and not spec.servers:
+            raise ValueError(f"--rollout-num-servers needs --rollout-engine {servers}")
+        if self.rollout_url and not spec.servers:
+            raise ValueError(f"--rollout-url needs --rollout-engine {servers}, not {engine}")
+        if spec.holds_own_weights and sync not in spec.weight_syncs:
+            raise ValueError(f"--weight-sync {sync}: --rollout-engine {engine} takes "
+                             + ", ".join(spec.weight_syncs))
+        if self.rollout_release_memory and not spec.release_memory:
+            freeing = " or ".join(name for name, s in ENGINES.items() if s.release_memory)
+            raise ValueError(f"--rollout-release-memory frees a {freeing} server's GPU memory; "
+                             f"--rollout-engine is {engine}")
 
 
 @dataclasses.dataclass
@@ -305,7 +305,7 @@ class TrainConfig:
         if self.overlaps_rollout():
             return True  # the generating weights are gone by the time the batch is trained on
         r = self.rollout
-        return (r.rollout_engine in ("local", "process") and not self.model.bf16
+        return (ENGINES[r.rollout_engine].trainer_numerics and not self.model.bf16
                 and r.temperature == 1.0
                 and r.top_p == 1.0)
 
@@ -314,7 +314,8 @@ class TrainConfig:
         ahead in the background while the trainer trains (--async-level >= 1): the batch of step
         s comes from weights up to k updates old, and its behaviour log-probs are the engine's
         (those weights' own)."""
-        return self.rollout.rollout_engine != "local" and self.algorithm.async_level >= 1
+        return (ENGINES[self.rollout.rollout_engine].holds_own_weights
+                and self.algorithm.async_level >= 1)
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for an invalid or inconsistent setting: every flag's
