@@ -62,7 +62,17 @@ setup(
         "plots": ["matplotlib", "tensorboard"],
         "test": ["pytest"],
     },
-    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-rl=megatron_rl.cli:main"],
+        # `megatron-rl <name> ...` runs module:function(argv); megatron_rl/cli.py discovers them,
+        # so the CLI never imports megatron_rl.experiments unless that command is chosen.
+        "megatron_rl.commands": [
+            "train=megatron_rl.train:main",
+            "eval=megatron_rl.evaluation:main",
+            "convert=megatron_rl.convert:main",
+            "toy=megatron_rl.experiments.toy:main",
+        ],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

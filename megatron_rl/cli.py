@@ -1,35 +1,72 @@
 """`megatron-rl <command>`: the command-line entry point.
 
-    megatron-rl train   ...   RL training (Megatron-style flags or --config YAML); under torchrun too
-    megatron-rl eval    ...   mean@k / pass@k table of a checkpoint
-    megatron-rl convert ...   HF <-> Megatron checkpoint conversion
-    megatron-rl toy     ...   the exact KL-gradient study of the paper's Section 3.3
+The commands are the ``megatron_rl.commands`` entry points that setup.py declares, each naming
+the ``module:function`` that runs it with the remaining arguments. This module knows none of
+them by name, so it imports neither the trainer nor the research code in
+``megatron_rl.experiments`` until a command is chosen. A command's one-line description in
+``megatron-rl --help`` is the first sentence of its module's docstring, read from the source
+without importing the module (``--help`` stays instant).
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import importlib.util
+import re
+import shutil
 import sys
+import textwrap
 
-COMMANDS = {
-    "train": ("megatron_rl.train", "main"),
-    "eval": ("megatron_rl.evaluation", "main"),
-    "convert": ("megatron_rl.convert", "main"),
-    "toy": ("megatron_rl.toy", "main"),
-}
+GROUP = "megatron_rl.commands"
+
+
+def commands() -> dict[str, importlib.metadata.EntryPoint]:
+    """Registered commands by name, sorted (the first registration of a name wins)."""
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for ep in importlib.metadata.entry_points(group=GROUP):
+        found.setdefault(ep.name, ep)
+    return dict(sorted(found.items()))
+
+
+def describe(ep: importlib.metadata.EntryPoint) -> str:
+    """First sentence of the docstring of the module `ep` points at ('' when it has none)."""
+    try:
+        spec = importlib.util.find_spec(ep.module)
+        with open(spec.origin, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+    except (ImportError, AttributeError, TypeError, OSError, SyntaxError, ValueError):
+        return ""
+    paragraph = " ".join(doc.split("\n\n", 1)[0].split())
+    end = re.search(r"\.\s+(?=[A-Z])", paragraph)  # not "Sec. 3.3"
+    return (paragraph[: end.start() + 1] if end else paragraph).rstrip(":")
+
+
+def usage(found: dict[str, importlib.metadata.EntryPoint]) -> str:
+    width = max(shutil.get_terminal_size().columns, 60)
+    pad = max((len(name) for name in found), default=0) + 4
+    lines = ["usage: megatron-rl <command> [args...]   (megatron-rl <command> --help: its flags)",
+             "", "commands:"]
+    for name, ep in found.items():
+        lines += textwrap.wrap(describe(ep) or ep.value, width=width, initial_indent=f"  {name:<{pad}}",
+                               subsequent_indent=" " * (pad + 2)) or [f"  {name}"]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(__doc__)
+    found = commands()
+    if not found:
+        print(f"no {GROUP!r} entry points are registered: install megatron-rl "
+              "(pip install --no-build-isolation -e .)", file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in found:
+        print(usage(found))
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"unknown command {argv[0]!r}; valid: {sorted(COMMANDS)}", file=sys.stderr)
+            print(f"unknown command {argv[0]!r}; valid: {sorted(found)}", file=sys.stderr)
             return 2
         return 0
-    import importlib
-
-    module, fn = COMMANDS[argv[0]]
-    result = getattr(importlib.import_module(module), fn)(argv[1:])
+    result = found[argv[0]].load()(argv[1:])
     return int(result or 0)
 
 

@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
     """A random tiny Qwen2 (qkv bias, untied embeddings) in HF safetensors format."""
-    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
 
     return make_tiny_hf_checkpoint(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", seed=1)
 
@@ -52,7 +52,7 @@ def tiny_qwen2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     """A random tiny Qwen3 (q/k norms, no qkv bias, head_dim 32 != hidden / heads, GQA)."""
-    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
 
     return make_tiny_hf_checkpoint(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3", seed=4)
 
@@ -60,7 +60,7 @@ def tiny_qwen3(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_tied(tmp_path_factory):
     """A random tiny Llama with tied input/output embeddings in HF safetensors format."""
-    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
 
     return make_tiny_hf_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")), "llama",
                                    tie_word_embeddings=True, seed=2)

@@ -2,7 +2,7 @@
 """Throughput of full RL steps (rollout + update), megatron-rl vs TRL's GRPOTrainer, on CPU or
 one GPU.
 
-Both sides train the same tiny HF Qwen2 with a character tokenizer (megatron_rl.models.tiny, the
+Both sides train the same tiny HF Qwen2 with a character tokenizer (megatron_rl.experiments.tiny_model, the
 CPU demo's architecture) on the same prompts (reasoning-gym basic_arithmetic, the demo's easy
 setting, prompt "<problem>="), with the same batch (prompts x samples), max new tokens, sampling
 (temperature 1, no truncation), learning rate, KL beta and objective:
@@ -107,7 +107,7 @@ def make_inputs(work: str, a) -> dict:
     from megatron_rl.data.prompts import PromptBuilder
     from megatron_rl.data.records import write_jsonl
     from megatron_rl.data.sources import generate_arithmetic
-    from megatron_rl.models.tiny import make_char_model
+    from megatron_rl.experiments.tiny_model import make_char_model
 
     model = os.path.join(work, "model_long_tail" if a.long_tail else "model")
     shape = model_config(a)

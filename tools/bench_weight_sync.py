@@ -32,7 +32,7 @@ sys.path.insert(0, REPO)
 
 
 def make_model(path: str, target_gb: float) -> dict:
-    from megatron_rl.models.tiny import make_char_model
+    from megatron_rl.experiments.tiny_model import make_char_model
 
     h, ffn, vocab = 1024, 2816, 32000
     per_layer = 2 * h * h + 2 * h * 256 + 3 * h * ffn + 2 * h

@@ -47,9 +47,9 @@ def build_base_model(out: str, train_path: str, sft_steps: int) -> str:
     from megatron_rl.data.records import read_examples
     from megatron_rl.models import ModelArgs, hf_mapping
     from megatron_rl.models.policy import OptimConfig, Policy
-    from megatron_rl.models.tiny import make_char_tokenizer, make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_char_tokenizer, make_tiny_hf_checkpoint
     from megatron_rl.parallel import ParallelConfig, init_distributed
-    from megatron_rl.sft import sft
+    from megatron_rl.experiments.sft import sft
 
     base = os.path.join(out, "base")
     if os.path.exists(os.path.join(base, "model.safetensors")):
@@ -123,7 +123,7 @@ def main() -> int:
     print(f"\nheld-out accuracy (mean@{cfg.eval.eval_samples}, {a.eval_prompts} problems): "
           f"base {base_metrics['eval/mean_at_k']:.3f} -> after {final['step']} RL steps "
           f"{final['eval/mean_at_k']:.3f}   (total time {time.time() - t_start:.0f} s)")
-    from megatron_rl.plots import plot_run
+    from megatron_rl.experiments.plots import plot_run
 
     png = plot_run(rows, os.path.join(a.out, "demo.png"), baseline=base_metrics["eval/mean_at_k"],
                    title="CPU demo: RLOO, K1 in the reward (beta 0.05)")

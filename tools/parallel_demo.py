@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from megatron_rl.models.tiny import make_tiny_hf_checkpoint
-from megatron_rl.parallel_check import load_layout_outputs, transformers_reference
+from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
+from megatron_rl.experiments.parallel_check import load_layout_outputs, transformers_reference
 
 LAYOUTS = ["1x1", "2x1", "1x2", "2x2"]
 
@@ -29,7 +29,7 @@ def main() -> int:
         run_dir = os.path.join(a.out, f"run_{family}")
         print(f"[{family}] running layouts {LAYOUTS} on 4 ranks ...", flush=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
-                        "-m", "megatron_rl.parallel_check", "--hf", hf, "--out", run_dir,
+                        "-m", "megatron_rl.experiments.parallel_check", "--hf", hf, "--out", run_dir,
                         "--layouts", ",".join(LAYOUTS)],
                        check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -6,7 +6,7 @@
 import argparse
 import os
 
-from megatron_rl.plots import plot_run, read_metrics
+from megatron_rl.experiments.plots import plot_run, read_metrics
 
 
 def main() -> None:

@@ -9,13 +9,13 @@
    `build_base_model`), cached in <out>/base; an out-of-domain eval set (three-term
    basic_arithmetic, held-out seed) next to the in-domain one. With --hf-checkpoint a real model
    and prepared data files are used instead (scripts/reproduce_gpu.sh).
-3. The sweep (megatron_rl.experiments.build_sweep): every run is `python -m megatron_rl.train`
+3. The sweep (megatron_rl.experiments.sweep.build_sweep): every run is `python -m megatron_rl.train`
    in <out>/runs/<run_id>, with periodic in-domain eval; OOD accuracy of the final checkpoint
    comes from `megatron-rl eval` (both sets use the reward task "arithmetic", and the trainer
    keys eval metrics by task, which rows can only name from the fixed TASKS list). Resumable:
    a run whose metrics and OOD result are complete is skipped; an interrupted one resumes from
    its newest checkpoint (or restarts when it has none).
-4. Verdicts (instability/collapse, criteria in megatron_rl/experiments.py), tables (mean +- std
+4. Verdicts (instability/collapse, criteria in megatron_rl/experiments/sweep.py), tables (mean +- std
    over seeds) and training-curve figures, written between the GENERATED markers of
    docs/results.md (the hand-written analysis around them is kept).
 
@@ -40,7 +40,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
-from megatron_rl import experiments as ex  # noqa: E402
+from megatron_rl.experiments import sweep as ex  # noqa: E402
 
 # The RL settings of tools/cpu_demo.py (its parse_config call, at its defaults): the tiny
 # character-level model answers after "=" in at most 6 characters.
@@ -346,7 +346,7 @@ def write_report(a, toy: dict | None, specs: list[ex.RunSpec], summaries: list[d
                   f"({a.ood_desc}). mean ± sample std over seeds (no ± with one seed). "
                   "Final KL: mean of the last 5 steps' `kl_k1`. Verdict criteria: "
                   f"`{ex.StabilityCriteria()}`, `{ex.CollapseCriteria()}` "
-                  "(megatron_rl/experiments.py).", "",
+                  "(megatron_rl/experiments/sweep.py).", "",
                   ex.markdown_table(table, k, a.base), ""]
         if plot_beta_sweep(table, os.path.join(figures, f"{px}beta_sweep.png"), a.base):
             lines += [f"![final KL and OOD accuracy against beta](figures/{px}beta_sweep.png)", ""]
@@ -406,7 +406,7 @@ def parse_args(argv=None):
                    help="grid: the paper's Table 1 (default); exact: the exact estimator in reward "
                         "and reward+loss beside k1:reward, k3:loss and none (own report block/figures)")
     p.add_argument("--configs", nargs="+", default=None, choices=list(ex.CONFIGS),
-                   help="default: the --slice's configs (megatron_rl/experiments.py SLICES)")
+                   help="default: the --slice's configs (megatron_rl/experiments/sweep.py SLICES)")
     p.add_argument("--betas", nargs="+", type=float, default=list(ex.DEFAULT_BETAS))
     p.add_argument("--seeds", nargs="+", type=int, default=list(ex.DEFAULT_SEEDS))
     p.add_argument("--regimes", nargs="*", default=["on", "off"], help="on, off")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.models import hf_mapping
-from megatron_rl.parallel_check import (PACKED_CONFIGS, RL_CONFIGS, load_layout_outputs,
+from megatron_rl.experiments.parallel_check import (PACKED_CONFIGS, RL_CONFIGS, load_layout_outputs,
                                         transformers_reference)
 
 pytestmark = pytest.mark.distributed
@@ -34,7 +34,7 @@ def _check(out_dir, hf_path):
 def qwen2_run(tiny_qwen2, tmp_path_factory, torchrun):
     """One 4-rank launch: every layout, the NLL loss and every KL placement of the RL loss."""
     out = tmp_path_factory.mktemp("qwen2_layouts")
-    torchrun(4, ["-m", "megatron_rl.parallel_check", "--hf", tiny_qwen2, "--out", str(out),
+    torchrun(4, ["-m", "megatron_rl.experiments.parallel_check", "--hf", tiny_qwen2, "--out", str(out),
                  "--layouts", ",".join(LAYOUTS), "--rl-configs", "all", "--generate",
                  "--packed"],
              timeout=600)
@@ -97,7 +97,7 @@ def test_qwen3_layouts_match_transformers_and_sample_the_same(tiny_qwen3, tmp_pa
     logits and gradients at every layout equal transformers', and the local engine (KV decoder
     at TP2, recompute at PP2) draws the TP1 samples."""
     out = tmp_path / "qwen3_layouts"
-    torchrun(4, ["-m", "megatron_rl.parallel_check", "--hf", tiny_qwen3, "--out", str(out),
+    torchrun(4, ["-m", "megatron_rl.experiments.parallel_check", "--hf", tiny_qwen3, "--out", str(out),
                  "--layouts", ",".join(LAYOUTS), "--generate"], timeout=600)
     _check(str(out), tiny_qwen3)
     test_local_engine_samples_the_same_at_every_layout(str(out))
@@ -123,7 +123,7 @@ def test_tp1_checkpoint_reshards_to_every_layout_tied_llama(tiny_llama_tied, tmp
     subprocess.run([sys.executable, "-m", "megatron_rl.convert", "hf-to-megatron", "--load",
                     tiny_llama_tied, "--save", str(ckpt)], check=True, capture_output=True,
                    env=dict(os.environ, OMP_NUM_THREADS="1"))
-    torchrun(4, ["-m", "megatron_rl.parallel_check", "--load", str(ckpt),
+    torchrun(4, ["-m", "megatron_rl.experiments.parallel_check", "--load", str(ckpt),
                  "--out", str(tmp_path / "out"), "--layouts", ",".join(LAYOUTS)])
     _check(str(tmp_path / "out"), tiny_llama_tied)
 

@@ -26,7 +26,7 @@ LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2": []}
 
 def _char_model(path, seed):
     """The tiny character-level Qwen2 of tests/e2e (4 heads, 2 KV groups: TP2 splits both)."""
-    from megatron_rl.models.tiny import make_char_model
+    from megatron_rl.experiments.tiny_model import make_char_model
 
     return make_char_model(path, seed)
 
@@ -170,7 +170,7 @@ def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tm
     (one generate request per step, whatever the layout), the batch is broadcast to the
     model-parallel group and the weights gathered from every rank reach the server. All three
     log the same samples and TP1's losses for 3 steps."""
-    from megatron_rl.models.tiny import make_char_model
+    from megatron_rl.experiments.tiny_model import make_char_model
     from megatron_rl.rollout.vllm_engine import vllm_python
 
     if vllm_python() is None:

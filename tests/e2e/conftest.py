@@ -3,7 +3,7 @@ import pytest
 
 
 def _char_model(path, seed, **overrides):
-    from megatron_rl.models.tiny import make_char_model
+    from megatron_rl.experiments.tiny_model import make_char_model
 
     return make_char_model(path, seed, **overrides)
 

@@ -28,7 +28,7 @@ if sglang_python() is None:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("sglang")
     path = make_tiny_hf_checkpoint(str(root / "hf"), "qwen2", tie_word_embeddings=True, **TINY)
@@ -97,7 +97,7 @@ def nccl_engine(tmp_path_factory):
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL weight sync needs 2 GPUs (trainer on cuda:0, server on cuda:1): NCCL "
                     f"cannot put both ranks on one device; found {torch.cuda.device_count()}")
-    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("sglang_nccl")
     path = make_tiny_hf_checkpoint(str(root / "hf"), "qwen2", tie_word_embeddings=True, **TINY)

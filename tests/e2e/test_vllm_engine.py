@@ -33,7 +33,7 @@ if vllm_python() is None:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("vllm")
     out = {}

@@ -30,7 +30,7 @@ def single_gpu_rank() -> None:
 def char_model(path: str, seed: int, **overrides) -> str:
     """A random tiny Qwen2 with the character tokenizer, as tests/e2e and the CPU demo use
     (built once per path)."""
-    from megatron_rl.models.tiny import make_char_model
+    from megatron_rl.experiments.tiny_model import make_char_model
 
     if not os.path.exists(os.path.join(path, "config.json")):
         make_char_model(path, seed, **overrides)

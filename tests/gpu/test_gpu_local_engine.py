@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def big_vocab_model(tmp_path_factory):
     """A tiny Qwen2 body with Qwen2.5's 151936-token vocabulary."""
-    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
 
     return make_tiny_hf_checkpoint(str(tmp_path_factory.mktemp("big_vocab")), "qwen2",
                                    vocab_size=151936, num_hidden_layers=2, seed=5)

@@ -269,9 +269,9 @@ def test_tp2_matches_tp1():
 @pytest.mark.parametrize("correction", ["none", "token-is", "seq-is"])
 def test_trainer_loss_equals_the_toys_exact_estimator(placement, correction):
     """build_advantages + policy_loss_per_token with KLConfig("exact") give the gradient (in the
-    log-probs and in KL_t) of megatron_rl.toy's exact estimator with the later-positions return,
+    log-probs and in KL_t) of megatron_rl.experiments.toy's exact estimator with the later-positions return,
     the one whose reward+loss placement the toy proves unbiased by enumeration."""
-    from megatron_rl.toy import ExactKL, exact_kl_loss_per_token
+    from megatron_rl.experiments.toy import ExactKL, exact_kl_loss_per_token
 
     g = torch.Generator().manual_seed(0)
     B, T = 6, 7
@@ -339,7 +339,7 @@ def test_exact_configuration_and_errors():
 def test_train_runs_with_exact_kl_in_reward_and_loss(tmp_path):
     from megatron_rl.data.records import TaskExample, write_jsonl
 
-    from megatron_rl.models.tiny import make_char_model
+    from megatron_rl.experiments.tiny_model import make_char_model
 
     model, ref = make_char_model(str(tmp_path / "m"), 0), make_char_model(str(tmp_path / "r"), 1)
     data = tmp_path / "train.jsonl"

@@ -87,7 +87,7 @@ def test_decoder_matches_megatron_forward_qwen3(dist_env, tiny_qwen3):
 
 @pytest.mark.distributed
 def test_decoder_matches_megatron_forward_tied_llama_rope_scaling(dist_env, tmp_path):
-    from megatron_rl.models.tiny import make_tiny_hf_checkpoint
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
 
     path = make_tiny_hf_checkpoint(str(tmp_path / "llama31"), "llama", tie_word_embeddings=True,
                                    seed=3, num_key_value_heads=4, rope_scaling=LLAMA31_ROPE)

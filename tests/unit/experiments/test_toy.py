@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl.kl import KLConfig
-from megatron_rl.toy import (DEFAULT_PARAMS, BinaryARPolicy, ExactKL, ToySetup, all_sequences,
+from megatron_rl.experiments.toy import (DEFAULT_PARAMS, BinaryARPolicy, ExactKL, ToySetup, all_sequences,
                              closed_form_gradients, closed_form_kl, closed_form_kl_gradient,
                              default_runs, enumerated_kl, enumerated_kl_gradient,
                              estimator_gradients, exact_expected_gradient, exact_gradient_moments,

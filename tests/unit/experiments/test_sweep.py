@@ -4,7 +4,7 @@ import math
 import pytest
 
 from megatron_rl.config import parse_config
-from megatron_rl.experiments import (CONFIGS, SLICES, CollapseCriteria, RunSpec, StabilityCriteria,
+from megatron_rl.experiments.sweep import (CONFIGS, SLICES, CollapseCriteria, RunSpec, StabilityCriteria,
                                      aggregate, build_sweep, detect_collapse, detect_instability,
                                      format_mean_std, is_complete, markdown_table, mean_curve,
                                      mean_std, moving_average, regime_flags, summarize_run,
@@ -60,7 +60,7 @@ def test_reproduce_slice_options():
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools"))
     import reproduce
 
     a = reproduce.parse_args(["--slice", "exact", "--betas", "1", "--steps", "40"])

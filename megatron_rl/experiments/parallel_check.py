@@ -9,8 +9,8 @@ the global batch split over DP ranks and microbatches, and writes, per layout:
   <out>/<TPxPP>/loss_rank<r>.pt    this rank's summed microbatch losses
 `tools/parallel_demo.py` and tests/distributed compare these against transformers.
 
-    torchrun --nproc-per-node 4 -m megatron_rl.parallel_check --hf DIR --out DIR
-    torchrun --nproc-per-node 4 -m megatron_rl.parallel_check --load MEGATRON_CKPT --out DIR
+    torchrun --nproc-per-node 4 -m megatron_rl.experiments.parallel_check --hf DIR --out DIR
+    torchrun --nproc-per-node 4 -m megatron_rl.experiments.parallel_check --load MEGATRON_CKPT --out DIR
 """
 
 from __future__ import annotations
