@@ -20,24 +20,14 @@ import shutil
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from megatron_rl.parallel import use_cuda
+from megatron_rl.parallel import dist_barrier, dist_rank, use_cuda
 
 LATEST = "latest"
 
 
 def iter_dir_name(step: int) -> str:
     return f"iter_{step:07d}"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def rng_state() -> dict:
@@ -141,18 +131,18 @@ def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
 
     final = os.path.join(root, iter_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + iter_dir_name(step))
-    if _rank() == 0:
+    if dist_rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    dist_barrier()
     dist_checkpointing.save(_sharded_state_dict(policy, with_optimizer), tmp)
-    torch.save({"step": step, **(extra or {})}, os.path.join(tmp, f"extra_rank{_rank()}.pt"))
-    if hf_config is not None and _rank() == 0:
+    torch.save({"step": step, **(extra or {})}, os.path.join(tmp, f"extra_rank{dist_rank()}.pt"))
+    if hf_config is not None and dist_rank() == 0:
         with open(os.path.join(tmp, "hf_config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
-    _barrier()
-    if _rank() == 0:
+    dist_barrier()
+    if dist_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         latest_tmp = os.path.join(root, LATEST + ".tmp")
@@ -161,7 +151,7 @@ def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
             f.flush()
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(root, LATEST))
-    _barrier()
+    dist_barrier()
     return final
 
 
@@ -205,7 +195,7 @@ def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True) -> dict:
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
         elif scheduler is not None:  # a checkpoint from before LR schedules: the schedule's
             scheduler.step(increment=0)  # learning rate, not the loaded param groups'
-    own = os.path.join(ckpt_dir, f"extra_rank{_rank()}.pt")
+    own = os.path.join(ckpt_dir, f"extra_rank{dist_rank()}.pt")
     path = own if os.path.exists(own) else os.path.join(ckpt_dir, "extra_rank0.pt")
     return torch.load(path, weights_only=False) if os.path.exists(path) else {"step": 0}
 

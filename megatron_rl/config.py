@@ -136,6 +136,9 @@ class RolloutConfig:
     rollout_process_cores: list[int] = _opt(factory=list, help=(
         "process engine only: CPU cores its child is pinned to (its torch threads: their "
         "count); unset: the trainer's affinity and thread count"))
+    rollout_process_gpu: int | None = _opt(None, min=0, help=(
+        "process engine on GPUs only: CUDA device index its child generates on (e.g. a GPU "
+        "no trainer rank uses); unset: global rank 0's own GPU (its LOCAL_RANK)"))
     rollout_gpu_memory_utilization: float | None = _opt(None, help=(
         "vllm/sglang on GPUs only: share of GPU memory a started server takes (vLLM's "
         "--gpu-memory-utilization, SGLang's --mem-fraction-static); unset: the server's "

@@ -105,15 +105,7 @@ def setup_run(cfg: TrainConfig) -> Run:
 
     algo, save = cfg.algorithm, cfg.checkpoint.save
     dp = init_distributed(cfg.parallel, seed=cfg.seed, deterministic=cfg.deterministic_mode)
-    if algo.num_prompts_per_step % (dp * algo.ppo_minibatches):
-        raise ValueError(f"--num-prompts-per-step {algo.num_prompts_per_step} must be divisible by "
-                         f"data-parallel size {dp} x --ppo-minibatches {algo.ppo_minibatches}")
-    per_minibatch = algo.num_prompts_per_step // (dp * algo.ppo_minibatches) * algo.group_size
-    if (per_minibatch % algo.micro_batch_size and cfg.parallel.pipeline_model_parallel_size > 1
-            and not algo.sequence_packing):
-        raise ValueError(f"--micro-batch-size {algo.micro_batch_size} must divide the "
-                         f"{per_minibatch} sequences of a minibatch per data-parallel rank under "
-                         "pipeline parallelism (all microbatches need one shape)")
+    cfg.check_layout(dp)
     os.makedirs(save, exist_ok=True)
     dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32
     args = ModelArgs.from_pretrained(cfg.model.hf_checkpoint)

@@ -6,7 +6,7 @@ Token ids in, token ids and the sampled tokens' log-probs out. Engines never see
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import ClassVar, Protocol, Sequence
 
 
 class ServerError(RuntimeError):
@@ -16,6 +16,52 @@ class ServerError(RuntimeError):
 class BadAnswer(ServerError):
     """The server answered a generate request, but not with what was asked (malformed JSON,
     fewer completions, token ids outside the vocabulary, no answer within the timeout)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class EngineConfig:
+    """What every engine with weights of its own is configured with.
+
+    work_dir: its logs and disk weight exports live here.
+    dtype: the dtype it computes in ("float32", "bfloat16"); synced weights are cast to it.
+    seed: its sampling seed where a request brings none.
+    sync: how weights reach it (weight_sync.WeightSync: "disk", "tensor", "distributed").
+    bucket_bytes: the most bytes one shared-memory or NCCL bucket of a sync names.
+    startup_timeout / request_timeout: seconds to wait for it to start / to answer a request.
+    """
+
+    SYNCS: ClassVar[tuple[str, ...]] = ("disk", "tensor", "distributed")  # the engine's modes
+
+    work_dir: str
+    dtype: str = "bfloat16"
+    seed: int = 0
+    sync: str = "disk"
+    bucket_bytes: int = 512 << 20
+    startup_timeout: float = 600.0
+    request_timeout: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.sync not in self.SYNCS:
+            raise ValueError(f"{type(self).__name__}.sync {self.sync!r}: this engine takes "
+                             + ", ".join(self.SYNCS))
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServerConfig(EngineConfig):
+    """What every inference-server engine adds.
+
+    url: attach to a server someone else runs instead of launching one.
+    host: the bind address of a launched server (127.0.0.1; 0.0.0.0 to serve other nodes).
+    python: the server environment's interpreter (default: the engine's own venv lookup).
+    max_restarts: how often a launched server that died is started again.
+    extra_args: appended to the server's command line.
+    """
+
+    url: str | None = None
+    host: str = "127.0.0.1"
+    python: str | None = None
+    max_restarts: int = 3
+    extra_args: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

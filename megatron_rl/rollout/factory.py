@@ -64,6 +64,7 @@ def build_engine(cfg, policy, pad_id: int):
         return ProcessEngine(ProcessConfig(
             hf_checkpoint=cfg.model.hf_checkpoint, work_dir=work_dir,
             dtype=dtype, seed=cfg.seed, pad_token_id=pad_id, cores=tuple(r.rollout_process_cores),
+            gpu=r.rollout_process_gpu,
             sync="tensor" if r.weight_sync == "auto" else r.weight_sync,
             bucket_bytes=r.weight_sync_bucket_mb << 20, deterministic=cfg.deterministic_mode),
             policy=policy)
@@ -104,7 +105,7 @@ def build_engine(cfg, policy, pad_id: int):
                                                  context_length=max_len, mem_fraction_static=mem,
                                                  host=r.rollout_host, sync=sync,
                                                  memory_saver=r.rollout_release_memory,
-                                                 nccl_bucket_bytes=r.weight_sync_bucket_mb << 20),
+                                                 bucket_bytes=r.weight_sync_bucket_mb << 20),
                                 policy=policy, start=False) for d, url in zip(dirs, urls)]
     else:
         raise ValueError(f"--rollout-engine {engine!r}; valid: " + ", ".join(ENGINES))

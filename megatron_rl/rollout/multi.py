@@ -18,7 +18,7 @@ number of live servers at the start of the call, so a server taken out of the ro
 the chunks (and samples) of later calls, never those of the call in flight.
 
 Failures. A managed server that dies is restarted by its ManagedServer and the request retried
-(server.py, at most `max_restarts` times). A request that still fails with a server failure
+(managed_server.py, at most `max_restarts` times). A request that still fails with a server failure
 (ServerError, a transport error, HTTP 5xx; an attached URL's first failure) takes that server
 out of the rotation, with a logged warning naming it; its chunk goes to the least-loaded
 remaining server, and the call goes on. A managed server out of the rotation is stopped.

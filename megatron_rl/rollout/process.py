@@ -3,10 +3,10 @@ the weights, so that generation overlaps training (`--async-level 1`) without a 
 
 Global rank 0 spawns one child process. The child builds the policy at TP1 / PP1 from the HF
 checkpoint and generates with `LocalEngine` (the same KV-cached decoder and sampling as the
-embedded default) on its own CPU cores (`--rollout-process-cores`) or on the same GPU. Rank 0 is
-its one client, as for a vLLM or SGLang server: `train.py` treats it like one (the batch is
-generated once, then scattered to the data-parallel ranks, and under --async-level >= 1 in a
-background thread while the trainer trains).
+embedded default) on its own CPU cores (`--rollout-process-cores`) or on a GPU: the one it is
+given (`--rollout-process-gpu`), else rank 0's own. Rank 0 is its one client, as for a vLLM or
+SGLang server (the batch is generated once, then scattered to the data-parallel ranks, and
+under --async-level >= 1 in a background thread while the trainer trains).
 
 Requests go over a pipe and are served one at a time, so weights change only between requests:
 
@@ -36,12 +36,12 @@ import os
 import threading
 import time
 import traceback
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
 from megatron_rl.parallel import broadcast_from_rank0, dist_rank
-from megatron_rl.rollout.base import Completion, SamplingParams, ServerError
+from megatron_rl.rollout.base import Completion, EngineConfig, SamplingParams, ServerError
 from megatron_rl.rollout.shm_weights import read_bucket
 from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
 
@@ -52,19 +52,27 @@ _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_PORT")
 
 
-@dataclasses.dataclass
-class ProcessConfig:
-    hf_checkpoint: str                  # model config, and the weights the child starts from
-    work_dir: str                       # --weight-sync disk exports live here
-    dtype: str = "float32"              # float32 | bfloat16
-    seed: int = 0
-    pad_token_id: int = 0
-    cores: tuple[int, ...] = ()         # CPU cores the child is pinned to (threads = their count)
+@dataclasses.dataclass(kw_only=True)
+class ProcessConfig(EngineConfig):
+    """The child process (EngineConfig's fields, and):
+
+    hf_checkpoint: the model config, and the weights the child starts from.
+    pad_token_id: the id padded batches use.
+    cores: CPU cores the child is pinned to (its torch threads: their count); () leaves them.
+    gpu: the CUDA device index the child generates on (None: the trainer's current device);
+        ignored without CUDA.
+    deterministic: --deterministic-mode in the child too.
+    """
+
+    SYNCS: ClassVar[tuple[str, ...]] = ("tensor", "disk")
+
+    hf_checkpoint: str
+    dtype: str = "float32"
     sync: str = "tensor"                # tensor (shared memory) | disk
-    bucket_bytes: int = 512 << 20
-    startup_timeout: float = 600.0
-    request_timeout: float = 3600.0
-    deterministic: bool = False         # --deterministic-mode in the child too
+    pad_token_id: int = 0
+    cores: tuple[int, ...] = ()
+    gpu: int | None = None
+    deterministic: bool = False
 
 
 class ProcessEngine:
@@ -75,9 +83,6 @@ class ProcessEngine:
     holds_own_weights = True
 
     def __init__(self, config: ProcessConfig, policy=None):
-        if config.sync not in ("tensor", "disk"):
-            raise ValueError(f"--weight-sync {config.sync}: the process engine takes tensor "
-                             "(shared memory) or disk")
         self.config = config
         self.policy = policy
         self.weight_version = read_version(config.hf_checkpoint) or 0
@@ -107,7 +112,10 @@ class ProcessEngine:
 
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited process groups
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self.config), daemon=True,
+        config = self.config
+        if config.gpu is None and torch.cuda.is_available():  # beside this rank, on its GPU
+            config = dataclasses.replace(config, gpu=torch.cuda.current_device())
+        self._proc = ctx.Process(target=_serve, args=(child, config), daemon=True,
                                  name="megatron-rl-rollout")
         self._proc.start()
         child.close()
@@ -232,6 +240,8 @@ def _serve(conn, config: ProcessConfig) -> None:
     for k in list(os.environ):
         if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_"):
             del os.environ[k]
+    if config.gpu is not None:  # init_distributed takes the process's GPU from LOCAL_RANK
+        os.environ["LOCAL_RANK"] = str(config.gpu)
     try:
         if config.cores:
             os.sched_setaffinity(0, set(config.cores))

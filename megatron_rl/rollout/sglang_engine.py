@@ -37,7 +37,8 @@ import time
 import torch
 
 from megatron_rl.parallel import dist_rank
-from megatron_rl.rollout.base import BadAnswer, Completion, SamplingParams, ServerError
+from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
+                                      ServerError)
 from megatron_rl.rollout.managed_server import ManagedServer
 from megatron_rl.rollout.net import free_port, http_json
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
@@ -46,7 +47,6 @@ from megatron_rl.rollout.shm_weights import bucket_names
 from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
 
 PYTHON_ENV_VAR = "MEGATRON_RL_SGLANG_PYTHON"
-SYNC_MODES = ("disk", "tensor", "distributed")
 
 
 def sglang_python() -> str | None:
@@ -54,30 +54,20 @@ def sglang_python() -> str | None:
     return server_python(PYTHON_ENV_VAR, ".venv-sglang")
 
 
-@dataclasses.dataclass
-class SGLangConfig:
-    """How to run the SGLang server; `url` attaches to a running one instead."""
+@dataclasses.dataclass(kw_only=True)
+class SGLangConfig(ServerConfig):
+    """How to run the SGLang server (base.ServerConfig's fields, and these); `url` attaches to
+    a running one instead. `sync`: disk, tensor or distributed; `bucket_bytes` sizes the NCCL
+    buckets of the distributed sync."""
 
-    work_dir: str
-    url: str | None = None
-    host: str = "127.0.0.1"             # bind address of a started server (0.0.0.0: all nodes)
-    python: str | None = None           # default: sglang_python()
-    sync: str = "disk"                  # one of SYNC_MODES
-    dtype: str = "bfloat16"
     device: str | None = None           # None: "cpu" when CUDA is absent, else sglang's default
     context_length: int = 4096
-    seed: int = 0
     tp_size: int = 1
     mem_fraction_static: float | None = None
     memory_saver: bool = False          # --enable-memory-saver: release_memory / resume_memory
-    extra_args: tuple[str, ...] = ()
-    startup_timeout: float = 600.0
-    request_timeout: float = 3600.0
-    max_restarts: int = 3
     # distributed (NCCL) sync: where the server's workers reach trainer rank 0
     nccl_master_address: str = "127.0.0.1"
     nccl_master_port: int | None = None
-    nccl_bucket_bytes: int = 512 << 20
 
 
 class SGLangEngine(ServerBackedEngine):
@@ -88,8 +78,6 @@ class SGLangEngine(ServerBackedEngine):
     RESUME = ("/resume_memory_occupation", {})
 
     def __init__(self, model_path: str, config: SGLangConfig, policy=None, start: bool = True):
-        if config.sync not in SYNC_MODES:
-            raise ValueError(f"unknown sync mode {config.sync!r}; valid: {list(SYNC_MODES)}")
         self.config = config
         self.policy = policy
         self.model_path = os.path.abspath(model_path)
@@ -97,7 +85,7 @@ class SGLangEngine(ServerBackedEngine):
         self.request_timeout = config.request_timeout
         self.weight_version = read_version(model_path) or 0
         self.sync = WeightSync(config.sync, config.work_dir, dtype=config.dtype,
-                               bucket_bytes=config.nccl_bucket_bytes)
+                               bucket_bytes=config.bucket_bytes)
         self.exporter = self.sync.exporter
         self.last_sync_seconds = self.sync.last_seconds
         self.rank = dist_rank()
@@ -238,7 +226,7 @@ class SGLangEngine(ServerBackedEngine):
         t0 = time.perf_counter()
         if self._nccl_group is None:
             self._nccl_group = self._init_update_group()
-        buckets = bucket_names({n: hf[n] for n in sorted(hf)}, self.config.nccl_bucket_bytes)
+        buckets = bucket_names({n: hf[n] for n in sorted(hf)}, self.config.bucket_bytes)
         for i, bucket in enumerate(buckets):
             tensors = [hf[n].to(device(), non_blocking=True) for n in bucket]
             payload = {"names": bucket, "dtypes": [str(t.dtype).replace("torch.", "")

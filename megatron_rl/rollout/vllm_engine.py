@@ -19,7 +19,7 @@ attached server without the extension, the plain `reload_weights` RPC is used, a
 fall back to a restart (managed servers only).
 
 The server is launched and owned by global rank 0; its URL is broadcast, so any rank may
-generate. A server that dies is restarted from the newest exported weights (server.py).
+generate. A server that dies is restarted from the newest exported weights (managed_server.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import ClassVar
 
 from megatron_rl.parallel import dist_rank
-from megatron_rl.rollout.base import BadAnswer, Completion, SamplingParams, ServerError
+from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
+                                      ServerError)
 from megatron_rl.rollout.managed_server import ManagedServer
 from megatron_rl.rollout.net import ServerRequestError
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
@@ -47,34 +49,26 @@ def vllm_python() -> str | None:
     return server_python(PYTHON_ENV_VAR, ".venv-vllm")
 
 
-@dataclasses.dataclass
-class VLLMConfig:
+@dataclasses.dataclass(kw_only=True)
+class VLLMConfig(ServerConfig):
     """How to run the vLLM server. `url` attaches to a running server instead of launching one
     (it must run with VLLM_SERVER_DEV_MODE=1, `--served-model-name policy`,
     `--skip-tokenizer-init`, `--logprobs-mode processed_logprobs` and, for weight versions and
     tied models, `--worker-extension-cls megatron_rl.rollout.vllm_worker.WeightSyncExtension`).
+
+    Weights after each step (`sync`): "disk" (an HF export the workers reload) or "tensor"
+    (shared-memory buckets of bucket_bytes, same host; needs the worker extension). The server
+    configuration shared with SGLang is base.ServerConfig's.
     """
 
-    work_dir: str                       # logs and exported weights live here
-    url: str | None = None
-    host: str = "127.0.0.1"             # bind address of a started server (0.0.0.0: all nodes)
-    python: str | None = None           # default: vllm_python()
-    dtype: str = "bfloat16"             # server compute dtype; exports are cast to it
+    SYNCS: ClassVar[tuple[str, ...]] = ("disk", "tensor")
+
     max_model_len: int = 4096
-    seed: int = 0
     enforce_eager: bool = True          # no torch.compile / CUDA graphs: fast start, needed on CPU
     kv_cache_memory_bytes: int | None = None   # CPU: bytes of KV cache (None: vLLM's default)
     gpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1
-    # weights after each step: "disk" (an HF export the workers reload) or "tensor" (shared-
-    # memory buckets of bucket_bytes, same host; needs the worker extension)
-    sync: str = "disk"
-    bucket_bytes: int = 512 << 20
     sleep_mode: bool = False            # --enable-sleep-mode: release_memory / resume_memory
-    extra_args: tuple[str, ...] = ()
-    startup_timeout: float = 600.0
-    request_timeout: float = 3600.0
-    max_restarts: int = 3
 
 
 class VLLMEngine(ServerBackedEngine):
@@ -97,8 +91,6 @@ class VLLMEngine(ServerBackedEngine):
         self.vocab_size = hf_config.get("vocab_size")
         self.request_timeout = config.request_timeout
         self.has_extension = config.url is None  # an attached server is probed at start
-        if config.sync not in ("disk", "tensor"):
-            raise ValueError(f"VLLMConfig.sync {config.sync!r}: disk or tensor")
         # tensor: shared-memory buckets the worker extension reads
         self.sync = WeightSync(config.sync, config.work_dir, dtype=config.dtype,
                                bucket_bytes=config.bucket_bytes, shared_memory=True)
