@@ -37,7 +37,7 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "k3:reward": ("k3", "reward"),
     "k3:loss": ("k3", "loss"),
     "k3:reward+loss": ("k3", "reward+loss"),
-    # the exact per-position KL (issue 14; --kl-estimator exact, derivation in megatron_rl/kl.py)
+    # the exact per-position KL (--kl-estimator exact, derivation in megatron_rl/kl.py)
     "exact:reward": ("exact", "reward"),
     "exact:reward+loss": ("exact", "reward+loss"),
 }
@@ -55,8 +55,8 @@ PAPER_BEHAVIOR: dict[str, str] = {
     "exact:reward+loss": "unbiased on-policy, lower variance than K1 in reward",
 }
 # Named subsets of CONFIGS that tools/reproduce.py runs with --slice: "grid" is the paper's
-# Table 1 (the 162-run CPU grid; the default of build_sweep), "exact" the issue-14 slice, the
-# exact estimator beside the two references (K1 in reward, K3 in loss) and no KL.
+# Table 1 (the 162-run CPU grid; the default of build_sweep), "exact" the exact estimator
+# beside the two references (K1 in reward, K3 in loss) and no KL.
 SLICES: dict[str, tuple[str, ...]] = {
     "grid": tuple(c for c in CONFIGS if not c.startswith("exact:")),
     "exact": ("none", "k1:reward", "k3:loss", "exact:reward", "exact:reward+loss"),

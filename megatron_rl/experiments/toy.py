@@ -5,12 +5,12 @@ over y in {0, 1}^T with
     p_t = A_theta(y_t = 1 | y_<t) = sigmoid(a + b c_{t-1}),   c_{t-1} = sum_{k<t} y_k,   c_0 = 0,
 i.e. token t depends on the number of ones so far; theta = (a, b). The reference B is the same
 model with (a~, b~), and off-policy samples come from A_old with (a_old, b_old). Eq. 17-18
-condition token t on c_{t-1} = sum_{k<t} y_k (issue 14); their exact functional form could not be
-checked here (the paper was not available), so this parametrisation, a sigmoid of an affine
-function of the count, is this module's choice, as are the default parameters (DEFAULT_PARAMS:
-theta (0.5, -0.25), ref (-0.5, 0.25), old (0.9, -0.15), T = 8; KL 0.51 nats). Option
-`--model sign`: the earlier variant c_{t-1} = 2 y_{t-1} - 1 (c_0 = 0), token t conditioned on the
-previous token's sign, with its earlier defaults (0.5, -1), (-0.5, 1), (0.9, -0.6).
+condition token t on the count c_{t-1} = sum_{k<t} y_k; the functional form of that dependence,
+a sigmoid of an affine function of the count, is this module's choice and not taken from the
+paper, as are the default parameters (DEFAULT_PARAMS: theta (0.5, -0.25), ref (-0.5, 0.25),
+old (0.9, -0.15), T = 8; KL 0.51 nats). Option `--model sign`: a second model with
+c_{t-1} = 2 y_{t-1} - 1 (c_0 = 0), token t conditioned on the previous token's sign, with
+defaults (0.5, -1), (-0.5, 1), (0.9, -0.6).
 Parameters are float64 and the module gives per-token log-probs [K, N, T] for K parameter copies
 (K = 1 for one batch; K = num_trials for vectorized Monte Carlo; K = 2^T for per-sequence
 gradients by enumeration: copies share nothing, so one backward pass gives every copy's gradient).
