@@ -13,6 +13,12 @@
 #   GPUS_PER_NODE  processes per node (one per GPU)           [$SLURM_GPUS_ON_NODE, else the
 #                                                              number of GPUs nvidia-smi lists,
 #                                                              else 1 (CPU, gloo)]
+#   RDZV_BACKEND   torchrun rendezvous: static (ranks follow  [static]
+#                  NODE_RANK) or c10d (an elastic store at
+#                  MASTER_ADDR:MASTER_PORT hosted by the agent
+#                  on that address; nodes may start in any
+#                  order and torchrun numbers them itself)
+#   RDZV_ID        c10d run id, the same on every node        [$SLURM_JOB_ID, else megatron-rl]
 #   TORCHRUN       launcher command                           [torchrun]
 #   DRY_RUN=1      print the command instead of running it
 #
@@ -74,6 +80,8 @@ NODE_RANK="${NODE_RANK:-0}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-$(count_gpus)}"
 TORCHRUN="${TORCHRUN:-torchrun}"
+RDZV_BACKEND="${RDZV_BACKEND:-static}"
+RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-megatron-rl}}"
 if [ -z "${MASTER_ADDR:-}" ]; then
     [ "$NNODES" -eq 1 ] || die "MASTER_ADDR is required with NNODES=$NNODES (node 0's address)"
     MASTER_ADDR=127.0.0.1
@@ -85,6 +93,10 @@ done
 [ "$NNODES" -ge 1 ] || die "NNODES must be >= 1"
 [ "$GPUS_PER_NODE" -ge 1 ] || die "GPUS_PER_NODE must be >= 1"
 [ "$NODE_RANK" -lt "$NNODES" ] || die "NODE_RANK $NODE_RANK is not below NNODES $NNODES"
+case "$RDZV_BACKEND" in
+    static|c10d) ;;
+    *) die "RDZV_BACKEND must be static or c10d, got '$RDZV_BACKEND'" ;;
+esac
 [ "$#" -gt 0 ] || die "no training arguments; e.g. --config examples/tiny_cpu.yaml (see docs/launch.md)"
 
 # megatron_rl importable from any working directory (paths in the flags stay relative to it)
@@ -93,14 +105,18 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 # torchrun sets OMP_NUM_THREADS=1 per process when unset; say so explicitly (CPU runs need it).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
+if [ "$RDZV_BACKEND" = "c10d" ]; then
+    rdzv=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID")
+else
+    rdzv=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+fi
 # shellcheck disable=SC2206  # TORCHRUN may be a command with arguments (python -m torch.distributed.run)
 cmd=($TORCHRUN
-     --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
-     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+     --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" "${rdzv[@]}"
      -m megatron_rl.train "$@")
 
 echo "[launch] node $NODE_RANK/$NNODES on $(hostname): $GPUS_PER_NODE processes," \
-     "rendezvous $MASTER_ADDR:$MASTER_PORT, world size $((NNODES * GPUS_PER_NODE))" >&2
+     "$RDZV_BACKEND rendezvous $MASTER_ADDR:$MASTER_PORT, world size $((NNODES * GPUS_PER_NODE))" >&2
 if [ "${DRY_RUN:-0}" = "1" ]; then
     printf '%q ' "${cmd[@]}"
     echo
