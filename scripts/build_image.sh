@@ -2,12 +2,17 @@
 # Build the CPU variant of the megatron-rl image without a Docker daemon, run the README's quick
 # start and the fast test tier inside it, and report the build time and the image size.
 #
-#   bash scripts/build_image.sh [--cold] [--no-quickstart] [--no-tests] [--gpu-steps] [--keep]
+#   bash scripts/build_image.sh [--mirror URL] [--cold] [--no-quickstart] [--no-tests]
+#                               [--gpu-steps] [--keep]
 #
 # 1. buildah and debootstrap (Debian packages) are installed if missing (needs root).
 # 2. The base, localhost/megatron-rl-base:bookworm, is made if absent: Debian bookworm (Python
 #    3.11, the version requirements-cpu.txt pins for) by debootstrap, with python3-pip and
 #    PIP_BREAK_SYSTEM_PACKAGES=1, so that `pip` installs into the image's Python as in NGC.
+#    debootstrap fetches from the Debian mirror given by --mirror URL or $DEBIAN_MIRROR, else from
+#    the one the host's apt uses (/etc/apt/sources.list, /etc/apt/sources.list.d/*.list and
+#    *.sources: an entry for suite bookworm, else any .../debian archive); with none of these it
+#    stops and says so. A base that is already there needs no mirror.
 # 3. The one Dockerfile is built on it (--build-arg BASE_IMAGE=...): the same install steps as
 #    the GPU image (scripts/docker_install.sh), with the CPU torch and no rollout server.
 # 4. In a container of the image (`buildah run --isolation chroot`): `bash scripts/quickstart.sh`,
@@ -18,8 +23,8 @@
 # A report (markdown) goes to $OUT/report.md, the logs beside it.
 #
 # --cold: remove the image, the base and buildah's pip cache first (a from-scratch timing).
-# Settings (environment): IMAGE, BASE, ROOTFS (debootstrap folder), OUT, DEBIAN_MIRROR,
-# FAST_TIER, CONTEXT (the build context, default this checkout; .dockerignore leaves out .git,
+# Settings (environment): IMAGE, BASE, ROOTFS (debootstrap folder), OUT, DEBIAN_MIRROR (the
+# same as --mirror), FAST_TIER, CONTEXT (the build context, default this checkout; .dockerignore leaves out .git,
 # .venv*, outputs/ and built .so files), TORCH_WHEELS (a folder holding torch-<pin>+cpu-*.whl,
 # mounted read-only into the build; default /opt/wheels when it has one, else the build takes
 # the wheel from download.pytorch.org/whl/cpu).
@@ -34,12 +39,19 @@ STANDIN=${STANDIN:-localhost/megatron-rl-standin-base:bookworm-torch}
 ROOTFS=${ROOTFS:-/var/tmp/megatron-rl-rootfs}
 OUT=${OUT:-$REPO/outputs/build_image}
 CONTEXT=${CONTEXT:-$REPO}
-DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+DEBIAN_MIRROR=${DEBIAN_MIRROR:-}
 FAST_TIER=${FAST_TIER:-not distributed and not server}
 CACHE_DIR=/var/tmp/buildah-cache   # where buildah 1.28 keeps RUN --mount=type=cache folders
 COLD=0 QUICKSTART=1 TESTS=1 GPU_STEPS=0 KEEP=0
-for arg in "$@"; do
+while [ "$#" -gt 0 ]; do
+    arg=$1
+    shift
     case "$arg" in
+    --mirror)
+        [ "$#" -gt 0 ] || { echo "--mirror needs a URL" >&2; exit 2; }
+        DEBIAN_MIRROR=$1
+        shift ;;
+    --mirror=*) DEBIAN_MIRROR=${arg#--mirror=} ;;
     --cold) COLD=1 ;;
     --no-quickstart) QUICKSTART=0 ;;
     --no-tests) TESTS=0 ;;
@@ -54,6 +66,42 @@ B() { buildah --storage-driver vfs "$@"; }
 export BUILDAH_ISOLATION=chroot   # the default OCI isolation does not work in an unprivileged sandbox
 log() { echo "[build_image] $*" | tee -a "$OUT/summary.log"; }
 secs() { date +%s; }
+
+# "URI SUITE" for every binary-package source the host's apt reads, one-line (.list) and deb822
+# (.sources) formats; disabled entries (Enabled: no) and deb-src are left out.
+apt_entries() {
+    local f
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+        [ -r "$f" ] || continue
+        sed -e 's/#.*//' -e 's/\[[^]]*\]//' "$f" | awk '$1 == "deb" && NF >= 3 {print $2, $3}'
+    done
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [ -r "$f" ] || continue
+        awk 'function flush(   i, j, nu, ns, u, s) {
+                 if (f["types"] ~ /(^| )deb( |$)/ && tolower(f["enabled"]) != "no") {
+                     nu = split(f["uris"], u, " "); ns = split(f["suites"], s, " ")
+                     for (i = 1; i <= nu; i++) for (j = 1; j <= ns; j++) print u[i], s[j]
+                 }
+                 split("", f); key = ""
+             }
+             /^[ \t]*#/ { next }
+             /^[ \t]*$/ { flush(); next }
+             /^[ \t]/ { if (key != "") f[key] = f[key] " " $0; next }   # continuation line
+             match($0, /^[A-Za-z-]+:/) {
+                 key = tolower(substr($0, 1, RLENGTH - 1)); f[key] = substr($0, RLENGTH + 1)
+                 gsub(/^[ \t]+|[ \t]+$/, "", f[key])
+             }
+             END { flush() }' "$f"
+    done
+}
+
+# The Debian archive the host's apt uses: an entry for bookworm, else any .../debian archive
+# with a plain release suite (not -security / -updates).
+host_debian_mirror() {
+    apt_entries | awk 'bookworm == "" && $2 == "bookworm" { bookworm = $1 }
+                       other == "" && $1 ~ /\/debian\/?$/ && $2 !~ /-/ { other = $1 }
+                       END { print (bookworm != "" ? bookworm : other) }'
+}
 human() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 : > "$OUT/summary.log"
 
@@ -78,8 +126,19 @@ t_base=0
 if [ -z "$(B images -q "$BASE" 2>/dev/null)" ]; then
     t0=$(secs)
     if [ ! -x "$ROOTFS/usr/bin/python3" ]; then
+        if [ -z "$DEBIAN_MIRROR" ]; then
+            DEBIAN_MIRROR=$(host_debian_mirror || true)
+            [ -n "$DEBIAN_MIRROR" ] || {
+                log "no Debian mirror: the host's apt sources (/etc/apt/sources.list," \
+                    "/etc/apt/sources.list.d/*.list, *.sources) name no Debian archive for" \
+                    "bookworm. Give one: --mirror URL or DEBIAN_MIRROR=URL" \
+                    "(e.g. http://deb.debian.org/debian or your site's mirror)"
+                exit 2
+            }
+            log "Debian mirror $DEBIAN_MIRROR (from the host's apt sources)"
+        fi
         rm -rf "$ROOTFS"
-        log "debootstrap bookworm -> $ROOTFS"
+        log "debootstrap bookworm from $DEBIAN_MIRROR -> $ROOTFS"
         debootstrap --variant=minbase \
             --include=python3,python3-venv,python3-pip,python-is-python3,ca-certificates \
             bookworm "$ROOTFS" "$DEBIAN_MIRROR" > "$OUT/debootstrap.log" 2>&1 \
