@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-command GPU verification kit (issue 12): on a bare single-GPU Linux machine with a CUDA
+# The one-command GPU verification kit: on a bare single-GPU Linux machine with a CUDA
 # PyTorch, nvcc and no network, install the carried wheels, build the CUDA extension, run the
 # gpu test tier and the CPU-tier tests that matter on the device, run the GPU benchmarks, and
 # write OUT_DIR/summary.json and OUT_DIR/summary.md. Aims at < 20 min on one H100.

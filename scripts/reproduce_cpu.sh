@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The full CPU reproduction of the paper's Table 1 at toy scale (issue 8): the exact toy study,
+# The full CPU reproduction of the paper's Table 1 at toy scale: the exact toy study,
 # then the tiny char-level model (tools/cpu_demo.py's base model) swept over
 #   {none, k1:reward, k1:loss, k1:reward+loss, k3:reward, k3:loss, k3:reward+loss}
 #   x beta {0.05, 0.1, 0.3, 1} x seeds {1, 2, 3} x {on-policy, off-policy (4 PPO minibatches)}

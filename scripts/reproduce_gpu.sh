@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The same reproduction with a real model on GPUs (issue 8): tools/reproduce.py with
+# The same reproduction with a real model on GPUs: tools/reproduce.py with
 # --hf-checkpoint, MATH for training, MATH500 in domain, MMLU college science out of domain.
-# NOT RUN by us (no GPU here): a recipe, expected to need adjustment to your cluster.
+# Not run on GPUs by this project: a recipe, expected to need adjustment to your cluster.
 #
 #   MODEL=checkpoints/Qwen2.5-7B NPROC=8 bash scripts/reproduce_gpu.sh [extra reproduce.py flags]
 #
