@@ -116,7 +116,7 @@ class _LMHeadLogprobKL(torch.autograd.Function):
                 stats = [cat(exact_parts, i) for i in range(5)]
             else:
                 stats = [row_max.clone() for _ in range(5)]
-            exact_stats = _combine_exact_partials(*stats, tp_group)
+            exact_stats = _combine_exact_partials(*stats, tp_group=tp_group)
             kl = exact_stats[-1]
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, global_max, shifted_lse,
@@ -252,6 +252,7 @@ def lm_head_exact_kl(hidden: torch.Tensor, weight: torch.Tensor, ref_hidden: tor
     # token 0 as a placeholder target (owned by TP rank 0): only the KL is returned
     targets = torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
     vocab_start = 0 if tp_group is None else dist.get_rank(tp_group) * weight.shape[0]
-    return lm_head_logprobs_and_kl(hidden, weight, targets, vocab_start=vocab_start,
-                                   tp_group=tp_group, ref_hidden=ref_hidden,
-                                   ref_weight=ref_weight).exact_kl
+    out = lm_head_logprobs_and_kl(hidden, weight, targets, vocab_start=vocab_start,
+                                  tp_group=tp_group, ref_hidden=ref_hidden, ref_weight=ref_weight)
+    assert out.exact_kl is not None  # given ref_hidden and ref_weight
+    return out.exact_kl

@@ -132,11 +132,11 @@ def logprob_partials(logits: torch.Tensor, targets: torch.Tensor, vocab_start: i
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row_max, sum_exp, target_z, ent_w) for a contiguous [N, V_local] shard; see reference.py."""
     if backend == "cpu":
-        return tuple(_ext.logprob_partials_cpu(logits, targets, vocab_start, inv_temperature,
-                                               with_entropy))
+        return _ext.logprob_partials_cpu(logits, targets, vocab_start, inv_temperature,
+                                         with_entropy)
     if backend == "cuda":
-        return tuple(_ext.logprob_partials_cuda(logits, targets, vocab_start, inv_temperature,
-                                                with_entropy))
+        return _ext.logprob_partials_cuda(logits, targets, vocab_start, inv_temperature,
+                                          with_entropy)
     return reference.logprob_partials_torch(logits, targets, vocab_start, inv_temperature,
                                             with_entropy)
 
@@ -204,8 +204,8 @@ def token_outputs(partials, targets_N, vocab_start: int, vocab_local: int, tp_gr
     """(global_max, shifted_lse, logprobs, entropy | None, log_ratio | None, k3 | None) [N] from
     this rank's partials (row_max, sum_exp, target_z, ent_w), combined over the TP group."""
     owned = (targets_N >= vocab_start) & (targets_N < vocab_start + vocab_local)
-    global_max, shifted_lse, logprobs, entropy = _combine_partials(*partials, owned, tp_group,
-                                                                   with_entropy)
+    global_max, shifted_lse, logprobs, entropy = _combine_partials(
+        *partials, owned=owned, tp_group=tp_group, with_entropy=with_entropy)
     log_ratio = k3 = None
     if ref_N is not None:
         log_ratio = ref_N - logprobs
@@ -242,7 +242,8 @@ class _TokenLogprobKL(torch.autograd.Function):
         if ref_logits_NV is not None:  # the exact KL (temperature 1), sharing backward's buffer
             ctx.exact_backend = _exact_backend(backend)
             exact_stats = _combine_exact_partials(
-                *exact_kl_partials(logits_NV, ref_logits_NV, ctx.exact_backend), tp_group)
+                *exact_kl_partials(logits_NV, ref_logits_NV, ctx.exact_backend),
+                tp_group=tp_group)
             kl = exact_stats[-1]
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits_NV, targets_N, global_max, shifted_lse, log_ratio, entropy,
@@ -396,9 +397,9 @@ def exact_kl_partials(logits: torch.Tensor, ref_logits: torch.Tensor, backend: s
                                  torch.Tensor]:
     """(max_p, sum_p, max_q, sum_q, w) for contiguous [N, V_local] shards; see reference.py."""
     if backend == "cpu":
-        return tuple(_ext.exact_kl_partials_cpu(logits, ref_logits))
+        return _ext.exact_kl_partials_cpu(logits, ref_logits)
     if backend == "cuda":
-        return tuple(_ext.exact_kl_partials_cuda(logits, ref_logits))
+        return _ext.exact_kl_partials_cuda(logits, ref_logits)
     return reference.exact_kl_partials_torch(logits, ref_logits)
 
 
@@ -473,7 +474,7 @@ class _ExactKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_NV, ref_NV, tp_group, backend):
         partials = exact_kl_partials(logits_NV, ref_NV, backend)
-        max_p, lse_p, max_q, lse_q, kl = _combine_exact_partials(*partials, tp_group)
+        max_p, lse_p, max_q, lse_q, kl = _combine_exact_partials(*partials, tp_group=tp_group)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits_NV, ref_NV, max_p, lse_p, max_q, lse_q, kl)
         ctx.backend = backend
