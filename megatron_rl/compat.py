@@ -181,11 +181,11 @@ def _tensor_type_reports_cuda():
             return name
         return _CUDA_TYPE_NAMES.get(name, name)
 
-    torch.Tensor.type = type_
+    setattr(torch.Tensor, "type", type_)
     try:
         yield
     finally:
-        torch.Tensor.type = original
+        setattr(torch.Tensor, "type", original)
 
 
 def _with_cuda_type_names(fn):
@@ -252,7 +252,7 @@ def apply_cpu_compat(force: bool = False) -> bool:
             mod = importlib.import_module(name)
         except ImportError:  # optional parts (e.g. inference) may not import everywhere
             continue
-        mod.torch = _CPU_TORCH
+        setattr(mod, "torch", _CPU_TORCH)
     for mod_name, cls_name, method in _TENSOR_CUDA_METHODS:
         cls = getattr(importlib.import_module(mod_name), cls_name)
         setattr(cls, method, _without_tensor_cuda(getattr(cls, method)))

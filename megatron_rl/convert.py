@@ -53,9 +53,8 @@ def resolve_checkpoint(path: str) -> str:
     """A checkpoint root (with `latest`) or one iteration directory -> the iteration directory."""
     from megatron_rl.checkpoint import latest_checkpoint
 
-    if os.path.exists(os.path.join(path, "latest")):
-        return latest_checkpoint(path)
-    return path
+    latest = latest_checkpoint(path)  # None without a `latest` file
+    return path if latest is None else latest
 
 
 def megatron_to_hf(load: str, hf_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -228,7 +229,7 @@ class RMSNorm(torch.nn.RMSNorm):
             raise ValueError("megatron_rl's local norm is a plain RMSNorm")
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         if self.mark_sequence_parallel:
-            self.weight.sequence_parallel = bool(config.sequence_parallel)
+            setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
 
 class HeadRMSNorm(RMSNorm):
@@ -250,10 +251,11 @@ def layer_spec(args: ModelArgs, use_te: bool | None = None):
             qk_layernorm=args.qk_norm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm",
                                                     qk_layernorm=args.qk_norm)
-    attention = spec.submodules.self_attention.submodules
+    layer: Any = spec.submodules  # a TransformerLayerSubmodules (megatron types it `object`)
+    attention = layer.self_attention.submodules
     attention.core_attention = _sdpa_attention_class()
-    spec.submodules.input_layernorm = RMSNorm
-    spec.submodules.pre_mlp_layernorm = RMSNorm
+    layer.input_layernorm = RMSNorm
+    layer.pre_mlp_layernorm = RMSNorm
     if args.qk_norm:
         attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
     return spec

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from megatron_rl.models.config import ModelArgs, ModelOptions
 from megatron_rl.models.gpt import build_gpt_model, thd_params
 from megatron_rl.models import hf_mapping
 from megatron_rl.parallel import ParallelConfig
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -232,16 +235,19 @@ class Policy:
 
     # -- the unwrapped GPTModel ------------------------------------------------------------------
     @property
-    def module(self):
+    def module(self) -> GPTModel:
         m = self.model[0]
-        return m.module if hasattr(m, "module") else m
+        # nn.Module's __getattr__ types `.module` (of megatron's DDP wrapper) as Tensor | Module
+        return cast("GPTModel", m.module if hasattr(m, "module") else m)
 
     def output_weight(self) -> torch.Tensor:
         """This rank's output-layer shard [V/TP, H] (the word embedding when tied); last stage."""
         m = self.module
         if m.share_embeddings_and_output_weights:
             return m.shared_embedding_or_output_weight()
-        return m.output_layer.weight
+        weight = m.output_layer.weight
+        assert weight is not None  # allocated when the embedding is not shared
+        return weight
 
     @property
     def pad_multiple(self) -> int:
@@ -373,8 +379,10 @@ class Policy:
         if reference is not None:
             for m in reference.model:
                 m.train(False)
-        if not forward_only and hasattr(self.model[0], "zero_grad_buffer"):
-            self.model[0].zero_grad_buffer()
+        # megatron DDP's (a frozen model is not wrapped)
+        zero_grad_buffer = getattr(self.model[0], "zero_grad_buffer", None)
+        if not forward_only and zero_grad_buffer is not None:
+            zero_grad_buffer()
         if self.optimizer is not None and not forward_only:
             self.optimizer.zero_grad()
         fb = get_forward_backward_func()
@@ -411,6 +419,7 @@ class Policy:
         from megatron.core import parallel_state as ps
 
         if self.pp_size == 1:
+            assert t is not None  # the only stage is the last
             return t
         dev = next(self.module.parameters()).device
         buf = t.to(dev).contiguous() if self.is_last_stage else torch.empty(shape, dtype=dtype,
@@ -493,7 +502,9 @@ class Policy:
         """Optimizer step after forward_backward, then the learning-rate schedule advances
         (only when the update was applied, as in megatron's train_step). Returns (update
         applied, grad norm)."""
-        ok, grad_norm, _ = self.optimizer.step()
+        # megatron-core's abstract MegatronOptimizer.step() is unannotated with a `pass` body
+        # (inferred None); every optimizer returns (update applied, grad norm, zeros in grad)
+        ok, grad_norm, _ = self.optimizer.step()  # pyright: ignore[reportGeneralTypeIssues]
         if ok and self.scheduler is not None:
             self.scheduler.step(increment=1)
         return bool(ok), (float(grad_norm) if grad_norm is not None else None)
