@@ -10,6 +10,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from megatron_rl.progress import progress
+
 # the metrics the progress display shows, by their last path component
 PROGRESS_KEYS = ("reward/mean", "kl_k1", "eval/mean_at_k")
 
@@ -43,11 +45,10 @@ class MetricsLogger:
                                    if k in clean})
 
     def progress(self, steps: Iterable[int], total: int, initial: int) -> Iterator[int]:
-        """`steps`, shown as a progress display on the logging rank."""
-        from tqdm import tqdm
-
-        self._bar = tqdm(steps, desc="RL", initial=initial, total=total,
-                         disable=not self.enabled, dynamic_ncols=True)
+        """`steps`, shown as progress on the logging rank (a bar on a terminal, a line now and
+        then on a file or pipe: megatron_rl.progress)."""
+        self._bar = progress(steps, desc="RL", initial=initial, total=total,
+                             disable=not self.enabled, unit="step")
         return iter(self._bar)
 
     def truncate(self, step: int) -> None:

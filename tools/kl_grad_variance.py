@@ -89,7 +89,7 @@ def flat_grad(policy):
 def main(argv=None) -> int:
     a = parse_args(argv)
     import torch
-    from tqdm import tqdm
+    from megatron_rl.progress import progress
 
     import reproduce
     from megatron_rl.config import parse_config
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         captured["g"] = g
         return True, float(g.norm())
 
-    for s in tqdm(range(a.warmup_steps), desc="warm-up RL steps (k1:reward)", unit="step"):
+    for s in progress(range(a.warmup_steps), desc="warm-up RL steps (k1:reward)", unit="step"):
         rt.cfg.algorithm.loss.kl = KLConfig(estimator="k1", placement="reward", coef=a.warmup_beta)
         batch, _ = generate_batch(rt, step=s)
         if not train_on_batch(rt.policy, rt.reference, rt.cfg, batch, {}):
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     sqs = {c: torch.zeros(n_params, dtype=torch.float64) for c in a.configs}
     diff_sq = {c: 0.0 for c in a.configs}   # sum_r |g_c - g_target|^2 (paired: same batch)
     kl_tokens = []
-    for r in tqdm(range(a.repeats), desc="batches", unit="batch"):
+    for r in progress(range(a.repeats), desc="batches", unit="batch"):
         # step seed cfg.seed + 7919 * step: not a warm-up step's; the data moves on too
         batch, _ = generate_batch(rt, step=a.warmup_steps + r)
         batch.rewards = torch.zeros_like(batch.rewards)   # the KL regulariser's gradient alone

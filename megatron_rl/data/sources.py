@@ -295,9 +295,9 @@ def _reasoning_gym(name: str, size: int, seed: int, progress: bool, **config) ->
     dataset = reasoning_gym.create_dataset(name, seed=seed, size=size, **config)
     items = range(size)
     if progress:
-        from tqdm import tqdm
+        from megatron_rl.progress import progress as shown
 
-        items = tqdm(items, desc=f"generating {name}", unit="item")
+        items = shown(items, desc=f"generating {name}", unit="item")
     return [dataset[i] for i in items]
 
 

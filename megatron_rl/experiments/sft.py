@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_rl.batch import next_token_targets, pack_rollouts
 from megatron_rl.parallel import all_reduce, data_parallel_group, device
+from megatron_rl.progress import progress as progress_display
 from megatron_rl.rollout.base import Completion
 
 
@@ -21,7 +22,6 @@ def sft(policy, pairs: Sequence[tuple[list[int], list[int]]], *, steps: int, bat
     """Train on (prompt ids, target ids) pairs (targets include the stop token). This DP rank
     uses its share of each global batch. Returns the per-step mean token NLL."""
     from megatron.core import parallel_state as ps
-    from tqdm import trange
 
     from megatron_rl.ops import vocab_parallel_logprobs
 
@@ -29,7 +29,7 @@ def sft(policy, pairs: Sequence[tuple[list[int], list[int]]], *, steps: int, bat
     rng = random.Random(seed)
     losses = []
     show = progress and (not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1)
-    bar = trange(steps, desc="SFT warm-up", disable=not show, dynamic_ncols=True)
+    bar = progress_display(range(steps), desc="SFT warm-up", disable=not show, unit="step")
     for _ in bar:
         chosen = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)][dp_rank::dp]
         batch = pack_rollouts([p for p, _ in chosen],
