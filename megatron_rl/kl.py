@@ -15,7 +15,7 @@ Sequence-level reverse KL, the regularizer of the RL objective:
     causality: E[K1_s s_t] = 0 for s < t).
 
 Where the estimator goes decides which gradient one gets (A Comedy of Estimators, arXiv 2512.21852,
-Sec. 3; the expected gradients are derived for a toy model in megatron_rl/toy.py):
+Sec. 3; the expected gradients are derived for a toy model in megatron_rl/experiments/toy.py):
 - "reward": beta * sum_t K_t is subtracted from the sequence's return (stop-gradient) and reaches
   the policy only through the score function inside the advantage. K1 -> exactly g*
   (unbiased); K3 -> g* + E[sum_t r_t s_t], biased; GRPO-style K3 in reward collapses.
@@ -27,8 +27,8 @@ Sec. 3; the expected gradients are derived for a toy model in megatron_rl/toy.py
   g* exactly when E_{pi_theta}[sum_t K_t] = KL, i.e. for K1 and K3 (not K2): unbiased on-policy.
 - "none": no KL term.
 
-The exact per-position KL ("exact"; on the toy as megatron_rl/toy.py's `ExactKL`, in the trainer
-`--kl-estimator exact`; not in ESTIMATORS: it needs both full next-token distributions, so the
+The exact per-position KL ("exact"; on the toy as megatron_rl/experiments/toy.py's `ExactKL`, in
+the trainer `--kl-estimator exact`; not in ESTIMATORS: it needs both full next-token distributions, so the
 functions here take its values as `token_kl` instead of computing them from log-probs):
     KL_t(y_<t) = sum_v pi_theta(v|y_<t) (log pi_theta(v|y_<t) - log pi_ref(v|y_<t)) = E[K1_t | y_<t],
 a function of the prefix alone (no sampling noise at position t), and

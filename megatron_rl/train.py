@@ -1,4 +1,6 @@
-"""The RL training loop, top-down:
+"""RL training of a policy on verifiable rewards, with the KL term where the run puts it.
+
+The loop, top-down:
 
     rollout -> rewards -> reference log-probs -> advantages (KL in the reward when placed there)
     -> PPO epochs over minibatches (KL in the loss when placed there) -> weight sync
