@@ -40,9 +40,7 @@ from typing import Any
 
 import yaml
 
-from megatron_rl.advantages import ADVANTAGE_ESTIMATORS
-from megatron_rl.kl import ESTIMATOR_NAMES, OFF_POLICY_CORRECTIONS, PLACEMENTS
-from megatron_rl.loss import AGGREGATIONS, LossConfig
+from megatron_rl.loss import LossConfig
 from megatron_rl.models.config import ModelOptions
 from megatron_rl.models.policy import LR_DECAY_STYLES, OptimConfig
 from megatron_rl.parallel import ParallelConfig, use_cuda
@@ -376,57 +374,6 @@ class TrainConfig:
 # (KLConfig) and models/policy.py (OptimConfig), by flag name. A field's own metadata must not
 # declare them as well (_walk raises).
 _DECLARED_HERE = {
-    "clip_low": dict(help=(
-        "PPO clip below: the ratio pi/pi_old is clipped at 1 - clip_low (1: no lower clip)")),
-    "clip_high": dict(help=(
-        "PPO clip above: the ratio is clipped at 1 + clip_high (0.28: DAPO's clip-higher; inf: "
-        "no upper clip)")),
-    "loss_aggregation": dict(choices=sorted(AGGREGATIONS), help=(
-        "how token losses become the loss: token-sum-over-batch-tokens = their sum over the "
-        "token count of the whole rollout batch (the paper's; the same for all its PPO "
-        "minibatches); token-mean = over the token count of the optimizer step's minibatch; "
-        "seq-mean-token-mean = the mean of each sequence's token mean; seq-mean-token-sum = "
-        "the sum over the sequence count (no length normalisation). The first two coincide "
-        "with one optimizer step per batch")),
-    "advantage_estimator": dict(choices=sorted(ADVANTAGE_ESTIMATORS), help=(
-        "baseline within each prompt's group: rloo = the mean of the other responses' returns "
-        "(unbiased); grpo = the group mean, then divided by the group's std; dr_grpo = the "
-        "group mean (the last two include the response itself: gradient scaled by "
-        "1 - 1/group_size); reinforce = no baseline")),
-    "kl_estimator": dict(choices=list(ESTIMATOR_NAMES), help=(
-        "per-token estimator K_t of KL(pi || pi_ref), log r = log pi_ref - log pi: k1 = -log "
-        "r; k2 = (log r)^2 / 2; k3 = r - 1 - log r; low_var_kl = k3 with verl/slime's clamps "
-        "(no gradient where a clamp is active); exact = the per-position KL from both full "
-        "distributions (a reference forward inside the step). Which gradient it gives depends "
-        "on --kl-placement: k1 in the reward is the unbiased gradient of the sequence-level "
-        "reverse KL (the default); k3 in the loss (GRPO's default) is biased: the gradient of "
-        "the token-level forward KL; k1 in the loss has zero expected gradient (no "
-        "regularisation); k3 in the reward is biased; reward+loss is unbiased on-policy for "
-        "k1, k3 and exact")),
-    "kl_placement": dict(choices=list(PLACEMENTS), help=(
-        "where the KL enters: reward = --kl-coef x sum_t K_t subtracted from each response's "
-        "return (stop-gradient; it reaches the policy through the advantage); loss = "
-        "--kl-coef x K_t added to each token's loss (differentiated path-wise); reward+loss = "
-        "both; none = no KL term (the KL is still logged)")),
-    "kl_coef": dict(help="beta: the weight of the KL term"),
-    "kl_reward_to_go": dict(help=(
-        "reward placement: credit token t with the KL of positions s >= t only instead of the "
-        "whole sequence's (same expectation, lower variance). No effect with exact, whose "
-        "reward side always charges the later positions' KL")),
-    "kl_off_policy_correction": dict(choices=list(OFF_POLICY_CORRECTIONS), help=(
-        "the KL of samples from an older policy (--ppo-minibatches > 1, --async-level): none = "
-        "as on-policy (biased off-policy); token-is = the KL loss term weighted by pi/pi_old "
-        "per token (biased for the sequence-level KL, bounded variance); seq-is = prefix-level "
-        "importance weights on both sides (unbiased for k1 and, in reward+loss, k3 when not "
-        "truncated; variance grows with the divergence)")),
-    "kl_is_truncation": dict(help=(
-        "truncate the importance weights of --kl-off-policy-correction at this value "
-        "(min(w, c)): bounded variance, biased towards the uncorrected estimator; unset: no "
-        "truncation")),
-    "kl_is_weight_grad": dict(help=(
-        "token-is only: let the gradient flow through the weight pi/pi_old, which makes the "
-        "loss term the gradient of the token-level KL at each visited prefix; off: the weight "
-        "is detached")),
     "lr": dict(help="peak learning rate, reached after --lr-warmup-iters"),
     "min_lr": dict(help=(
         "learning rate at the end of the decay (linear, cosine), kept after --lr-decay-iters")),

@@ -86,7 +86,7 @@ Off-policy (samples from pi_old != pi_theta) none of the placements above is unb
 sequence-level KL. `off_policy_correction` chooses the fix; see `importance_weights`,
 `kl_loss_term` and `kl_reward_is_surrogate` for the bias and variance of each option.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -197,13 +197,42 @@ class KLConfig(Placement):
         E_{pi_theta}[K_t] at each visited prefix; detached (default) keeps only omega grad K.
     """
 
-    estimator: str = "k1"
-    placement: str = "reward"
-    coef: float = 0.05
-    reward_to_go: bool = False
-    off_policy_correction: str = "none"
-    is_truncation: float | None = None
-    is_weight_grad: bool = False
+    estimator: str = field(default="k1", metadata={"choices": list(ESTIMATOR_NAMES), "help": (
+        "per-token estimator K_t of KL(pi || pi_ref), log r = log pi_ref - log pi: k1 = -log "
+        "r; k2 = (log r)^2 / 2; k3 = r - 1 - log r; low_var_kl = k3 with verl/slime's clamps "
+        "(no gradient where a clamp is active); exact = the per-position KL from both full "
+        "distributions (a reference forward inside the step). Which gradient it gives depends "
+        "on --kl-placement: k1 in the reward is the unbiased gradient of the sequence-level "
+        "reverse KL (the default); k3 in the loss (GRPO's default) is biased: the gradient of "
+        "the token-level forward KL; k1 in the loss has zero expected gradient (no "
+        "regularisation); k3 in the reward is biased; reward+loss is unbiased on-policy for "
+        "k1, k3 and exact")})
+    placement: str = field(default="reward", metadata={"choices": list(PLACEMENTS), "help": (
+        "where the KL enters: reward = --kl-coef x sum_t K_t subtracted from each response's "
+        "return (stop-gradient; it reaches the policy through the advantage); loss = --kl- "
+        "coef x K_t added to each token's loss (differentiated path-wise); reward+loss = "
+        "both; none = no KL term (the KL is still logged)")})
+    coef: float = field(default=0.05, metadata={"help": (
+        "beta: the weight of the KL term")})
+    reward_to_go: bool = field(default=False, metadata={"help": (
+        "reward placement: credit token t with the KL of positions s >= t only instead of the "
+        "whole sequence's (same expectation, lower variance). No effect with exact, whose "
+        "reward side always charges the later positions' KL")})
+    off_policy_correction: str = field(default="none", metadata={
+        "choices": list(OFF_POLICY_CORRECTIONS), "help": (
+        "the KL of samples from an older policy (--ppo-minibatches > 1, --async-level): none "
+        "= as on-policy (biased off-policy); token-is = the KL loss term weighted by "
+        "pi/pi_old per token (biased for the sequence-level KL, bounded variance); seq-is = "
+        "prefix-level importance weights on both sides (unbiased for k1 and, in reward+loss, "
+        "k3 when not truncated; variance grows with the divergence)")})
+    is_truncation: float | None = field(default=None, metadata={"help": (
+        "truncate the importance weights of --kl-off-policy-correction at this value (min(w, "
+        "c)): bounded variance, biased towards the uncorrected estimator; unset: no "
+        "truncation")})
+    is_weight_grad: bool = field(default=False, metadata={"help": (
+        "token-is only: let the gradient flow through the weight pi/pi_old, which makes the "
+        "loss term the gradient of the token-level KL at each visited prefix; off: the weight "
+        "is detached")})
 
     def __post_init__(self):
         if self.estimator not in ESTIMATOR_NAMES:

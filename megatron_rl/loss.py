@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_rl.advantages import compute_advantages, get_advantage_estimator
+from megatron_rl.advantages import (ADVANTAGE_ESTIMATORS, compute_advantages,
+                                    get_advantage_estimator)
 from megatron_rl.kl import (KLConfig, k1, k3, kl_loss_term, kl_reward_is_surrogate,
                             kl_reward_penalty, kl_reward_to_go_penalty)
 
@@ -79,12 +80,26 @@ class LossConfig:
     (clip_high 0.28 is DAPO's clip-higher). aggregation: a key of AGGREGATIONS.
     advantage_estimator: a key of megatron_rl.advantages.ADVANTAGE_ESTIMATORS."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    aggregation: str = field(default="token-sum-over-batch-tokens",
-                             metadata={"flag": "loss_aggregation"})  # --loss-aggregation
+    clip_low: float = field(default=0.2, metadata={"help": (
+        "PPO clip below: the ratio pi/pi_old is clipped at 1 - clip_low (1: no lower clip)")})
+    clip_high: float = field(default=0.2, metadata={"help": (
+        "PPO clip above: the ratio is clipped at 1 + clip_high (0.28: DAPO's clip-higher; "
+        "inf: no upper clip)")})
+    aggregation: str = field(default="token-sum-over-batch-tokens", metadata={
+        "flag": "loss_aggregation", "choices": sorted(AGGREGATIONS), "help": (
+        "how token losses become the loss: token-sum-over-batch-tokens = their sum over the "
+        "token count of the whole rollout batch (the paper's; the same for all its PPO "
+        "minibatches); token-mean = over the token count of the optimizer step's minibatch; "
+        "seq-mean-token-mean = the mean of each sequence's token mean; seq-mean-token-sum = "
+        "the sum over the sequence count (no length normalisation). The first two coincide "
+        "with one optimizer step per batch")})
     kl: KLConfig = field(default_factory=KLConfig, metadata={"prefix": "kl_"})  # --kl-*
-    advantage_estimator: str = "rloo"
+    advantage_estimator: str = field(default="rloo", metadata={
+        "choices": sorted(ADVANTAGE_ESTIMATORS), "help": (
+        "baseline within each prompt's group: rloo = the mean of the other responses' returns "
+        "(unbiased); grpo = the group mean, then divided by the group's std; dr_grpo = the "
+        "group mean (the last two include the response itself: gradient scaled by 1 - "
+        "1/group_size); reinforce = no baseline")})
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
