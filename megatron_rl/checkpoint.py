@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from typing import cast
 
 import numpy as np
 import torch
@@ -176,7 +177,8 @@ def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True) -> dict:
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
     sd = _sharded_state_dict(policy, with_optimizer, is_loading=True)
-    loaded = dist_checkpointing.load(sd, ckpt_dir)
+    # a state dict: load returns a tuple only under a RETURN_* strict mode, not asked for here
+    loaded = cast(dict, dist_checkpointing.load(sd, ckpt_dir))
     result = policy.module.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing:

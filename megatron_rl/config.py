@@ -49,7 +49,8 @@ from megatron_rl.rollout.factory import ENGINES
 _field = dataclasses.field
 
 
-def _opt(default=dataclasses.MISSING, *, help: str, factory=dataclasses.MISSING, **metadata):
+def _opt(default=dataclasses.MISSING, *, help: str, factory=dataclasses.MISSING,
+         **metadata) -> typing.Any:
     """A setting's field: its default and its flag's help text (what it does, its unit, what it
     applies to), with optional "choices" and "min" that TrainConfig.validate checks."""
     return _field(default=default, default_factory=factory, metadata={"help": help, **metadata})

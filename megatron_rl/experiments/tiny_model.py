@@ -21,15 +21,20 @@ def make_tiny_hf_checkpoint(path: str, family: str = "qwen2", *, tie_word_embedd
     import transformers
 
     kwargs = {**TINY_DEFAULTS, "tie_word_embeddings": tie_word_embeddings, **overrides}
+    # transformers 5 takes rope_theta through **kwargs (into rope_parameters); its signatures no
+    # longer name it, hence the pyright ignores below
     if family == "qwen2":
-        config = transformers.Qwen2Config(rope_theta=1_000_000.0, **kwargs)
+        config = transformers.Qwen2Config(
+            rope_theta=1_000_000.0, **kwargs)  # pyright: ignore[reportCallIssue]
         cls = transformers.Qwen2ForCausalLM
     elif family == "qwen3":  # q/k norms, no qkv bias, head_dim independent of hidden / heads
         kwargs.setdefault("head_dim", 2 * kwargs["hidden_size"] // kwargs["num_attention_heads"])
-        config = transformers.Qwen3Config(rope_theta=1_000_000.0, **kwargs)
+        config = transformers.Qwen3Config(
+            rope_theta=1_000_000.0, **kwargs)  # pyright: ignore[reportCallIssue]
         cls = transformers.Qwen3ForCausalLM
     elif family == "llama":
-        config = transformers.LlamaConfig(rope_theta=500_000.0, **kwargs)
+        config = transformers.LlamaConfig(
+            rope_theta=500_000.0, **kwargs)  # pyright: ignore[reportCallIssue]
         cls = transformers.LlamaForCausalLM
     else:
         raise ValueError(f"unknown tiny model family {family!r}; valid: ['llama', 'qwen2', 'qwen3']")

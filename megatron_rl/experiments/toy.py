@@ -495,7 +495,7 @@ def exact_gradient_moments(theta, ref, seq_len, kl_cfg, old=None, model: str = "
     inside the advantage: the large-group limit of a leave-one-out (RLOO) baseline. Same E[grad].
     """
     y = all_sequences(seq_len).transpose(0, 1)  # [2^T, 1, T]: one sequence per copy
-    policy = BinaryARPolicy(*theta, y.shape[0], model=model)
+    policy = BinaryARPolicy(*theta, num_copies=y.shape[0], model=model)
     ref_policy = BinaryARPolicy(*ref, model=model)
     old_policy = BinaryARPolicy(*old, model=model) if old is not None else None
     with torch.no_grad():
@@ -576,14 +576,15 @@ def run_study(setup: ToySetup) -> dict:
     generator = torch.Generator().manual_seed(setup.seed)
     k, n = setup.num_trials, setup.num_samples
     do_mc = k > 0 and n > 0
+    samples, ref_policy, old_policy, chunks, mc_policies = {}, None, None, [], {}
     if do_mc:
-        samples = {False: BinaryARPolicy(*setup.theta, k, model=model).sample(n, t, generator),
-                   True: BinaryARPolicy(*setup.old, k, model=model).sample(n, t, generator)}
+        samples = {False: BinaryARPolicy(*setup.theta, num_copies=k, model=model).sample(n, t, generator),
+                   True: BinaryARPolicy(*setup.old, num_copies=k, model=model).sample(n, t, generator)}
         ref_policy = BinaryARPolicy(*setup.ref, model=model)
         old_policy = BinaryARPolicy(*setup.old, model=model)
         # Trials run in chunks: the same numbers, but [chunk * N, T] tensors stay cache-sized.
         chunks = [(lo, min(lo + TRIAL_CHUNK, k)) for lo in range(0, k, TRIAL_CHUNK)]
-        mc_policies = {size: BinaryARPolicy(*setup.theta, size, model=model)
+        mc_policies = {size: BinaryARPolicy(*setup.theta, num_copies=size, model=model)
                        for size in {hi - lo for lo, hi in chunks}}
 
     rows = []

@@ -238,7 +238,7 @@ def te_available() -> bool:
     if not use_cuda():
         return False
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine  # noqa: F401  # pyright: ignore[reportMissingImports] (GPU images only)
     except ImportError:
         return False
     return True

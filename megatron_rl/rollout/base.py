@@ -6,7 +6,9 @@ Token ids in, token ids and the sampled tokens' log-probs out. Engines never see
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Protocol, Sequence
+from typing import Callable, ClassVar, Protocol, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 class ServerError(RuntimeError):
@@ -139,15 +141,17 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def on_client(engine: RolloutEngine, fn):
+def on_client(engine: RolloutEngine, fn: Callable[[], T]) -> T:
     """Collective: `fn()` run on the engine's client rank, its picklable result on every rank
     (the batch a one-client engine generated, scored there, shared with the trainer's ranks)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return fn()
-    box = [fn() if dist.get_rank() == engine.client_rank else None]
-    dist.broadcast_object_list(box, src=engine.client_rank)
+    src = engine.client_rank
+    assert src is not None, "on_client needs an engine with a client rank"
+    box: list = [fn() if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
     return box[0]
 
 

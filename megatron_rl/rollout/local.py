@@ -144,6 +144,7 @@ class LocalEngine:
         pads = torch.tensor([P - len(p) for p in seqs], device=dev)
         pos = (torch.arange(max_len, device=dev)[None, :] - pads[:, None]).clamp(min=0)
         decoder = KVDecoder(self.policy, len(prompts), max_len) if self.kv_cache else None
+        allowed = valid  # set at t == 0 (the whole prefix), then per step
         for t in range(params.max_new_tokens):
             s = P + t
             v = valid[:, :s]

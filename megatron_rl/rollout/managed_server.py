@@ -29,6 +29,7 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.request
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -194,8 +195,9 @@ class ManagedServer:
                 raise ServerError(f"{self.name}: {reason}; gave up after {self.num_restarts} "
                                   f"restarts; log {self.log_path}:\n{self.log_tail()}")
             self.num_restarts += 1
-            with open(self.log_path, "a") as log:
-                log.write(f"\n===== restarting {self.name}: {reason}\n")
+            if self.log_path is not None:  # none yet when it never started
+                with open(self.log_path, "a") as log:
+                    log.write(f"\n===== restarting {self.name}: {reason}\n")
             self.stop()
             self.start()
 

@@ -60,6 +60,7 @@ from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.parallel import broadcast_from_rank0, dist_barrier, dist_rank
 from megatron_rl.rollout.base import ServerError
 from megatron_rl.rollout.net import ServerRequestError, TRANSPORT_ERRORS
+from megatron_rl.rollout.server_engine import ServerBackedEngine
 from megatron_rl.rollout.threads import BackgroundThreads
 from megatron_rl.rollout.weight_sync import Payload, WeightSync, load_payload
 
@@ -105,7 +106,7 @@ class _SitOut(Exception):
 @dataclasses.dataclass
 class _Member:
     index: int
-    engine: object
+    engine: ServerBackedEngine
     executor: BackgroundThreads
     live: bool = True
     last_error: str | None = None
@@ -286,8 +287,8 @@ class ServerPool:
         self._shut_down = True
         for m in self.members:
             _quiet_shutdown(m.engine)
-        if self._buckets is not None:
-            self._buckets.close()
+        if self.sync is not None:  # the first member's, already closed by its shutdown
+            self.sync.close()
         for m in self.members:
             m.executor.shutdown(wait=False, cancel_futures=True)
 

@@ -47,6 +47,7 @@ class ServerBackedEngine:
     NAME = "server"
     client_rank = 0            # the server is launched (or attached) and driven by global rank 0
     holds_own_weights = True
+    weight_version: int
     server: "ManagedServer | None"
     sync: WeightSync
     url: str | None
@@ -98,6 +99,10 @@ class ServerBackedEngine:
                             failures[-1], what)
         raise BadAnswer(f"{self.NAME} server {self.url}: {what}: {len(failures)} bad answer(s): "
                         + "; ".join(failures))
+
+    def server_weight_version(self) -> int | None:
+        """The weight version the server reports (None: untagged, or it cannot tell)."""
+        raise NotImplementedError
 
     def _request(self, prompts: list[list[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:

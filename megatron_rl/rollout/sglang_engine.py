@@ -251,7 +251,8 @@ class SGLangEngine(ServerBackedEngine):
     def _init_update_group(self):
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import (PrefixStore, _new_process_group_helper,
-                                                        _world, rendezvous)
+                                                        _world)
+        from torch.distributed.rendezvous import rendezvous
 
         port = self.config.nccl_master_port or free_port("0.0.0.0")
         world = 1 + self.config.tp_size

@@ -21,12 +21,16 @@ reload repacks the shared, already updated weight.
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 
 class WeightSyncExtension:
     """Mixed into vLLM's Worker class (so `self.model_runner` is the worker's model runner)."""
 
     _mrl_weight_version: str = ""
+    # the Worker's, which this class is mixed into
+    model_runner: Any
+    reload_weights: Callable[..., Any]
 
     def mrl_reload_weights(self, weights_path: str, version: str = "") -> dict:
         """Reload all weights from an HF directory in place, refresh a tied lm_head, tag version."""
