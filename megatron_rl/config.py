@@ -14,8 +14,7 @@
 Each setting is declared once, in the dataclass of the module that consumes it (ParallelConfig in
 parallel.py, ModelOptions in models/config.py, OptimConfig in models/policy.py, LossConfig in
 loss.py, KLConfig in kl.py), its flag's help text (and its valid "choices" and "min", where
-declared) in the field's metadata; for LossConfig, KLConfig and OptimConfig in _DECLARED_HERE
-below. The command line and YAML keep one flat namespace: a field's flag is
+declared) in the field's metadata. The command line and YAML keep one flat namespace: a field's flag is
 `--<field-name>` with '_' -> '-', prefixed by its group's `prefix` metadata where a name would be
 ambiguous (KLConfig's fields are `--kl-*`) or renamed by its `flag` metadata (`--loss-aggregation`).
 YAML keys are those flag names with '-' -> '_'.
@@ -42,7 +41,7 @@ import yaml
 
 from megatron_rl.loss import LossConfig
 from megatron_rl.models.config import ModelOptions
-from megatron_rl.models.policy import LR_DECAY_STYLES, OptimConfig
+from megatron_rl.models.policy import OptimConfig
 from megatron_rl.parallel import ParallelConfig, use_cuda
 from megatron_rl.rollout.factory import ENGINES
 
@@ -371,29 +370,6 @@ class TrainConfig:
                              "pipeline parallelism (all microbatches need one shape)")
 
 
-# Help and choices of the flags whose fields are declared in loss.py (LossConfig), kl.py
-# (KLConfig) and models/policy.py (OptimConfig), by flag name. A field's own metadata must not
-# declare them as well (_walk raises).
-_DECLARED_HERE = {
-    "lr": dict(help="peak learning rate, reached after --lr-warmup-iters"),
-    "min_lr": dict(help=(
-        "learning rate at the end of the decay (linear, cosine), kept after --lr-decay-iters")),
-    "weight_decay": dict(help=(
-        "AdamW weight decay (biases and 1-D parameters such as norm weights excluded)")),
-    "adam_beta1": dict(help="Adam's beta1 (first-moment decay)"),
-    "adam_beta2": dict(help="Adam's beta2 (second-moment decay)"),
-    "adam_eps": dict(help="Adam's epsilon, added to the denominator for numerical stability"),
-    "clip_grad": dict(help="clip the global gradient norm to this (0: no clipping)"),
-    "lr_warmup_iters": dict(help=(
-        "optimizer steps of linear warmup from --lr-warmup-init to --lr")),
-    "lr_decay_style": dict(choices=list(LR_DECAY_STYLES), help=(
-        "learning-rate schedule after the warmup (megatron's): constant = --lr; linear, cosine "
-        "= from --lr down to --min-lr at --lr-decay-iters")),
-    "lr_decay_iters": dict(help=(
-        "optimizer step at which the decay reaches --min-lr; unset: --train-iters x "
-        "--ppo-minibatches x --ppo-epochs (linear, cosine)")),
-    "lr_warmup_init": dict(help="learning rate at the start of the warmup"),
-}
 
 # Keys a config file may hold that no setting reads (a run's config.json written when they were
 # settings): accepted with a warning and ignored.
@@ -412,11 +388,6 @@ def _walk(cls, path: tuple = (), prefix: str = ""):
             continue
         name = f.metadata.get("flag", prefix + f.name)
         meta = dict(f.metadata)
-        if name in _DECLARED_HERE:
-            if set(meta) & set(_DECLARED_HERE[name]):
-                raise TypeError(f"flag --{name}: {sorted(set(meta) & set(_DECLARED_HERE[name]))} "
-                                "declared by its field and in config._DECLARED_HERE")
-            meta.update(_DECLARED_HERE[name])
         yield name, path + (f.name,), kind, meta
 
 

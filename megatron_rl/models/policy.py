@@ -33,6 +33,12 @@ if TYPE_CHECKING:
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
+def _field(default, help: str, **metadata):
+    """An OptimConfig field: its default and its flag's help (and choices), which the trainer's
+    command line shows (megatron_rl.config)."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclasses.dataclass
 class OptimConfig:
     """Adam and its learning-rate schedule, with megatron's flag names and semantics.
@@ -47,17 +53,25 @@ class OptimConfig:
     Weight decay skips biases and 1-D parameters (norm weights), as megatron does.
     """
 
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_iters: int | None = None
-    lr_warmup_init: float = 0.0
+    lr: float = _field(1e-6, help="peak learning rate, reached after --lr-warmup-iters")
+    min_lr: float = _field(0.0, help=(
+        "learning rate at the end of the decay (linear, cosine), kept after --lr-decay-iters"))
+    weight_decay: float = _field(0.0, help=(
+        "AdamW weight decay (biases and 1-D parameters such as norm weights excluded)"))
+    adam_beta1: float = _field(0.9, help="Adam's beta1 (first-moment decay)")
+    adam_beta2: float = _field(0.999, help="Adam's beta2 (second-moment decay)")
+    adam_eps: float = _field(1e-8, help=(
+        "Adam's epsilon, added to the denominator for numerical stability"))
+    clip_grad: float = _field(1.0, help="clip the global gradient norm to this (0: no clipping)")
+    lr_warmup_iters: int = _field(0, help=(
+        "optimizer steps of linear warmup from --lr-warmup-init to --lr"))
+    lr_decay_style: str = _field("constant", choices=list(LR_DECAY_STYLES), help=(
+        "learning-rate schedule after the warmup (megatron's): constant = --lr; linear, cosine "
+        "= from --lr down to --min-lr at --lr-decay-iters"))
+    lr_decay_iters: int | None = _field(None, help=(
+        "optimizer step at which the decay reaches --min-lr; unset: --train-iters x "
+        "--ppo-minibatches x --ppo-epochs (linear, cosine)"))
+    lr_warmup_init: float = _field(0.0, help="learning rate at the start of the warmup")
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for an inconsistent schedule."""
