@@ -96,13 +96,31 @@ def main(argv=None) -> None:
         prog="megatron-rl convert",
         description="Convert checkpoints between HF and Megatron formats. Run under torchrun "
                     "with world size TP*PP for a sharded layout.")
-    p.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
-    p.add_argument("--load", required=True, help="source: HF dir, or Megatron checkpoint root/dir")
-    p.add_argument("--save", required=True, help="destination directory")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="dtype of exported HF tensors (default: as stored)")
+    p.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"], help=(
+        "hf-to-megatron: a Hugging Face directory (--load) into a Megatron checkpoint root "
+        "(--save); megatron-to-hf: a Megatron checkpoint written by megatron-rl (--load) into a "
+        "Hugging Face directory (--save)"))
+    p.add_argument("--load", required=True, help=(
+        "source: hf-to-megatron: the Hugging Face directory (config.json, safetensors, "
+        "tokenizer files); megatron-to-hf: a Megatron checkpoint root (its `latest` iteration) "
+        "or one iteration directory, with the hf_config.json megatron-rl stores. Required"))
+    p.add_argument("--save", required=True, help=(
+        "destination: hf-to-megatron: the checkpoint root, which gets iteration directory "
+        "iter_0000000 (weights, hf_config.json, tokenizer files) and the `latest` pointer; "
+        "megatron-to-hf: the Hugging Face directory (config.json, safetensors, the checkpoint's "
+        "tokenizer files), replaced as a whole when it exists. Required"))
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help=(
+        "tensor-parallel size the model is held in while converting; the Megatron checkpoint "
+        "is reshardable, so it loads in any layout later. Launch with torchrun and exactly "
+        "TP x PP processes (default: %(default)s)"))
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help=(
+        "pipeline-parallel size (stages) the model is held in while converting; the Megatron "
+        "checkpoint is reshardable, so it loads in any layout later. Launch with torchrun and "
+        "exactly TP x PP processes (default: %(default)s)"))
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help=(
+        "megatron-to-hf only: dtype of the exported safetensors tensors, also written to "
+        "config.json as torch_dtype (default: unset, float32: the precision the converter "
+        "holds the weights in)"))
     a = p.parse_args(argv)
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -124,22 +124,56 @@ def main(argv=None) -> None:
     from megatron_rl.rollout.local import LocalEngine
 
     p = argparse.ArgumentParser(prog="megatron-rl eval", description=main.__doc__)
-    p.add_argument("--hf-checkpoint", required=True, help="HF dir (weights unless --load; tokenizer)")
-    p.add_argument("--load", help="Megatron checkpoint root/dir to evaluate instead of HF weights")
-    p.add_argument("--eval-data", nargs="+", required=True)
-    p.add_argument("--samples", type=int, default=32, help="k of mean@k / pass@k")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompts", type=int, default=0)
-    p.add_argument("--chat-template", action="store_true")
-    p.add_argument("--prompt-template", default="{prompt}")
-    p.add_argument("--no-task-instruction", dest="task_instruction", action="store_false",
-                   help="the bare problem text, without the task's answer-format instruction")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--out", help="write JSON results here")
+    p.add_argument("--hf-checkpoint", required=True, help=(
+        "Hugging Face checkpoint directory: the model architecture (config.json), the tokenizer, "
+        "and the weights unless --load gives them. Required"))
+    p.add_argument("--load", help=(
+        "Megatron checkpoint whose weights are evaluated instead of the --hf-checkpoint ones: a "
+        "checkpoint root (its `latest` iteration) or one iteration directory, loaded in this "
+        "run's TP/PP layout; the architecture and tokenizer still come from --hf-checkpoint "
+        "(default: unset, the HF weights)"))
+    p.add_argument("--eval-data", nargs="+", required=True, help=(
+        "evaluation prompt files (JSONL, as tools/prepare_data.py writes them), read in file "
+        "order; each row's task selects its reward function and its row of the table. Required"))
+    p.add_argument("--samples", type=int, default=32, help=(
+        "responses sampled per prompt and seed: the k of mean@k and pass@k (a response is "
+        "correct when its reward is >= 1) (default: %(default)s)"))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help=(
+        "sampling seeds, each a full pass of --samples responses per prompt; the table shows "
+        "the mean over the seeds, --out also each seed's results (default: %(default)s)"))
+    p.add_argument("--temperature", type=float, default=1.0, help=(
+        "sampling temperature (1: the policy's own distribution) (default: %(default)s)"))
+    p.add_argument("--top-p", type=float, default=1.0, help=(
+        "nucleus sampling: sample from the smallest set of tokens holding this probability "
+        "(1: the whole distribution) (default: %(default)s)"))
+    p.add_argument("--max-new-tokens", type=int, default=256, help=(
+        "length limit of each response, in tokens; a response also ends at the tokenizer's EOS "
+        "token, and a cut-off one is scored as it stands (default: %(default)s)"))
+    p.add_argument("--max-prompts", type=int, default=0, help=(
+        "evaluate the first this many prompts of --eval-data, in file order (0: all) "
+        "(default: %(default)s)"))
+    p.add_argument("--chat-template", action="store_true", help=(
+        "render each prompt with the tokenizer's chat template (a user message and the "
+        "generation prompt; the tokenizer then adds no special tokens of its own); off, or a "
+        "tokenizer without a template: --prompt-template (default: off)"))
+    p.add_argument("--prompt-template", default="{prompt}", help=(
+        "format string of a prompt without chat template; {prompt} (required) is the user "
+        "message: the problem and, unless --no-task-instruction, its answer-format instruction "
+        "(default: %(default)s)"))
+    p.add_argument("--no-task-instruction", dest="task_instruction", action="store_false", help=(
+        "give each prompt as the bare problem text, without its task's answer-format "
+        "instruction (e.g. math: the final answer in \\boxed{}) and, for mmlu, without the "
+        "listed choices (default: off, the instruction is added)"))
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help=(
+        "tensor-parallel size of the evaluated model; more than one process: run under "
+        "torchrun, with a world size divisible by TP x PP (default: %(default)s)"))
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help=(
+        "pipeline-parallel size (stages) of the evaluated model; more than one process: run "
+        "under torchrun, with a world size divisible by TP x PP (default: %(default)s)"))
+    p.add_argument("--out", help=(
+        "JSON file for the results: mean@k, pass@k and prompts per task for each seed and "
+        "averaged over the seeds, with k and the seeds; its directory is created (default: "
+        "unset, the table is only printed)"))
     a = p.parse_args(argv)
     init_distributed(ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size))
     args = ModelArgs.from_pretrained(a.hf_checkpoint)

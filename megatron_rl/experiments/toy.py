@@ -760,26 +760,40 @@ def plot(result: dict, path: Path):
 def main(argv=None) -> int:
     """`megatron-rl toy` / `python tools/toy_kl_study.py`: print the study; write table.md,
     results.json and figure.png under --out."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=MODELS, default="count",
-                        help="count: c_{t-1} = number of ones so far (paper eq. 17-18, default); "
-                             "sign: c_{t-1} = 2 y_{t-1} - 1")
-    parser.add_argument("--seq-len", type=int, default=ToySetup.seq_len,
-                        help=f"T, 1..{MAX_SEQ_LEN} (all 2^T sequences are enumerated)")
+    parser = argparse.ArgumentParser(prog="megatron-rl toy", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="count", help=(
+        "toy policy family, p_t = sigmoid(a + b c_{t-1}): count: c_{t-1} = the number of ones "
+        "so far (paper eq. 17-18); sign: c_{t-1} = 2 y_{t-1} - 1, the previous token's sign. "
+        "Picks the defaults of --theta, --ref and --old (default: %(default)s)"))
+    parser.add_argument("--seq-len", type=int, default=ToySetup.seq_len, help=(
+        f"T, the sequence length in tokens, 1..{MAX_SEQ_LEN}; the exact columns enumerate all "
+        "2^T sequences, so run time and memory grow as 2^T (default: %(default)s)"))
     defaults = ", ".join(f"{m}: {p[0]}, {p[1]}, {p[2]}" for m, p in DEFAULT_PARAMS.items())
-    parser.add_argument("--theta", type=float, nargs=2, metavar=("A", "B"),
-                        help=f"policy parameters (a, b); defaults (theta, ref, old) {defaults}")
-    parser.add_argument("--ref", type=float, nargs=2, metavar=("A", "B"),
-                        help="reference parameters (a~, b~)")
-    parser.add_argument("--old", type=float, nargs=2, metavar=("A", "B"),
-                        help="behaviour policy A_old for the off-policy rows")
-    parser.add_argument("--out", default="outputs/toy", help="output directory")
-    parser.add_argument("--num-trials", type=int, default=ToySetup.num_trials,
-                        help="Monte-Carlo trials (0: exact columns only)")
-    parser.add_argument("--num-samples", type=int, default=ToySetup.num_samples)
-    parser.add_argument("--seed", type=int, default=ToySetup.seed)
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
+    parser.add_argument("--theta", type=float, nargs=2, metavar=("A", "B"), help=(
+        "parameters (a, b) of the trained policy A_theta, whose KL gradient is estimated "
+        f"(default: unset, the --model's; defaults (theta, ref, old) per model: {defaults})"))
+    parser.add_argument("--ref", type=float, nargs=2, metavar=("A", "B"), help=(
+        "parameters (a~, b~) of the reference policy B of KL(A_theta || B) (default: unset, "
+        "the --model's; see --theta)"))
+    parser.add_argument("--old", type=float, nargs=2, metavar=("A", "B"), help=(
+        "parameters of the behaviour policy A_old that samples the off-policy rows (default: "
+        "unset, the --model's; see --theta)"))
+    parser.add_argument("--out", default="outputs/toy", help=(
+        "directory for table.md, results.json and figure.png, created when missing "
+        "(default: %(default)s)"))
+    parser.add_argument("--num-trials", type=int, default=ToySetup.num_trials, help=(
+        "Monte-Carlo trials, independent batches of --num-samples sequences each, for the MC "
+        "bias and variance columns (0: exact columns only) (default: %(default)s)"))
+    parser.add_argument("--num-samples", type=int, default=ToySetup.num_samples, help=(
+        "sequences per Monte-Carlo trial (0: exact columns only) (default: %(default)s)"))
+    parser.add_argument("--seed", type=int, default=ToySetup.seed, help=(
+        "seed of the Monte-Carlo sampler; the exact columns do not depend on it "
+        "(default: %(default)s)"))
+    parser.add_argument("--json", action="store_true", help=(
+        "print the full result as JSON instead of the markdown table; table.md and "
+        "results.json are written either way (default: off)"))
+    parser.add_argument("--no-plot", action="store_true", help=(
+        "do not draw figure.png (nor import matplotlib) (default: off, the figure is written)"))
     args = parser.parse_args(argv)
     if not 1 <= args.seq_len <= MAX_SEQ_LEN:
         parser.error(f"--seq-len must be in [1, {MAX_SEQ_LEN}] (2^T sequences are enumerated), "
