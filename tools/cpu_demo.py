@@ -137,11 +137,11 @@ def _evaluate_weights(cfg) -> dict:
     if os.path.exists(path):
         return json.load(open(path))
     from megatron_rl.evaluation import evaluate
-    from megatron_rl.runtime import setup_runtime
+    from megatron_rl.runtime import setup_run
 
-    rt = setup_runtime(cfg)
-    res = evaluate(rt, 0)
-    rt.close()
+    run = setup_run(cfg)
+    res = evaluate(run, 0)
+    run.close()
     with open(path, "w") as f:
         json.dump(res, f)
     return res
