@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Static-analysis gate (CI runs it before the tests): ruff over megatron_rl, tools and tests
-# (ruff.toml), then pyright over the megatron_rl package (pyrightconfig.json), which resolves
-# torch, megatron-core and transformers from the main environment, .venv. The tools live in
+# (ruff.toml), then pyright over the megatron_rl package and tools/ (pyrightconfig.json), which
+# resolves torch, megatron-core and transformers from the main environment, .venv. The tools live in
 # their own environment, .venv-lint, pinned in requirements-lint.txt (pyright's wheel carries
 # the checker and Node.js comes as a wheel: nothing is downloaded at run time).
 # Idempotent: a second run only re-checks the pins. Fails when either tool reports an error.
@@ -24,6 +24,6 @@ export PYRIGHT_PYTHON_IGNORE_WARNINGS=1
 status=0
 echo "== ruff $(.venv-lint/bin/ruff --version | cut -d' ' -f2): megatron_rl tools tests"
 .venv-lint/bin/ruff check --no-cache megatron_rl tools tests || status=1
-echo "== pyright $(.venv-lint/bin/pyright --version | cut -d' ' -f2): megatron_rl"
+echo "== pyright $(.venv-lint/bin/pyright --version | cut -d' ' -f2): megatron_rl tools"
 .venv-lint/bin/pyright || status=1
 exit $status

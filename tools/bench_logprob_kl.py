@@ -234,7 +234,7 @@ def _cpu_live_and_peak(step):
     events.sort(key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:
-        live += e.nbytes()
+        live += e.nbytes()  # pyright: ignore[reportAttributeAccessIssue] (not in torch's stubs)
         peak = max(peak, live)
     return live, peak, result
 
@@ -293,7 +293,7 @@ def copy_bandwidth_gbps(device, nbytes: int = 2 << 30, reps: int = 20) -> float:
 def parse_shapes(args, gpu: bool) -> list[tuple[int, int]]:
     """(N, V) pairs: --shapes NxV ..., else the grid --tokens x --vocab (device defaults)."""
     if args.shapes:
-        return [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]
+        return [(int(n), int(v)) for n, v in (s.lower().split("x") for s in args.shapes)]
     tokens = args.tokens or ([4096, 8192, 16384, 32768] if gpu else [512, 2048])
     vocabs = args.vocab or ([32000, 152064] if gpu else [32000, 152064 // 4])
     return [(n, v) for n in tokens for v in vocabs]

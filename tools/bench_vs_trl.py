@@ -251,7 +251,7 @@ def run_megatron_worker(argv: list[str]) -> None:
     """megatron_rl.train.main(argv), with phase timers merged into each metrics.jsonl row."""
     import torch
 
-    from megatron_rl import runtime, train
+    from megatron_rl import metrics_log, train
     from megatron_rl.models.policy import Policy
     from megatron_rl.rewards.scorer import RewardScorer
     from megatron_rl.rollout.local import LocalEngine
@@ -299,7 +299,7 @@ def run_megatron_worker(argv: list[str]) -> None:
     timed(Policy, "token_logprobs", "phase/logprobs")
     timed(Policy, "forward_backward", "phase/train_forward_backward")
     timed(Policy, "step", "phase/optimizer")
-    log = runtime.Runtime.log
+    log = metrics_log.MetricsLogger.log
 
     last_cpu = [cpu_busy()]
 
@@ -312,7 +312,7 @@ def run_megatron_worker(argv: list[str]) -> None:
         last_cpu[0] = now
         log(self, step, metrics)
 
-    runtime.Runtime.log = log_with_phases
+    metrics_log.MetricsLogger.log = log_with_phases
     train.main(argv)
 
 
@@ -321,9 +321,10 @@ def run_megatron_worker(argv: list[str]) -> None:
 # ------------------------------------------------------------------------------------------------
 def run_trl_worker(work: str, a) -> None:
     import torch
-    from datasets import Dataset
+    # datasets and trl live in the TRL venv (.venv-trl), which the type checker does not read
+    from datasets import Dataset  # pyright: ignore[reportMissingImports]
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports]
 
     sys.path.insert(0, REPO)
     from megatron_rl.rewards.simple import score_last_number  # pure Python, no megatron import
@@ -344,7 +345,7 @@ def run_trl_worker(work: str, a) -> None:
         state["reward"] += time.perf_counter() - t
         return out
 
-    generate = model.generate
+    generate = model.generate  # pyright: ignore[reportAttributeAccessIssue] (a causal LM)
 
     def timed_generate(*args, **kw):
         _sync()
@@ -355,7 +356,7 @@ def run_trl_worker(work: str, a) -> None:
             _sync()
             state["generate"] += time.perf_counter() - t
 
-    model.generate = timed_generate
+    model.generate = timed_generate  # pyright: ignore[reportAttributeAccessIssue]
     steps_path = os.path.join(work, "trl_steps.jsonl")
 
     class StepTimer(TrainerCallback):
