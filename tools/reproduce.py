@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Reproduce the paper's estimator x placement study from scratch (issue 8): one command.
+"""Reproduce the paper's estimator x placement study from scratch: one command.
 
     python tools/reproduce.py [--quick] [--slice grid|exact] [--configs ...] [--betas ...]
                               [--seeds ...] [--steps N]

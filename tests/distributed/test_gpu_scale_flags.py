@@ -1,4 +1,4 @@
-"""GPU-scale flags under gloo on CPU, 2 and 4 ranks (issue 12 item 3).
+"""GPU-scale flags under gloo on CPU, 2 and 4 ranks.
 
 --use-distributed-optimizer: at DP2, megatron's DistributedOptimizer (Adam state sharded over
 the DP ranks) trains to the plain optimizer's parameters, in fp32 and in bf16 (fp32 main

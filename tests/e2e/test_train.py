@@ -200,8 +200,8 @@ def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path):
 def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_jsonl, tmp_path):
     """Ctrl-C in the trainer while rank 0's background generate waits on a server that does not
     answer (a fault proxy holds the answer for 10 minutes): the process stops at once, with the
-    KeyboardInterrupt, instead of waiting for the request (the interpreter used to join the
-    rollout thread at exit)."""
+    KeyboardInterrupt, instead of waiting for the request (a non-daemon rollout thread would be
+    joined at interpreter exit)."""
     from conftest import _char_model
     from rollout_checks import TINY, FaultProxy
 

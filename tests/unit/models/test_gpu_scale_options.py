@@ -1,4 +1,4 @@
-"""GPU-scale model and optimizer options (issue 12 item 3), single process.
+"""GPU-scale model and optimizer options, single process.
 
 - activation recompute (--recompute-granularity full/selective, --recompute-method
   uniform/block, --recompute-num-layers) gives the gradients of no recompute, and recomputes;
