@@ -54,7 +54,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Sequence
+from typing import Any, Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.parallel import broadcast_from_rank0, dist_barrier, dist_rank
@@ -106,7 +106,7 @@ class _SitOut(Exception):
 @dataclasses.dataclass
 class _Member:
     index: int
-    engine: ServerBackedEngine
+    engine: ServerBackedEngine[Any]
     executor: BackgroundThreads
     live: bool = True
     last_error: str | None = None
@@ -149,10 +149,6 @@ class ServerPool:
             m.boot_path = server.model_path if server is not None else None
         first = engines[0]
         self.weight_version = first.weight_version
-        # the first member's weight sync serves the pool: one export (or gather) per update,
-        # under its work_dir, loaded into every server
-        self.sync: WeightSync | None = first.sync
-        self.exporter = self.sync.exporter if self.sync is not None else None
         self.last_sync_seconds: dict[str, float] = {}
         # each generate call is served by one weight version: a weight load waits for the calls
         # in flight, and calls wait for a load in progress
@@ -162,6 +158,16 @@ class ServerPool:
         self._loading = False
         if start:
             self.start()
+
+    @property
+    def sync(self) -> WeightSync | None:
+        """The first member's weight sync serves the pool: one export (or gather) per update,
+        under its work_dir, loaded into every server."""
+        return self.members[0].engine.sync
+
+    @property
+    def exporter(self):
+        return self.sync.exporter if self.sync is not None else None
 
     # -- membership ------------------------------------------------------------------------------
     @property

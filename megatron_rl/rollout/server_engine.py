@@ -4,15 +4,16 @@ memory release, and where a server's Python environment is."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import urllib.error
-from typing import Any, Sequence
+from typing import Any, Generic, Sequence, TypeVar
 
 from megatron_rl.parallel import broadcast_from_rank0
-from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerError,
-                                      check_completions)
+from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
+                                      ServerError, check_completions)
 from megatron_rl.rollout.managed_server import ManagedServer
 from megatron_rl.rollout.net import http_json
 from megatron_rl.rollout.weight_sync import WeightSync
@@ -38,7 +39,10 @@ def read_hf_config(model_path: str) -> dict:
         return json.load(f)
 
 
-class ServerBackedEngine:
+C = TypeVar("C", bound=ServerConfig)
+
+
+class ServerBackedEngine(Generic[C]):
     """What the vLLM and SGLang engines share: the server process (`self.server`, a
     ManagedServer on rank 0 or None elsewhere), its URL (`self.url`, on every rank), and
     `generate`: one request (the engine's `_request`), its answer checked
@@ -47,6 +51,8 @@ class ServerBackedEngine:
     NAME = "server"
     client_rank = 0            # the server is launched (or attached) and driven by global rank 0
     holds_own_weights = True
+    SHARED_MEMORY = False          # tensor sync through shared-memory buckets, or the tensors
+    config: C
     weight_version: int
     server: "ManagedServer | None"
     sync: WeightSync
@@ -99,6 +105,23 @@ class ServerBackedEngine:
                             failures[-1], what)
         raise BadAnswer(f"{self.NAME} server {self.url}: {what}: {len(failures)} bad answer(s): "
                         + "; ".join(failures))
+
+    def _use_weight_sync(self) -> None:
+        """The weight sync that `config` (sync, bucket_bytes, dtype, work_dir) describes."""
+        c = self.config
+        self.sync = WeightSync(c.sync, c.work_dir, dtype=c.dtype, bucket_bytes=c.bucket_bytes,
+                               shared_memory=self.SHARED_MEMORY)
+        self.exporter, self.last_sync_seconds = self.sync.exporter, self.sync.last_seconds
+
+    def set_weight_sync(self, sync: str, bucket_bytes: int | None = None) -> None:
+        """How the weights reach the server from the next update_weights on (--weight-sync,
+        --weight-sync-bucket-mb in bytes); collective-free, call it on every rank."""
+        changes: dict = {"sync": sync}
+        if bucket_bytes is not None:
+            changes["bucket_bytes"] = bucket_bytes
+        self.config = dataclasses.replace(self.config, **changes)  # checks the mode
+        self.sync.close()
+        self._use_weight_sync()
 
     def server_weight_version(self) -> int | None:
         """The weight version the server reports (None: untagged, or it cannot tell)."""

@@ -44,7 +44,7 @@ from megatron_rl.rollout.net import free_port, http_json
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
                                                server_python)
 from megatron_rl.rollout.shm_weights import bucket_names
-from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
+from megatron_rl.rollout.weight_sync import read_version, sync_engine
 
 PYTHON_ENV_VAR = "MEGATRON_RL_SGLANG_PYTHON"
 
@@ -70,7 +70,7 @@ class SGLangConfig(ServerConfig):
     nccl_master_port: int | None = None
 
 
-class SGLangEngine(ServerBackedEngine):
+class SGLangEngine(ServerBackedEngine[SGLangConfig]):
     """RolloutEngine backed by an SGLang server (see module docstring)."""
 
     NAME = "SGLang"
@@ -84,10 +84,7 @@ class SGLangEngine(ServerBackedEngine):
         self.vocab_size = read_hf_config(model_path).get("vocab_size")
         self.request_timeout = config.request_timeout
         self.weight_version = read_version(model_path) or 0
-        self.sync = WeightSync(config.sync, config.work_dir, dtype=config.dtype,
-                               bucket_bytes=config.bucket_bytes)
-        self.exporter = self.sync.exporter
-        self.last_sync_seconds = self.sync.last_seconds
+        self._use_weight_sync()
         self.rank = dist_rank()
         self.python = config.python or sglang_python()
         self._nccl_group = None

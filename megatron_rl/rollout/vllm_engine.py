@@ -37,7 +37,7 @@ from megatron_rl.rollout.net import ServerRequestError
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
                                                server_python)
 from megatron_rl.rollout.shm_weights import meta_nbytes
-from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
+from megatron_rl.rollout.weight_sync import read_version, sync_engine
 
 PYTHON_ENV_VAR = "MEGATRON_RL_VLLM_PYTHON"
 WORKER_EXTENSION = "megatron_rl.rollout.vllm_worker.WeightSyncExtension"
@@ -71,7 +71,7 @@ class VLLMConfig(ServerConfig):
     sleep_mode: bool = False            # --enable-sleep-mode: release_memory / resume_memory
 
 
-class VLLMEngine(ServerBackedEngine):
+class VLLMEngine(ServerBackedEngine[VLLMConfig]):
     """RolloutEngine backed by a vLLM server (see module docstring).
 
     model_path: HF checkpoint served at start (the policy's initial weights).
@@ -79,6 +79,7 @@ class VLLMEngine(ServerBackedEngine):
     """
 
     NAME = "vLLM"
+    SHARED_MEMORY = True  # tensor sync: shared-memory buckets the worker extension reads
     RELEASE = ("/sleep?level=1", None)  # level 1: weights to host memory, KV cache dropped
     RESUME = ("/wake_up", None)
 
@@ -91,11 +92,7 @@ class VLLMEngine(ServerBackedEngine):
         self.vocab_size = hf_config.get("vocab_size")
         self.request_timeout = config.request_timeout
         self.has_extension = config.url is None  # an attached server is probed at start
-        # tensor: shared-memory buckets the worker extension reads
-        self.sync = WeightSync(config.sync, config.work_dir, dtype=config.dtype,
-                               bucket_bytes=config.bucket_bytes, shared_memory=True)
-        self.exporter = self.sync.exporter
-        self.last_sync_seconds = self.sync.last_seconds
+        self._use_weight_sync()
         self.last_sync_bytes = 0
         self.rank = dist_rank()
         self.python = config.python or vllm_python()

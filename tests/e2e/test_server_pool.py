@@ -117,23 +117,23 @@ def test_update_weights_reaches_every_server(pool):
 def test_tensor_sync_fills_one_shared_buffer_for_every_server(pool):
     """--weight-sync tensor through the pool: the weights are copied once into one shared
     buffer that both servers stage from; both serve the new weights, version-checked."""
-    import dataclasses
-
-    saved = [m.engine.config for m in pool.members]
+    saved = [(m.engine.config.sync, m.engine.config.bucket_bytes) for m in pool.members]
     for m in pool.members:
-        m.engine.config = dataclasses.replace(m.engine.config, sync="tensor", bucket_bytes=64 << 10)
+        m.engine.set_weight_sync("tensor", bucket_bytes=64 << 10)
     try:
         params = SamplingParams(max_new_tokens=8, seed=41)
         train_step(pool.policy, MANY, pool.generate(MANY, n=2, params=params))
         version = pool.weight_version + 1
         pool.update_weights(version)
-        assert pool._buckets is not None and all(m.engine._buckets is None for m in pool.members)
+        # one buffer, the pool's (its first member's sync); the other members' stay empty
+        assert pool.sync._buckets is not None
+        assert all(m.engine.sync._buckets is None for m in pool.members[1:])
         assert set(pool.server_weight_versions().values()) == {version}
         out = pool.generate(MANY, n=2, params=params)
         assert mismatch(pool.policy, out, MANY).abs_delta_max < TOL
     finally:
-        for m, config in zip(pool.members, saved):
-            m.engine.config = config
+        for m, (sync, bucket_bytes) in zip(pool.members, saved):
+            m.engine.set_weight_sync(sync, bucket_bytes)
         pool.update_weights(pool.weight_version + 1)  # an export again, for restarts
 
 

@@ -72,7 +72,7 @@ def test_logprobs_match_trainer(engine):
 
 @pytest.mark.parametrize("sync", ["disk", "tensor"])
 def test_update_weights_serves_new_policy(engine, sync):
-    engine.config.sync = sync
+    engine.set_weight_sync(sync)
     params = SamplingParams(max_new_tokens=16)
     before = engine.generate(PROMPTS, n=2, params=params)
     train_step(engine.policy, PROMPTS, before)

@@ -138,11 +138,9 @@ def test_tensor_sync_serves_new_policy(engines, kind):
     """--weight-sync tensor: the weights go through shared-memory buckets (small ones here, so
     a sync takes several) into the workers' layer-wise reload; after an optimizer step the
     server serves the trainer's new weights, version-checked, and nothing is exported."""
-    import dataclasses
-
     engine = engines[kind]
     saved = engine.config
-    engine.config = dataclasses.replace(saved, sync="tensor", bucket_bytes=64 << 10)
+    engine.set_weight_sync("tensor", bucket_bytes=64 << 10)
     try:
         params = SamplingParams(max_new_tokens=16, seed=7)
         before = engine.generate(PROMPTS, n=2, params=params)
@@ -160,7 +158,7 @@ def test_tensor_sync_serves_new_policy(engines, kind):
         m = mismatch(engine, engine.generate(PROMPTS, n=2, params=params))
         assert m.abs_delta_max < TOL, (m, stale)
     finally:
-        engine.config = saved
+        engine.set_weight_sync(saved.sync, saved.bucket_bytes)
         # a restart (next test) serves the newest export: bring it up to date
         engine.update_weights(engine.weight_version + 1)
 
