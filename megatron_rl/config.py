@@ -339,6 +339,10 @@ class TrainConfig:
         self.algorithm.validate()
         self.checkpoint.validate()
         self.optimizer.validate()
+        if self.loss.rollout_correction.enabled and self.use_rollout_logprobs():
+            raise ValueError(f"--rollout-correction {self.loss.rollout_correction.mode} weighs "
+                             "the engine's samples by pi_old/mu, but the behaviour log-probs are "
+                             "the engine's own here (weight 1): set --old-logprobs recompute")
         if self.overlaps_rollout() and self.algorithm.old_logprobs == "recompute":
             raise ValueError("--async-level >= 1 with a server engine generates in the background:"
                              " the generating weights are gone when the batch is trained on, so "

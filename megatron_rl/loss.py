@@ -19,6 +19,7 @@ import torch
 
 from megatron_rl.advantages import (ADVANTAGE_ESTIMATORS, compute_advantages,
                                     get_advantage_estimator)
+from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.kl import (KLConfig, k1, k3, kl_loss_term, kl_reward_is_surrogate,
                             kl_reward_penalty, kl_reward_to_go_penalty)
 
@@ -94,6 +95,8 @@ class LossConfig:
         "the sum over the sequence count (no length normalisation). The first two coincide "
         "with one optimizer step per batch")})
     kl: KLConfig = field(default_factory=KLConfig, metadata={"prefix": "kl_"})  # --kl-*
+    # --rollout-correction, --rollout-is-low/high: the engine-vs-trainer importance weight
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     advantage_estimator: str = field(default="rloo", metadata={
         "choices": sorted(ADVANTAGE_ESTIMATORS), "help": (
         "baseline within each prompt's group: rloo = the mean of the other responses' returns "
@@ -149,7 +152,7 @@ def build_advantages(rewards, logprobs, ref_logprobs, loss_mask, cfg: LossConfig
 
 
 def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig,
-                          ref_logprobs=None, token_kl=None):
+                          ref_logprobs=None, token_kl=None, is_weights=None):
     """Per-token loss [B, T] (not yet masked or normalized) and a dict of detached metrics.
 
     logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy),
@@ -157,6 +160,8 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
     loss-side KL and the "seq-is" reward surrogate; optional otherwise, then no kl_* metrics).
     token_kl [B, T]: for the "exact" estimator, KL_t at the current policy, differentiable in its
     logits (ops.exact_kl); it replaces ref_logprobs in the loss-side KL and the "seq-is" surrogate.
+    is_weights [B, T] (detached): the rollout correction's weights (correction.py), multiplying
+    the clipped surrogate of each token (not the KL terms).
     The reward-side KL is already inside `advantages` (see build_advantages) and so
     has no path-wise gradient here; only the loss-side KL and the "seq-is" reward surrogate are
     differentiated through logprobs (and token_kl).
@@ -171,6 +176,8 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * clipped
     pg = torch.maximum(pg_unclipped, pg_clipped)
+    if is_weights is not None:
+        pg = pg * is_weights.detach()
     per_token = pg
 
     kl_cfg = cfg.kl
@@ -203,7 +210,8 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
 
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig, *,
-                ref_logprobs=None, token_kl=None, num_global_tokens=None, num_global_seqs=None):
+                ref_logprobs=None, token_kl=None, is_weights=None, num_global_tokens=None,
+                num_global_seqs=None):
     """Scalar loss of one shard and detached metrics; shards with global normalizers sum to the
     full-batch loss. Arguments as in policy_loss_per_token; normalizers as in aggregate_loss.
 
@@ -211,7 +219,8 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig, 
     the shard), kl_exact (with token_kl), clip_fraction, ratio_mean / ratio_max / ratio_min.
     """
     per_token, metrics = policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg,
-                                               ref_logprobs=ref_logprobs, token_kl=token_kl)
+                                               ref_logprobs=ref_logprobs, token_kl=token_kl,
+                                               is_weights=is_weights)
     normalizers = dict(num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
     loss = aggregate_loss(per_token, loss_mask, cfg.aggregation, **normalizers)
     metrics["pg_loss"] = aggregate_loss(metrics.pop("pg_per_token"), loss_mask, cfg.aggregation,

@@ -14,6 +14,7 @@ import collections
 import torch
 import torch.distributed as dist
 
+from megatron_rl.correction import CorrectionStats
 from megatron_rl.parallel import all_reduce
 from megatron_rl.rollout.mismatch import LogprobMismatch, combine, logprob_mismatch
 
@@ -99,6 +100,14 @@ def count_metrics(counts: dict[str, float], prefix: str, group=None) -> dict[str
     for part in _gather_objects(dict(counts), group):
         total.update(part)
     return {f"{prefix}{k}": float(v) for k, v in sorted(total.items())}
+
+
+def correction_metrics(stats: CorrectionStats, group=None) -> dict[str, float]:
+    """rollout_corr/* (correction.CorrectionStats.as_metrics) over the global batch."""
+    sums = all_reduce(stats.sums, group).tolist()
+    raw_max = float(all_reduce(stats.raw_max, group, op=dist.ReduceOp.MAX))
+    raw_min = float(all_reduce(stats.raw_min, group, op=dist.ReduceOp.MIN))
+    return CorrectionStats.as_metrics(sums, raw_max, raw_min)
 
 
 def mismatch_metrics(rollout_lp: torch.Tensor, lp: torch.Tensor, mask: torch.Tensor,

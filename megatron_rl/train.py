@@ -27,6 +27,7 @@ from megatron_rl import metrics as global_metrics
 from megatron_rl.batch import RolloutBatch, pack_rollouts
 from megatron_rl.checkpoint import copy_weights
 from megatron_rl.config import TrainConfig, parse_config
+from megatron_rl.correction import rollout_correction_weights
 from megatron_rl.evaluation import evaluate
 from megatron_rl.loss import build_advantages, policy_loss
 from megatron_rl.packing import Layout, Microbatch, balance_groups
@@ -189,6 +190,12 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
         ref_lp = reference.token_logprobs(batch.tokens, lay, seq_lengths=batch.seq_lengths)
     advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, batch.loss_mask,
                                   loss_cfg, batch.group_size, token_kl=exact_kl)
+    is_weights = None
+    if loss_cfg.rollout_correction.enabled:  # the engine's samples, the trainer's pi_old
+        is_weights, stats = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
+                                                       batch.loss_mask,
+                                                       loss_cfg.rollout_correction)
+        metrics.update(global_metrics.correction_metrics(stats, data_parallel_group()))
     rollout_tokens = _global_sum(batch.loss_mask.sum())
     n = batch.num_sequences
     per_mb = n // algo.ppo_minibatches
@@ -202,7 +209,7 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
             norm_tokens = (rollout_tokens if loss_cfg.aggregation == "token-sum-over-batch-tokens"
                            else _global_sum(mbatch.loss_mask.sum()))
             norm_seqs = _global_sum(len(idx))
-            micro = [_microbatch(batch, advantages, ref_lp, m)
+            micro = [_microbatch(batch, advantages, ref_lp, m, is_weights)
                      for m in lay.microbatches(batch.tokens, batch.seq_lengths, idx,
                                                policy.pad_multiple, policy.pp_size > 1)]
             in_loss = reference if loss_cfg.kl.exact_kl_in_loss else None
@@ -284,6 +291,7 @@ def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs:
         mask = mb["loss_mask"]
         loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, loss_cfg,
                               ref_logprobs=mb["ref_logprobs"], token_kl=token_kl,
+                              is_weights=mb.get("is_weights"),
                               num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
         m["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         m["loss"] = loss.detach().clone()  # clone: the schedule scales the loss in place
@@ -293,12 +301,14 @@ def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs:
     return loss_fn
 
 
-def _microbatch(batch: RolloutBatch, advantages, ref_lp, m: Microbatch) -> dict:
+def _microbatch(batch: RolloutBatch, advantages, ref_lp, m: Microbatch,
+                is_weights=None) -> dict:
     """The loss function's microbatch: the model inputs of `m` and its rows' per-token data."""
     t = m.rows.to(batch.device)
     return {**m.inputs, "layout": m, "loss_mask": batch.loss_mask[t],
             "old_logprobs": batch.old_logprobs[t], "advantages": advantages[t],
-            "ref_logprobs": None if ref_lp is None else ref_lp[t]}
+            "ref_logprobs": None if ref_lp is None else ref_lp[t],
+            "is_weights": None if is_weights is None else is_weights[t]}
 
 
 def nonfinite_flag(results: list[dict], params) -> torch.Tensor:

@@ -264,22 +264,33 @@ def test_rollout_logprobs_stand_in_for_the_recompute_forward(tiny_char_model, ti
                                                             arithmetic_jsonl, tmp_path):
     """--old-logprobs auto on the local engine (fp32, T=1) takes the behaviour log-probs from the
     engine instead of a recompute forward. They are the policy's own: the same run with
-    --old-logprobs recompute logs a mismatch at float noise and the same training metrics."""
+    --old-logprobs recompute logs a mismatch at float noise and the same training metrics, and
+    so does a recompute run under --rollout-correction tis, whose weights pi_old/mu are then 1
+    up to float noise (logged as rollout_corr/*)."""
     kl = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0"]
+    runs = {"auto": ["--old-logprobs", "auto"], "recompute": ["--old-logprobs", "recompute"],
+            "tis": ["--old-logprobs", "recompute", "--rollout-correction", "tis"]}
     rows = {}
-    for mode in ("auto", "recompute"):
-        save = str(tmp_path / mode)
-        args = train_args(tiny_char_model, arithmetic_jsonl, save, 3,
-                          kl + ["--old-logprobs", mode], ref=tiny_char_ref)
+    for name, flags in runs.items():
+        save = str(tmp_path / name)
+        args = train_args(tiny_char_model, arithmetic_jsonl, save, 3, kl + flags,
+                          ref=tiny_char_ref)
         subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True,
                        timeout=600)
-        rows[mode] = _metrics(save)
+        rows[name] = _metrics(save)
     assert all("mismatch/abs_delta_max" not in r for r in rows["auto"])  # no recompute ran
     assert all(r["mismatch/abs_delta_max"] < 1e-4 for r in rows["recompute"])
-    for a, b in zip(rows["auto"], rows["recompute"]):
-        assert a["reward/mean"] == b["reward/mean"]  # the same samples
-        for k in ("kl_k1", "kl_k3", "pg_loss", "grad_norm", "ratio_mean"):
-            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(b[k])), (a["step"], k, a[k], b[k])
+    assert all("rollout_corr/weight_mean" not in r for r in rows["recompute"])
+    for r in rows["tis"]:
+        assert abs(r["rollout_corr/weight_mean"] - 1) < 1e-4
+        assert abs(r["rollout_corr/is_max"] - 1) < 1e-4 and abs(r["rollout_corr/is_min"] - 1) < 1e-4
+        assert r["rollout_corr/changed_fraction"] == 0.0
+    for other in ("recompute", "tis"):
+        for a, b in zip(rows["auto"], rows[other]):
+            assert a["reward/mean"] == b["reward/mean"]  # the same samples
+            for k in ("kl_k1", "kl_k3", "pg_loss", "grad_norm", "ratio_mean"):
+                assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(b[k])), (other, a["step"], k,
+                                                                         a[k], b[k])
 
 
 def test_start_from_converted_checkpoint_then_resume(tiny_char_model, tiny_char_ref,
