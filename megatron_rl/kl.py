@@ -141,6 +141,7 @@ FULL_DISTRIBUTION_ESTIMATORS = ("exact",)
 ESTIMATOR_NAMES = tuple(sorted(ESTIMATORS)) + FULL_DISTRIBUTION_ESTIMATORS
 PLACEMENTS = ("reward", "loss", "reward+loss", "none")
 OFF_POLICY_CORRECTIONS = ("none", "seq-is", "token-is")
+IS_PROPOSALS = ("behaviour", "rollout")  # what the KL's importance weights divide by
 
 
 def get_estimator(name: str):
@@ -233,6 +234,13 @@ class KLConfig(Placement):
         "token-is only: let the gradient flow through the weight pi/pi_old, which makes the "
         "loss term the gradient of the token-level KL at each visited prefix; off: the weight "
         "is detached")})
+    is_proposal: str = field(default="behaviour", metadata={
+        "choices": list(IS_PROPOSALS), "help": (
+            "the distribution the token-is / seq-is weights pi/q divide by: behaviour = the "
+            "trainer's pi_old (its recompute, or the engine's log-probs under --old-logprobs "
+            "rollout); rollout = the engine's log-probs mu, the distribution that sampled. Only "
+            "rollout makes seq-is unbiased when the engine's numerics or weights differ from "
+            "pi_old (kl.py's three-distribution derivation)")})
 
     def __post_init__(self):
         if self.estimator not in ESTIMATOR_NAMES:
@@ -245,6 +253,9 @@ class KLConfig(Placement):
                              f"valid: {list(OFF_POLICY_CORRECTIONS)}")
         if self.coef < 0:
             raise ValueError(f"KL coef must be >= 0, got {self.coef}")
+        if self.is_proposal not in IS_PROPOSALS:
+            raise ValueError(f"unknown is_proposal {self.is_proposal!r}; valid: "
+                             f"{list(IS_PROPOSALS)}")
         if self.is_truncation is not None and self.is_truncation <= 0:
             raise ValueError(f"is_truncation must be > 0 or None, got {self.is_truncation}")
 

@@ -152,7 +152,8 @@ def build_advantages(rewards, logprobs, ref_logprobs, loss_mask, cfg: LossConfig
 
 
 def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig,
-                          ref_logprobs=None, token_kl=None, is_weights=None):
+                          ref_logprobs=None, token_kl=None, is_weights=None,
+                          rollout_logprobs=None):
     """Per-token loss [B, T] (not yet masked or normalized) and a dict of detached metrics.
 
     logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy),
@@ -162,6 +163,8 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
     logits (ops.exact_kl); it replaces ref_logprobs in the loss-side KL and the "seq-is" surrogate.
     is_weights [B, T] (detached): the rollout correction's weights (correction.py), multiplying
     the clipped surrogate of each token (not the KL terms).
+    rollout_logprobs [B, T]: the engine's log-probs, which the KL's importance weights divide by
+    under cfg.kl.is_proposal "rollout" (else they divide by old_logprobs).
     The reward-side KL is already inside `advantages` (see build_advantages) and so
     has no path-wise gradient here; only the loss-side KL and the "seq-is" reward surrogate are
     differentiated through logprobs (and token_kl).
@@ -185,11 +188,16 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
         raise ValueError(f"KL placement {kl_cfg.placement!r} with off_policy_correction "
                          f"{kl_cfg.off_policy_correction!r} needs "
                          + ("token_kl (estimator 'exact')" if kl_cfg.exact else "ref_logprobs"))
+    proposal = old_logprobs
+    if kl_cfg.is_proposal == "rollout" and kl_cfg.off_policy_correction != "none":
+        if rollout_logprobs is None:
+            raise ValueError("--kl-is-proposal rollout needs the engine's rollout_logprobs")
+        proposal = rollout_logprobs
     if kl_cfg.in_loss:
-        per_token = per_token + kl_loss_term(logprobs, ref_logprobs, mask, kl_cfg, old_logprobs,
+        per_token = per_token + kl_loss_term(logprobs, ref_logprobs, mask, kl_cfg, proposal,
                                              token_kl=token_kl)
     if kl_cfg.in_reward and not kl_cfg.reward_in_advantage:
-        per_token = per_token + kl_reward_is_surrogate(logprobs, ref_logprobs, old_logprobs, mask,
+        per_token = per_token + kl_reward_is_surrogate(logprobs, ref_logprobs, proposal, mask,
                                                        kl_cfg, token_kl=token_kl)
 
     with torch.no_grad():
@@ -210,8 +218,8 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
 
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig, *,
-                ref_logprobs=None, token_kl=None, is_weights=None, num_global_tokens=None,
-                num_global_seqs=None):
+                ref_logprobs=None, token_kl=None, is_weights=None, rollout_logprobs=None,
+                num_global_tokens=None, num_global_seqs=None):
     """Scalar loss of one shard and detached metrics; shards with global normalizers sum to the
     full-batch loss. Arguments as in policy_loss_per_token; normalizers as in aggregate_loss.
 
@@ -220,7 +228,8 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig, 
     """
     per_token, metrics = policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg,
                                                ref_logprobs=ref_logprobs, token_kl=token_kl,
-                                               is_weights=is_weights)
+                                               is_weights=is_weights,
+                                               rollout_logprobs=rollout_logprobs)
     normalizers = dict(num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
     loss = aggregate_loss(per_token, loss_mask, cfg.aggregation, **normalizers)
     metrics["pg_loss"] = aggregate_loss(metrics.pop("pg_per_token"), loss_mask, cfg.aggregation,

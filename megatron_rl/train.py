@@ -292,6 +292,7 @@ def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs:
         loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, loss_cfg,
                               ref_logprobs=mb["ref_logprobs"], token_kl=token_kl,
                               is_weights=mb.get("is_weights"),
+                              rollout_logprobs=mb.get("rollout_logprobs"),
                               num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
         m["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         m["loss"] = loss.detach().clone()  # clone: the schedule scales the loss in place
@@ -308,7 +309,8 @@ def _microbatch(batch: RolloutBatch, advantages, ref_lp, m: Microbatch,
     return {**m.inputs, "layout": m, "loss_mask": batch.loss_mask[t],
             "old_logprobs": batch.old_logprobs[t], "advantages": advantages[t],
             "ref_logprobs": None if ref_lp is None else ref_lp[t],
-            "is_weights": None if is_weights is None else is_weights[t]}
+            "is_weights": None if is_weights is None else is_weights[t],
+            "rollout_logprobs": batch.rollout_logprobs[t]}
 
 
 def nonfinite_flag(results: list[dict], params) -> torch.Tensor:

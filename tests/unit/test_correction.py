@@ -115,3 +115,28 @@ def test_bounds_are_checked():
         RolloutCorrectionConfig("is")
     with pytest.raises(ValueError, match="need 0 <= low < high"):
         RolloutCorrectionConfig("icepop", is_low=6.0)
+
+
+def test_kl_importance_weights_divide_by_the_proposal_asked_for():
+    """--kl-is-proposal rollout: the KL's seq-is / token-is weights are pi_theta / mu (the
+    engine's log-probs), not pi_theta / pi_old; the policy-gradient term is untouched."""
+    from megatron_rl.kl import KLConfig, kl_loss_term, kl_reward_is_surrogate
+
+    torch.manual_seed(1)
+    B, T = 2, 4
+    lp = (-torch.rand(B, T) - 0.5).requires_grad_()
+    old, mu, ref = (-torch.rand(B, T) - 0.5 for _ in range(3))
+    adv, mask = torch.randn(B), torch.ones(B, T)
+    for correction in ("seq-is", "token-is"):
+        kl = KLConfig(estimator="k3", placement="reward+loss", off_policy_correction=correction)
+        behaviour = LossConfig(kl=kl)
+        rollout = LossConfig(kl=KLConfig(**{**kl.__dict__, "is_proposal": "rollout"}))
+        pg_only = LossConfig(kl=KLConfig(placement="none"))
+        base, _ = policy_loss_per_token(lp, old, adv, mask, pg_only)
+        for cfg, q in ((behaviour, old), (rollout, mu)):
+            got, _ = policy_loss_per_token(lp, old, adv, mask, cfg, ref_logprobs=ref,
+                                           rollout_logprobs=mu)
+            want = base + kl_loss_term(lp, ref, mask, kl, q)
+            if correction == "seq-is":
+                want = want + kl_reward_is_surrogate(lp, ref, q, mask, kl)
+            torch.testing.assert_close(got, want)
