@@ -343,11 +343,15 @@ class TrainConfig:
             raise ValueError(f"--rollout-correction {self.loss.rollout_correction.mode} weighs "
                              "the engine's samples by pi_old/mu, but the behaviour log-probs are "
                              "the engine's own here (weight 1): set --old-logprobs recompute")
-        if self.overlaps_rollout() and self.algorithm.old_logprobs == "recompute":
+        if (self.overlaps_rollout() and self.algorithm.old_logprobs == "recompute"
+                and not self.loss.rollout_correction.enabled):
+            # with a rollout correction the recompute is the decoupled behaviour policy: the
+            # current weights, with pi_old/mu correcting the engine's staler samples
             raise ValueError("--async-level >= 1 with a server engine generates in the background:"
                              " the generating weights are gone when the batch is trained on, so "
                              "the behaviour log-probs are the engine's (--old-logprobs auto or "
-                             "rollout), not a recompute")
+                             "rollout), not a recompute, unless --rollout-correction weighs the "
+                             "engine's samples against the recompute")
         if self.rollout.rollout_release_memory:
             if self.algorithm.async_level:
                 raise ValueError("--rollout-release-memory needs --async-level 0: under async "

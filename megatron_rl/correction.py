@@ -15,6 +15,9 @@ Raw weights have unbounded variance where mu puts little mass; the corrections b
              the sequence gets rho when low <= rho <= high (default [0.5, 2]), else 0
     icepop   two-sided token mask: w_t where low <= w_t <= high (default [0.5, 5]), else 0
 
+Under --async-level the engine's weights are up to k updates old and the recompute uses the
+current ones (the decoupled behaviour policy): w then corrects the staleness as well.
+
 Truncating or masking trades the bias of the dropped mass for bounded variance. The weight
 multiplies the policy-gradient term only, never the KL terms (kl.py corrects those), and the
 loss keeps its normalizer: a masked token adds nothing but still counts. With --old-logprobs
@@ -49,7 +52,8 @@ class RolloutCorrectionConfig:
             "masked outside the bounds (default [0.5, 2]); icepop = token weights masked "
             "outside the bounds (default [0.5, 5]). Needs --old-logprobs recompute (with the "
             "engine's own log-probs the weight is 1) and sampling at temperature 1 without "
-            "top-p (the engine reports the log-probs it sampled from)")})
+            "top-p (the engine reports the log-probs it sampled from). Under --async-level the "
+            "recompute is the current weights and w also corrects the engine's staleness")})
     is_low: float | None = field(default=None, metadata={"flag": "rollout_is_low", "help": (
         "lower bound of --rollout-correction's weights (tis: truncation; seq-mis, icepop: "
         "mask); unset: the correction's default")})

@@ -1,6 +1,7 @@
 """End-to-end training: a killed run resumes with no lost or repeated steps and identical
 metrics; a non-finite update is skipped; configuration errors name what is wrong."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -239,6 +240,32 @@ def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_js
         server.shutdown()
     assert proc.returncode != 0 and "KeyboardInterrupt" in log.read_text()
     assert waited < 30, f"exit took {waited:.0f} s"
+
+
+def test_rollout_correction_weighs_a_stale_engine_against_the_recompute(
+        tiny_char_model, tiny_char_ref, arithmetic_jsonl, tmp_path):
+    """The process engine under --async-level 1 samples step s's batch with the weights of step
+    s-1; --old-logprobs recompute scores it with the current ones (the decoupled behaviour
+    policy) and --rollout-correction tis weighs each token by pi_old/mu. The first batch comes
+    from the current weights (weights 1 up to float noise); the next ones from weights one
+    update old (weights away from 1, mismatch logged)."""
+    save = str(tmp_path / "corrected")
+    args = train_args(tiny_char_model, arithmetic_jsonl, save, 3,
+                      ["--rollout-engine", "process", "--async-level", "1",
+                       "--old-logprobs", "recompute", "--rollout-correction", "tis",
+                       "--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0"],
+                      ref=tiny_char_ref)
+    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
+    rows = _metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["rollout/staleness"] == 0 and rows[1]["rollout/staleness"] == 1
+    assert abs(rows[0]["rollout_corr/is_max"] - 1) < 1e-4
+    assert abs(rows[0]["rollout_corr/is_min"] - 1) < 1e-4
+    for r in rows[1:]:
+        assert r["rollout_corr/log_ratio_abs_mean"] > 1e-4
+        assert r["mismatch/abs_delta_max"] > 1e-4
+        assert abs(r["rollout_corr/is_mean"] - 1) < 0.5  # one small update: w stays near 1
+        assert math.isfinite(r["pg_loss"]) and r["skipped_update"] == 0
 
 
 def test_async_level_trains_on_stale_rollouts(tiny_char_model, tiny_char_ref, arithmetic_jsonl,
