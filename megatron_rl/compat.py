@@ -3,6 +3,8 @@
 Every patch here covers hard-coded CUDA use in megatron-core 0.16.1 (the pinned version) and is
 applied only when CUDA is absent (`apply_cpu_compat()` is a no-op on GPU machines). Each entry
 names the upstream file:line it covers, so that a version bump can re-check them one by one.
+One more, `apply_without_te_compat()`, covers a name megatron-core leaves undefined when
+TransformerEngine is absent, on any machine.
 
 Mechanism: for modules that create tensors with `device="cuda"` literals or call
 `torch.cuda.current_device()` / `torch.cuda.synchronize()`, the module-global name `torch` is
@@ -113,6 +115,11 @@ _PROXIED_MODULES = {
     "megatron.core.dist_checkpointing.exchange_utils": "L104,110,326 device='cuda'",
     # distrib_optimizer.py:791 (distributed optimizer) Adam state allocated on current_device().
     "megatron.core.optimizer.distrib_optimizer": "L791 current_device()",
+    # router.py:90,92 gating() moves the router weight and bias to current_device() on every
+    # forward; :169,178,192,198 expert-bias and global aux-loss buffers on current_device().
+    "megatron.core.transformer.moe.router": "L90,92,169,178,192,198 current_device()",
+    # moe_utils.py:998 the aux-loss logging tracker, force-initialised on device="cuda".
+    "megatron.core.transformer.moe.moe_utils": "L998 device='cuda'",
 }
 
 
@@ -235,6 +242,22 @@ def _fork_without_cuda_states(fork, default_name):
         return fork(self, name)
 
     return wrapper
+
+
+def apply_without_te_compat() -> bool:
+    """Define the name megatron-core's MoE router reads without TransformerEngine. Idempotent.
+
+    moe_utils.py:1192,1225 (RouterGatingLinearFunction, the router's linear layer) test
+    `te_general_gemm is not None`, but moe_utils.py:22-39 defines te_general_gemm only when TE
+    imports: without TE every router forward raises NameError, on CPU and GPU alike. Setting it
+    to None selects the torch.mm path written for that case. Returns True when patched.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "HAVE_TE", False) or hasattr(moe_utils, "te_general_gemm"):
+        return False
+    setattr(moe_utils, "te_general_gemm", None)
+    return True
 
 
 def apply_cpu_compat(force: bool = False) -> bool:

@@ -1,4 +1,4 @@
-"""Tiny random Qwen2 / Qwen3 / Llama checkpoints in HF format, for tests, demos and CI.
+"""Tiny random Qwen2 / Qwen3 / Qwen3-MoE / Llama checkpoints in HF format, for tests, demos and CI.
 
 They are built with `transformers` from a config (nothing is downloaded) and saved as
 safetensors + config.json, exactly like a real checkpoint.
@@ -13,11 +13,16 @@ import torch
 TINY_DEFAULTS = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                      rms_norm_eps=1e-6, initializer_range=0.1)
+# qwen3_moe: 4 experts of 48, top-2 renormalised, layer 1 (of the 4 default layers) dense
+TINY_MOE_DEFAULTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
 
 
 def make_tiny_hf_checkpoint(path: str, family: str = "qwen2", *, tie_word_embeddings: bool = False,
                             seed: int = 0, **overrides) -> str:
-    """Write a random tiny HF checkpoint of `family` ("qwen2", "qwen3" or "llama") to `path`."""
+    """Write a random tiny HF checkpoint of `family` ("qwen2", "qwen3", "qwen3_moe" or "llama")
+    to `path`. qwen3_moe takes TINY_MOE_DEFAULTS unless overridden: sparse and dense layers
+    mixed, so that both kinds are covered."""
     import transformers
 
     kwargs = {**TINY_DEFAULTS, "tie_word_embeddings": tie_word_embeddings, **overrides}
@@ -32,12 +37,19 @@ def make_tiny_hf_checkpoint(path: str, family: str = "qwen2", *, tie_word_embedd
         config = transformers.Qwen3Config(
             rope_theta=1_000_000.0, **kwargs)  # pyright: ignore[reportCallIssue]
         cls = transformers.Qwen3ForCausalLM
+    elif family == "qwen3_moe":  # qwen3 attention; a router and experts in the sparse layers
+        kwargs = {**TINY_MOE_DEFAULTS, **kwargs}
+        kwargs.setdefault("head_dim", 2 * kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        config = transformers.Qwen3MoeConfig(
+            rope_theta=1_000_000.0, **kwargs)  # pyright: ignore[reportCallIssue]
+        cls = transformers.Qwen3MoeForCausalLM
     elif family == "llama":
         config = transformers.LlamaConfig(
             rope_theta=500_000.0, **kwargs)  # pyright: ignore[reportCallIssue]
         cls = transformers.LlamaForCausalLM
     else:
-        raise ValueError(f"unknown tiny model family {family!r}; valid: ['llama', 'qwen2', 'qwen3']")
+        raise ValueError(f"unknown tiny model family {family!r}; valid: ['llama', 'qwen2', "
+                         "'qwen3', 'qwen3_moe']")
     torch.manual_seed(seed)
     model = cls(config).float().eval()
     os.makedirs(path, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Model architecture read from a Hugging Face `config.json` (Qwen2, Qwen3 and Llama families).
+"""Model architecture read from a Hugging Face `config.json` (Qwen2, Qwen3, Qwen3-MoE and Llama
+families).
 
 `ModelArgs` is the one description of the architecture used everywhere: it builds megatron-core's
 `TransformerConfig`, drives the HF <-> Megatron weight mapping, and is written back into
@@ -20,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     # HF architecture name -> family
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "LlamaForCausalLM": "llama",
 }
 
@@ -30,6 +32,12 @@ class ModelArgs:
 
     Shapes: head_dim = hidden_size / num_attention_heads unless given; the KV projection has
     num_key_value_heads * head_dim rows (grouped-query attention when fewer than query heads).
+
+    Mixture of experts (Qwen3-MoE, num_experts > 0): layer i is sparse iff i is not in
+    mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (transformers' rule); a sparse
+    layer's MLP is a softmax router over num_experts SwiGLU experts of moe_intermediate_size,
+    num_experts_per_tok of them per token, their weights renormalised to sum to 1 when
+    norm_topk_prob. Dense layers keep the intermediate_size MLP.
     """
 
     architecture: str
@@ -50,11 +58,29 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"
+    num_experts: int = 0  # 0: a dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0  # the checkpoint's (pretraining) value, kept for export
     hf_config: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` (0-based) has a mixture-of-experts MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """Per layer, 1 for a mixture-of-experts MLP and 0 for a dense one (megatron-core's
+        moe_layer_freq as a list)."""
+        return [int(self.is_moe_layer(i)) for i in range(self.num_hidden_layers)]
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], source: str = "config.json") -> "ModelArgs":
@@ -79,9 +105,10 @@ class ModelArgs:
         qkv_bias = True if family == "qwen2" else bool(config.get("attention_bias", False))
         if config.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=True is not supported (field 'mlp_bias')")
-        if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+        if family in ("qwen2", "qwen3", "qwen3_moe") and config.get("use_sliding_window"):
             raise ValueError(f"{source}: sliding-window attention is not supported "
                              "(field 'use_sliding_window')")
+        moe = cls._moe_fields(config, source, arch) if family == "qwen3_moe" else {}
 
         # transformers >= 4.5x moved rope_theta/rope_scaling into 'rope_parameters'.
         rope = dict(config.get("rope_parameters") or {})
@@ -116,13 +143,44 @@ class ModelArgs:
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             rope_scaling_factor=factor,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            **moe,
             hf_config=dict(config),
         )
+
+    @staticmethod
+    def _moe_fields(config: dict[str, Any], source: str, arch: str) -> dict[str, Any]:
+        """The mixture-of-experts fields of a Qwen3-MoE config. transformers 5 writes the expert
+        count as num_local_experts, released checkpoints as num_experts; the optional fields
+        take transformers' class defaults."""
+        experts = config.get("num_experts", config.get("num_local_experts"))
+        if experts is None:
+            raise ValueError(f"{source}: missing required field 'num_experts' for {arch}")
+        for key in ("num_experts_per_tok", "moe_intermediate_size"):
+            if key not in config:
+                raise ValueError(f"{source}: missing required field {key!r} for {arch}")
+        experts, topk = int(experts), int(config["num_experts_per_tok"])
+        if experts < 1 or not 1 <= topk <= experts:
+            raise ValueError(f"{source}: num_experts_per_tok must be between 1 and num_experts "
+                             f"({experts}), got {topk} (field 'num_experts_per_tok')")
+        norm = bool(config.get("norm_topk_prob", False))
+        if topk == 1 and norm:
+            # renormalising one weight gives 1.0; megatron-core's softmax router with top-1
+            # takes the softmax before the top-k only (transformer_config.py:1634-1641)
+            raise ValueError(f"{source}: num_experts_per_tok=1 with norm_topk_prob=True is not "
+                             "supported (field 'norm_topk_prob')")
+        step = int(config.get("decoder_sparse_step") or 1)
+        if step < 1:
+            raise ValueError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
+        return dict(num_experts=experts, num_experts_per_tok=topk,
+                    moe_intermediate_size=int(config["moe_intermediate_size"]),
+                    norm_topk_prob=norm, decoder_sparse_step=step,
+                    mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()),
+                    router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelArgs":
@@ -157,6 +215,15 @@ class ModelArgs:
             cfg["rope_theta"] = self.rope_theta
         if self.head_dim != self.hidden_size // self.num_attention_heads:
             cfg["head_dim"] = self.head_dim
+        if self.num_experts:
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step,
+                       mlp_only_layers=list(self.mlp_only_layers),
+                       router_aux_loss_coef=self.router_aux_loss_coef)
+            if "num_local_experts" in cfg:  # transformers 5's name of the same field
+                cfg["num_local_experts"] = self.num_experts
         return cfg
 
 
@@ -203,6 +270,12 @@ class ModelOptions:
         "hidden states and the output weight a token chunk at a time (ops.lm_head) instead of "
         "materialising the [tokens, vocab/TP] logits and their gradient; generation always "
         "uses the logits"})
+    moe_aux_loss_coeff: float = dataclasses.field(default=0.0, metadata={
+        "min": 0.0, "help": "mixture-of-experts models: weight of megatron's load-balancing "
+        "loss (aux_loss: experts' token shares times their mean router probabilities) added "
+        "to the training loss through each router. 0 (default): none, as usual in RL "
+        "post-training; the checkpoint's router_aux_loss_coef (a pretraining setting) is not "
+        "applied unless given here. Dense models ignore it"})
 
     def validate(self, layers_per_stage: int | None = None) -> None:
         """Raise ValueError naming the flag for an inconsistent choice."""
@@ -231,6 +304,8 @@ class ModelOptions:
         for name in ("bias_swiglu_fusion", "rope_fusion", "gradient_accumulation_fusion"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"ModelOptions.{name} must be None (auto), True or False")
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
 
 
 def te_available() -> bool:
@@ -303,6 +378,10 @@ def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_pa
             f"({args.num_hidden_layers})")
     ParallelConfig(tensor_parallel, pipeline_parallel, sequence_parallel).validate()
     options.validate(args.num_hidden_layers // pipeline_parallel)
+    if args.num_experts and tensor_parallel > 1 and not sequence_parallel:
+        # megatron-core refuses to train MoE layers under TP without it (moe_layer.py:379)
+        raise ValueError(f"a mixture-of-experts model at --tensor-model-parallel-size "
+                         f"{tensor_parallel} needs --sequence-parallel")
     on_gpu = use_cuda()
     kwargs = dict(
         num_layers=args.num_hidden_layers,
@@ -343,5 +422,32 @@ def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_pa
         # deterministic paths too, e.g. the embedding's backward without atomics
         deterministic_mode=torch.are_deterministic_algorithms_enabled(),
     )
+    if args.num_experts:
+        kwargs.update(moe_kwargs(args, options))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_kwargs(args: ModelArgs, options: ModelOptions) -> dict[str, Any]:
+    """megatron-core's TransformerConfig fields for a mixture-of-experts `args`.
+
+    Routing as transformers' Qwen3-MoE: softmax over the router logits, top-k, and with
+    norm_topk_prob the k weights renormalised; megatron-core's softmax router with
+    moe_router_pre_softmax=False takes the softmax over the top-k logits, which is the same
+    renormalised weights, and with pre_softmax=True the softmax over all experts before the top-k
+    (unnormalised). Experts are megatron-core's SequentialMLP (moe_grouped_gemm off: the grouped
+    GEMM needs TransformerEngine or the grouped_gemm package) behind the allgather dispatcher
+    (no CUDA streams; all experts on each rank at expert-parallel size 1). The router computes
+    in the activations' dtype, as transformers does."""
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.num_experts_per_tok,
+        moe_ffn_hidden_size=args.moe_intermediate_size,
+        moe_layer_freq=args.moe_layer_pattern,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not args.norm_topk_prob,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=float(options.moe_aux_loss_coeff),
+    )

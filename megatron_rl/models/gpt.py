@@ -1,9 +1,11 @@
-"""The policy: a megatron-core `GPTModel` for Qwen2 / Qwen3 / Llama checkpoints.
+"""The policy: a megatron-core `GPTModel` for Qwen2 / Qwen3 / Qwen3-MoE / Llama checkpoints.
 
 Layer spec: TransformerEngine layers when TE is installed (GPU), otherwise megatron-core's local
 spec with the core attention replaced by `SDPAttention`, a `scaled_dot_product_attention` module
 that runs on CPU and GPU alike (megatron-core's own DotProductAttention needs CUDA buffers).
-`ModelOptions.attention_backend` (--attention-backend) chooses between them.
+`ModelOptions.attention_backend` (--attention-backend) chooses between them. Mixture-of-experts
+models (Qwen3-MoE) are built on the local spec only: megatron-core's MoELayer (router,
+allgather dispatcher, SequentialMLP experts) in the sparse layers, the dense MLP in the others.
 """
 
 from __future__ import annotations
@@ -240,17 +242,25 @@ class HeadRMSNorm(RMSNorm):
     mark_sequence_parallel = False
 
 
-def layer_spec(args: ModelArgs, use_te: bool | None = None):
-    """megatron-core layer spec for `args` (TE on GPU when available, else local + SDPA)."""
+def layer_spec(args: ModelArgs, use_te: bool | None = None, *, moe: bool = False):
+    """megatron-core layer spec for `args` (TE on GPU when available, else local + SDPA); with
+    `moe`, that of a mixture-of-experts layer (local spec only: its pre-MLP norm stays a
+    module of its own, `pre_mlp_layernorm`, as in the dense local layer)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
-        use_te = use_transformer_engine(None)
+        use_te = use_transformer_engine(None) and not args.num_experts
+    if moe and not args.num_experts:
+        raise ValueError(f"{args.architecture} has no experts: no mixture-of-experts layer spec")
     if use_te:
+        if args.num_experts:
+            raise ValueError("mixture-of-experts models are built on the local layer spec only: "
+                             "use --attention-backend auto or local")
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=args.qk_norm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm",
-                                                    qk_layernorm=args.qk_norm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=args.num_experts if moe else None, moe_grouped_gemm=False,
+        normalization="RMSNorm", qk_layernorm=args.qk_norm)
     layer: Any = spec.submodules  # a TransformerLayerSubmodules (megatron types it `object`)
     attention = layer.self_attention.submodules
     attention.core_attention = _sdpa_attention_class()
@@ -285,8 +295,12 @@ def build_gpt_model(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_paral
 
     from megatron_rl.parallel import device, use_cuda
 
-    if use_te is None:
-        use_te = use_transformer_engine(options)
+    if use_te is None:  # mixture-of-experts models: the local spec (see layer_spec)
+        use_te = use_transformer_engine(options) and not args.num_experts
+    if args.num_experts:  # megatron-core's router without TransformerEngine
+        from megatron_rl.compat import apply_without_te_compat
+
+        apply_without_te_compat()
     config = transformer_config(args, tensor_parallel=tensor_parallel,
                                 pipeline_parallel=pipeline_parallel, params_dtype=params_dtype,
                                 sequence_parallel=sequence_parallel, options=options,
@@ -295,9 +309,15 @@ def build_gpt_model(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_paral
     if not use_te:  # the final norm too (megatron picks WrappedTorchNorm without apex)
         from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                                  get_num_layers_to_build)
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
-                                          layer_norm=RMSNorm)
+        n = get_num_layers_to_build(config)
+        layers = [spec] * n
+        if args.num_experts:  # this stage's layers, each sparse or dense (args.is_moe_layer)
+            moe_spec = layer_spec(args, use_te, moe=True)
+            offset = get_transformer_layer_offset(config)
+            layers = [moe_spec if args.is_moe_layer(offset + i) else spec for i in range(n)]
+        spec = TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -1,5 +1,5 @@
-"""The one HF <-> Megatron weight mapping (Qwen2 / Qwen3 / Llama), used by the conversion tools and by
-weight sync to rollout servers.
+"""The one HF <-> Megatron weight mapping (Qwen2 / Qwen3 / Qwen3-MoE / Llama), used by the
+conversion tools and by weight sync to rollout servers.
 
 Three layers, each a plain function on state dicts:
 1. `hf_to_megatron` / `megatron_to_hf`: full (unsharded) tensors, megatron-core local-spec names
@@ -8,9 +8,18 @@ Three layers, each a plain function on state dicts:
      [ng, nh/ng, d, h] and k, v as [ng, 1, d, h] concatenated on dim 1 -> [ng*(nh/ng+2)*d, h]
      (Qwen2's q/k/v biases the same way, without the h dim).
    - SwiGLU fc1 = cat([gate_proj, up_proj]) along the output dim.
+   - Mixture-of-experts layers (Qwen3-MoE): the router `mlp.gate.weight` [E, h] is
+     `mlp.router.weight`; expert e's `mlp.experts.e.{gate,up,down}_proj.weight` are
+     `mlp.experts.local_experts.e.linear_fc1.weight` (cat(gate, up), as the dense fc1) and
+     `...linear_fc2.weight`; the norm before the MLP is `pre_mlp_layernorm` as in dense layers.
+     These are the names on disk: transformers 5 fuses a layer's experts in memory
+     (`gate_up_proj` [E, 2 f, h], `down_proj` [E, h, f]) but its save_pretrained writes, and
+     from_pretrained reads, the per-expert tensors.
 2. `shard_for_rank` / `gather_shards`: TP slicing along each parameter's partition dim and PP
    selection of layers (global <-> local layer numbers). Under TP, fc1 of rank r holds
-   [gate_r; up_r], not a contiguous slice of the full fc1.
+   [gate_r; up_r], not a contiguous slice of the full fc1; each expert's fc1 / fc2 are split
+   like the dense ones (expert-tensor-parallel size = TP, expert-parallel size 1: every rank
+   holds every expert), the router is replicated.
 3. `check_state_dict`: every expected tensor present with the expected shape, or a ValueError that
    names the tensor and the expected and found shapes.
 Plus HF safetensors I/O (sharded or single file), written atomically.
@@ -53,9 +62,28 @@ _QK_NORM_PARAMS = {
 _ALL_LAYER_PARAMS = {**_LAYER_PARAMS, **_QK_NORM_PARAMS}
 
 
-def _layer_params(args: ModelArgs) -> dict[str, tuple[str | None, str]]:
-    """The per-layer megatron suffix -> (HF suffix, partition kind) table of this architecture."""
-    return _ALL_LAYER_PARAMS if args.qk_norm else _LAYER_PARAMS
+_DENSE_MLP_PARAMS = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+_ROUTER = "mlp.router.weight"
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+
+def _expert(e: int, which: str) -> str:
+    """megatron suffix (within a layer) of expert e's linear_fc1 or linear_fc2 weight."""
+    return f"mlp.experts.local_experts.{e}.{which}.weight"
+
+
+def _layer_params(args: ModelArgs, layer: int = 0) -> dict[str, tuple[str | None, str]]:
+    """The megatron suffix -> (HF suffix, partition kind) table of global layer `layer`: in a
+    mixture-of-experts layer, the router and each expert's fc1 / fc2 instead of the dense MLP."""
+    table = dict(_ALL_LAYER_PARAMS if args.qk_norm else _LAYER_PARAMS)
+    if args.is_moe_layer(layer):
+        for name in _DENSE_MLP_PARAMS:
+            del table[name]
+        table[_ROUTER] = ("mlp.gate.weight", REPLICATED)
+        for e in range(args.num_experts):
+            table[_expert(e, "linear_fc1")] = (None, GATED_COLUMN)
+            table[_expert(e, "linear_fc2")] = (f"mlp.experts.{e}.down_proj.weight", ROW)
+    return table
 
 
 # TransformerEngine specs fuse the pre-norms into the following linear layer.
@@ -81,8 +109,15 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attention.linear_qkv.bias"] = (qkv_rows,)
         shapes[p + "self_attention.linear_proj.weight"] = (h, args.num_attention_heads * d)
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
-        shapes[p + "mlp.linear_fc1.weight"] = (2 * args.intermediate_size, h)
-        shapes[p + "mlp.linear_fc2.weight"] = (h, args.intermediate_size)
+        if args.is_moe_layer(i):
+            f = args.moe_intermediate_size
+            shapes[p + _ROUTER] = (args.num_experts, h)
+            for e in range(args.num_experts):
+                shapes[p + _expert(e, "linear_fc1")] = (2 * f, h)
+                shapes[p + _expert(e, "linear_fc2")] = (h, f)
+        else:
+            shapes[p + "mlp.linear_fc1.weight"] = (2 * args.intermediate_size, h)
+            shapes[p + "mlp.linear_fc2.weight"] = (h, args.intermediate_size)
         if args.qk_norm:
             shapes[p + "self_attention.q_layernorm.weight"] = (d,)
             shapes[p + "self_attention.k_layernorm.weight"] = (d,)
@@ -102,9 +137,17 @@ def hf_expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (nq, h), p + "self_attn.k_proj.weight": (nkv, h),
             p + "self_attn.v_proj.weight": (nkv, h), p + "self_attn.o_proj.weight": (h, nq),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
         })
+        if args.is_moe_layer(i):
+            fe = args.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (args.num_experts, h)
+            for e in range(args.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                shapes.update({x + "gate_proj.weight": (fe, h), x + "up_proj.weight": (fe, h),
+                               x + "down_proj.weight": (h, fe)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                           p + "mlp.down_proj.weight": (h, f)})
         if args.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (nq,), p + "self_attn.k_proj.bias": (nkv,),
                            p + "self_attn.v_proj.bias": (nkv,)})
@@ -191,7 +234,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs,
     out = {mg: hf[h] for mg, h in names.items() if h in wanted}
     for i in pp_layer_range(args, pp_size, pp_rank):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for mg_suffix, (hf_suffix, _) in _layer_params(args).items():
+        for mg_suffix, (hf_suffix, _) in _layer_params(args, i).items():
             if hf_suffix is not None:
                 out[mp + mg_suffix] = hf[hp + hf_suffix]
         a = hp + "self_attn."
@@ -200,8 +243,14 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs,
         if args.qkv_bias:
             out[mp + "self_attention.linear_qkv.bias"] = _qkv_merge(
                 hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], args)
-        out[mp + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"]], dim=0)
+        if args.is_moe_layer(i):
+            for e in range(args.num_experts):
+                x = f"{hp}mlp.experts.{e}."
+                out[mp + _expert(e, "linear_fc1")] = torch.cat(
+                    [hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]], dim=0)
+        else:
+            out[mp + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"]], dim=0)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -214,10 +263,9 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], args: ModelArgs,
            "model.norm.weight": mg["decoder.final_layernorm.weight"]}
     if not args.tie_word_embeddings:
         out["lm_head.weight"] = mg["output_layer.weight"]
-    f = args.intermediate_size
     for i in range(args.num_hidden_layers):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for mg_suffix, (hf_suffix, _) in _layer_params(args).items():
+        for mg_suffix, (hf_suffix, _) in _layer_params(args, i).items():
             if hf_suffix is not None:
                 out[hp + hf_suffix] = mg[mp + mg_suffix]
         a = hp + "self_attn."
@@ -226,8 +274,15 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], args: ModelArgs,
         if args.qkv_bias:
             q, k, v = _qkv_split(mg[mp + "self_attention.linear_qkv.bias"], args)
             out.update({a + "q_proj.bias": q, a + "k_proj.bias": k, a + "v_proj.bias": v})
-        fc1 = mg[mp + "mlp.linear_fc1.weight"]
-        out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
+        if args.is_moe_layer(i):
+            f = args.moe_intermediate_size
+            for e in range(args.num_experts):
+                fc1, x = mg[mp + _expert(e, "linear_fc1")], f"{hp}mlp.experts.{e}."
+                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = fc1[:f], fc1[f:]
+        else:
+            f = args.intermediate_size
+            fc1 = mg[mp + "mlp.linear_fc1.weight"]
+            out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -243,7 +298,10 @@ def partition_kind(name: str) -> str:
                 suffix = local
         if suffix in _ALL_LAYER_PARAMS:
             return _ALL_LAYER_PARAMS[suffix][1]
-    return REPLICATED
+        expert = _EXPERT_RE.match(suffix)
+        if expert:  # split like the dense MLP's fc1 / fc2
+            return GATED_COLUMN if expert.group(2) == "linear_fc1" else ROW
+    return REPLICATED  # norms, the router
 
 
 def _split(t: torch.Tensor, kind: str, tp: int, r: int) -> torch.Tensor:
