@@ -85,6 +85,56 @@ In the trainer (`--kl-estimator exact`, any placement; "reward+loss" is the unbi
 Off-policy (samples from pi_old != pi_theta) none of the placements above is unbiased for the
 sequence-level KL. `off_policy_correction` chooses the fix; see `importance_weights`,
 `kl_loss_term` and `kl_reward_is_surrogate` for the bias and variance of each option.
+
+Three distributions. The engine samples y ~ mu (its log-probs: `rollout_logprobs`), the trainer
+recomputes pi_old (the PPO ratio's denominator) and trains pi_theta. The token-is / seq-is weights
+of the KL divide by pi_old (`is_proposal` "behaviour") or by mu ("rollout"). Per prefix:
+    W_<=t = [pi_theta/mu](y_<=t) = w_<=t rho_<=t,   w_<=t = [pi_theta/pi_old](y_<=t),
+    rho_<=t = [pi_old/mu](y_<=t) = prod_{s<=t} pi_old(y_s | y_<s) / mu(y_s | y_<s).
+For any f of the prefix y_<=t (summing over y_<=t):
+    (R1) E_mu[W_<=t f] = E_theta[f]                                        exactly;
+    (R2) E_mu[w_<=t f] = E_theta[(mu/pi_old)(y_<=t) f] = Z_t E_{nu_t}[f],
+         nu_t(y_<=t) = pi_theta(y_<=t) mu(y_<=t) / (pi_old(y_<=t) Z_t),  Z_t = E_mu[w_<=t],
+    so the behaviour weight's bias is E_theta[((mu/pi_old)(y_<=t) - 1) f]: zero for every f only
+    when mu = pi_old on the prefixes (then rho = 1 and the two proposals are the same weights).
+Every seq-is gradient is a sum of such terms: the reward side W_<=T (sum_s K_s) S or, per
+decision, sum_t s_t sum_{s>=t} W_<=s K_s (K_s s_t is a function of y_<=s; exact: s > t), the loss
+side sum_t W_<=t grad K_t. Hence:
+- seq-is against mu: by (R1) each term keeps its on-policy expectation, so K1 in the reward (full
+  or reward-to-go) and K1 / K3 / exact in reward+loss give g* exactly, as seq-is against pi_old
+  does when mu = pi_old (the single-sampler derivation with the sampler's weights). pi_old does not
+  enter: seq-is keeps the KL out of the advantage, away from the PPO ratio.
+- seq-is against pi_old, mu != pi_old: by (R2), for K1 in the reward
+      E_mu[w_<=T (sum_s K1_s) S] - g* = E_theta[((mu/pi_old)(y) - 1) (sum_s K1_s) S],
+  the shift mu/pi_old of the whole prefix left in (at pi_theta = pi_old, the first minibatch, w = 1
+  and the estimator is the uncorrected one on mu's samples). Biased.
+- token-is (detached, loss side) against mu: E_mu[(pi_theta/mu)(y_t|y_<t) grad K_t | y_<t] =
+  E_theta[grad K_t | y_<t] at prefixes y_<t ~ mu, the single-sampler token-is bias with pi_old
+  replaced by mu. Against pi_old: E_theta[(mu/pi_old)(y_t|y_<t) grad K_t | y_<t] at mu's
+  prefixes, the token mis-weighted as well. Neither is unbiased for the sequence-level KL.
+Policy-gradient term (correction.py). Its token weight is ratio_t c_t with the PPO ratio
+(pi_theta/pi_old)(y_t|y_<t) and the rollout weight c_t = (pi_old/mu)(y_t|y_<t), so untruncated
+tis with the clip inactive weights token t by (pi_theta/mu)(y_t|y_<t):
+    E_mu[(pi_theta/mu)_t A_t s_t | y_<t] = E_{y_t ~ pi_theta, y_>t ~ mu}[A_t s_t | y_<t],
+the token corrected, the prefix (and the later tokens inside A_t) still mu's: the usual PPO bias,
+measured from mu. seq-mis inside its bounds multiplies by rho_<=T and gives the PPO estimator on
+pi_old's samples. A KL inside the advantage (reward placement, correction none or token-is) keeps
+that bias under every --rollout-correction. The KL's seq-is weight must carry the whole prefix
+ratio itself: W_<=t = w_<=t prod_{s<=t} c_s, the product of the raw rollout weights over the
+prefix, not the token's.
+Truncation and masks. For v = q/p (so E_p[v f] = E_q[f]) and c > 0:
+    E_p[min(v, c) f] = E_q[f] - E_q[(1 - c/v)_+ f],
+a bias -E_q[(1 - c/v)_+ f] (the mass where v > c counted at c/v of its weight) for a variance
+bounded by c^2 E_p[f^2]; a mask 1{low <= v <= high} (icepop, seq-mis) drops -E_q[1{v outside} f].
+With v = W_<=t, q = pi_theta, a truncation of the rollout proposal's weights is biased wherever it
+binds. Untruncated, E_mu[W_<=t^2] = 1 + chi^2(pi_theta || mu) over t-token prefixes, which grows
+with t (exponentially when each token adds a comparable divergence).
+Unbiased for g* on mu's samples: untruncated seq-is against mu, for K1 in the reward (any return)
+and K1 / K3 / exact in reward+loss. Not unbiased: seq-is against pi_old when mu != pi_old; any
+truncated or masked weight; token-is against either; correction "none"; any KL inside the advantage,
+whatever --rollout-correction. Checked by exact enumeration in megatron_rl/experiments/toy.py
+(`megatron-rl toy --rollout A B`, docs/results.md): at the setting there, with mu != pi_old, the
+unbiased configurations above have bias^2 <= 2.5e-30 against mu and 0.010-0.17 against pi_old.
 """
 from dataclasses import dataclass, field
 
