@@ -82,6 +82,16 @@ MC columns (a check of the sampler and of the exact columns): num_trials indepen
 num_samples sequences; MC bias^2 = |mean of the trials' gradients - g*|^2 (includes the noise
 variance / (num_trials num_samples)); MC variance per sample = num_samples x the variance across
 trials of a trial's mean gradient, an estimate of the exact per-sample variance.
+Three distributions (`--rollout a b`, `three_distribution_study`; exact columns only). Samples come
+from mu = A_rollout (the engine; its log-probs are the trainer's rollout_logprobs), the PPO ratio
+divides by pi_old = A_old (the trainer's recompute), and the KL's token-is / seq-is weights divide
+by pi_old ("behaviour") or by mu ("rollout"), through the production loss. With w(y) = mu(y) in the
+exact columns: each configuration's bias^2 and per-sample variance with correction "none" and with
+token-is and seq-is against either; seq-is with weights truncated at c (`--is-truncation`), with
+the shift |E_c - E|^2 that the truncation causes; and the KL inside the advantage under the
+trainer's --rollout-correction (correction.py's weights pi_old/mu on the surrogate, float32 as it
+computes them). Which weights are unbiased, and the bias of the others: megatron_rl/kl.py's
+docstring, "Three distributions". Without --rollout this study is not run.
 """
 import argparse
 import json
@@ -96,7 +106,9 @@ import torch
 from torch import nn
 
 from megatron_rl.advantages import compute_advantages
-from megatron_rl.kl import OFF_POLICY_CORRECTIONS, KLConfig, Placement, importance_weights
+from megatron_rl.correction import RolloutCorrectionConfig, rollout_correction_weights
+from megatron_rl.kl import (IS_PROPOSALS, OFF_POLICY_CORRECTIONS, KLConfig, Placement,
+                            importance_weights)
 from megatron_rl.loss import (LossConfig, aggregate_loss, build_advantages, compute_rewards_with_kl,
                               policy_loss_per_token)
 
@@ -293,12 +305,15 @@ class ExactKL(Placement):
     off_policy_correction: "none", "token-is", "seq-is", with the meaning of kl.KLConfig (weights
         from kl.importance_weights; the reward side under "seq-is" is an importance-weighted
         surrogate as in kl.kl_reward_is_surrogate, per-decision weights for "to-go" / "later").
+    is_proposal: what those weights divide by, as kl.KLConfig's: "behaviour" (pi_old) or
+        "rollout" (mu, the distribution that sampled; needs rollout_logprobs).
     """
 
     estimator: ClassVar[str] = "exact"
     placement: str = "reward+loss"
     kl_return: str = "full"
     off_policy_correction: str = "none"
+    is_proposal: str = "behaviour"
 
     def __post_init__(self):
         if self.placement not in ("reward", "loss", "reward+loss"):
@@ -307,6 +322,8 @@ class ExactKL(Placement):
             raise ValueError(f"exact: unknown kl_return {self.kl_return!r}; valid: {list(EXACT_RETURNS)}")
         if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
             raise ValueError(f"exact: unknown off_policy_correction {self.off_policy_correction!r}")
+        if self.is_proposal not in IS_PROPOSALS:
+            raise ValueError(f"exact: unknown is_proposal {self.is_proposal!r}; valid: {list(IS_PROPOSALS)}")
 
 
 def _kl_returns(kl: torch.Tensor, kind: str) -> torch.Tensor:
@@ -318,7 +335,9 @@ def _kl_returns(kl: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def exact_kl_loss_per_token(logprobs, old_logprobs, kl, loss_mask, cfg: ExactKL,
-                            return_baseline: torch.Tensor | None = None) -> torch.Tensor:
+                            return_baseline: torch.Tensor | None = None,
+                            rollout_logprobs: torch.Tensor | None = None,
+                            is_weights: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] per-token loss of the `exact` estimator with beta = 1 (task reward 0), differentiable.
 
     logprobs [B, T]: log A_theta(y_t | y_<t) at the sampled tokens (with grad); old_logprobs [B, T]:
@@ -330,10 +349,18 @@ def exact_kl_loss_per_token(logprobs, old_logprobs, kl, loss_mask, cfg: ExactKL,
     - loss side: weight_t * KL_t, weight 1 ("none"), omega_t ("token-is") or w_{<=t} ("seq-is"),
       detached; gradient weight_t grad KL_t (path-wise).
     return_baseline: a constant b subtracted from R_t in the advantage (not under "seq-is").
+    rollout_logprobs [B, T]: the sampler mu's log-probs, which the importance weights divide by
+    under cfg.is_proposal "rollout" (else by old_logprobs, the PPO ratio's denominator);
+    is_weights [B, T]: the rollout correction's weights on the policy-gradient term (correction.py).
     """
     mask = loss_mask.to(logprobs.dtype)
     kl = kl * mask
     correction = cfg.off_policy_correction
+    proposal = old_logprobs
+    if cfg.is_proposal == "rollout" and correction != "none":
+        if rollout_logprobs is None:
+            raise ValueError("exact: is_proposal 'rollout' needs rollout_logprobs")
+        proposal = rollout_logprobs
     if cfg.in_reward and correction != "seq-is":
         penalty = _kl_returns(kl.detach(), cfg.kl_return)
         if return_baseline is not None:
@@ -344,10 +371,11 @@ def exact_kl_loss_per_token(logprobs, old_logprobs, kl, loss_mask, cfg: ExactKL,
         advantages = torch.zeros(logprobs.shape[0], dtype=logprobs.dtype)
     loss_cfg = LossConfig(clip_low=1.0, clip_high=math.inf, aggregation="seq-mean-token-sum",
                           kl=KLConfig("k1", "none", coef=1.0), advantage_estimator="reinforce")
-    per_token, _ = policy_loss_per_token(logprobs, old_logprobs, advantages, mask, loss_cfg)
+    per_token, _ = policy_loss_per_token(logprobs, old_logprobs, advantages, mask, loss_cfg,
+                                         is_weights=is_weights)
     if cfg.in_reward and correction == "seq-is":
         with torch.no_grad():
-            prefix_w = importance_weights(logprobs, old_logprobs, mask, "prefix")
+            prefix_w = importance_weights(logprobs, proposal, mask, "prefix")
             if cfg.kl_return == "full":
                 returns = prefix_w[:, -1:] * kl.sum(-1, keepdim=True)
             else:
@@ -358,7 +386,7 @@ def exact_kl_loss_per_token(logprobs, old_logprobs, kl, loss_mask, cfg: ExactKL,
             weights = mask
         else:
             level = "token" if correction == "token-is" else "prefix"
-            weights = importance_weights(logprobs, old_logprobs, mask, level)
+            weights = importance_weights(logprobs, proposal, mask, level)
         per_token = per_token + weights * kl
     return per_token
 
@@ -406,7 +434,9 @@ def default_runs() -> list:
 
 def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: torch.Tensor,
                         kl_cfg: KLConfig | ExactKL, old_policy: BinaryARPolicy | None = None,
-                        return_baseline: torch.Tensor | None = None) -> torch.Tensor:
+                        return_baseline: torch.Tensor | None = None,
+                        rollout_policy: BinaryARPolicy | None = None,
+                        pg_correction: RolloutCorrectionConfig | None = None) -> torch.Tensor:
     """Gradient [K, 2] (d/da, d/db) of the configuration's loss per parameter copy of `policy`.
 
     y [K, N, T] (or [1, N, T]): the sequences; old_policy: the sampling policy when off-policy
@@ -416,6 +446,10 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
     [T] for per-token returns) subtracted from the reward-side KL penalty R inside the advantage,
     which becomes -(R - b); unbiased on- and off-policy, since the sampler's
     E[ratio_t s_t | y_<t] = 0.
+    rollout_policy: mu, the engine's distribution, when it differs from the PPO ratio's pi_old
+    (the three-distribution study): its log-probs are the trainer's rollout_logprobs, which the
+    KL's importance weights divide by under is_proposal "rollout". pg_correction: the trainer's
+    --rollout-correction, weights pi_old/mu on the policy-gradient term (needs rollout_policy).
     """
     logprobs = policy(y)
     num_copies, num_seqs, seq_len = logprobs.shape
@@ -423,15 +457,22 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
         ref_logits = ref_policy.logits(y)
         ref = ref_policy(y).expand_as(logprobs)
         old = (old_policy(y) if old_policy is not None else logprobs).expand_as(logprobs)
+        rollout = rollout_policy(y).expand_as(logprobs) if rollout_policy is not None else None
 
     def flat(x):
         return x.reshape(num_copies * num_seqs, seq_len)
 
     mask = torch.ones(num_copies * num_seqs, seq_len, dtype=DTYPE)
+    rollout_lp = flat(rollout) if rollout is not None else None
+    is_weights = None
+    if pg_correction is not None and pg_correction.enabled:
+        if rollout_lp is None:
+            raise ValueError("a rollout correction needs rollout_policy (mu)")
+        is_weights = rollout_correction_weights(flat(old), rollout_lp, mask, pg_correction)[0]
     if isinstance(kl_cfg, ExactKL):
         kl = bernoulli_kl(policy.logits(y), ref_logits)
         per_token = exact_kl_loss_per_token(flat(logprobs), flat(old), flat(kl), mask, kl_cfg,
-                                            return_baseline)
+                                            return_baseline, rollout_lp, is_weights)
     else:
         cfg = LossConfig(clip_low=1.0, clip_high=math.inf, aggregation="seq-mean-token-sum",
                          kl=kl_cfg, advantage_estimator="reinforce")
@@ -441,7 +482,8 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
         if return_baseline is not None:  # reinforce: advantage = return, so subtract b here
             advantages = advantages + return_baseline * (mask if advantages.dim() == 2 else 1)
         per_token, _ = policy_loss_per_token(flat(logprobs), flat(old), advantages, mask, cfg,
-                                             ref_logprobs=flat(ref))
+                                             ref_logprobs=flat(ref), is_weights=is_weights,
+                                             rollout_logprobs=rollout_lp)
     # Copies share nothing, so the gradient of the summed loss w.r.t. copy k is copy k's gradient.
     loss = aggregate_loss(per_token, mask, "seq-mean-token-sum", num_global_seqs=num_seqs)
     grad_a, grad_b = torch.autograd.grad(loss, [policy.a, policy.b])
@@ -486,23 +528,31 @@ def enumerated_kl_gradient(theta, ref, seq_len, model: str = "count") -> torch.T
 
 
 def exact_gradient_moments(theta, ref, seq_len, kl_cfg, old=None, model: str = "count",
-                           baseline: bool = False):
+                           baseline: bool = False, rollout=None,
+                           pg_correction: RolloutCorrectionConfig | None = None):
     """(E[grad] [2], per-sample variance) by enumerating all 2^T sequences (weights A_theta or A_old).
 
     One parameter copy per sequence gives every single-sequence gradient g(y) in one backward pass;
     E = sum_y w(y) g(y), variance = sum_y w(y) |g(y) - E|^2 (trace of the covariance).
     baseline: subtract the mean KL penalty b = sum_y w(y) R(y) (per position for per-token returns)
     inside the advantage: the large-group limit of a leave-one-out (RLOO) baseline. Same E[grad].
+    rollout: parameters of mu; when given the sequences are weighted by mu (the sampler) while
+    old stays the PPO ratio's denominator (None: pi_old = A_theta); pg_correction as in
+    `estimator_gradients`.
     """
     y = all_sequences(seq_len).transpose(0, 1)  # [2^T, 1, T]: one sequence per copy
     policy = BinaryARPolicy(*theta, num_copies=y.shape[0], model=model)
     ref_policy = BinaryARPolicy(*ref, model=model)
     old_policy = BinaryARPolicy(*old, model=model) if old is not None else None
+    rollout_policy = BinaryARPolicy(*rollout, model=model) if rollout is not None else None
     with torch.no_grad():
         sampler = old_policy if old_policy is not None else BinaryARPolicy(*theta, model=model)
+        if rollout_policy is not None:
+            sampler = rollout_policy
         weights = sampler(y).sum(-1).exp().reshape(-1)
     b = weights @ kl_penalty_returns(policy, ref_policy, y, kl_cfg) if baseline else None
-    grads = estimator_gradients(policy, ref_policy, y, kl_cfg, old_policy, b)
+    grads = estimator_gradients(policy, ref_policy, y, kl_cfg, old_policy, b, rollout_policy,
+                                pg_correction)
     mean = weights @ grads
     variance = (weights * (grads - mean).square().sum(-1)).sum().item()
     return mean, variance
@@ -538,6 +588,8 @@ class ToySetup:
     seed: int = 0
     runs: list = field(default_factory=default_runs)
     variance_settings: tuple = VARIANCE_SETTINGS
+    rollout: tuple | None = None  # mu's (a, b): adds the three-distribution study when set
+    is_truncation: float = 2.0  # c of its truncated weights, min(w, c)
 
 
 def _run_key(run: ToyRun) -> str:
@@ -560,6 +612,121 @@ def variance_sweep(settings, seq_len: int, model: str = "count", runs=None) -> l
         out.append({"theta": list(theta), "ref": list(ref),
                     "kl": closed_form_kl(theta, ref, seq_len, model), "rows": rows})
     return out
+
+
+# ---------------------------------------------------------------- three distributions (mu, pi_old, A_theta)
+
+# (off-policy correction, proposal) of the KL's importance weights; "none" has no weights.
+KL_COLUMNS = (("none", "behaviour"), ("token-is", "behaviour"), ("token-is", "rollout"),
+              ("seq-is", "behaviour"), ("seq-is", "rollout"))
+PROPOSAL_NAMES = {"behaviour": "pi_old", "rollout": "mu"}
+# Rows whose seq-is weights are also measured truncated (ExactKL has no truncation option).
+TRUNCATED_CONFIGS = ("k1/reward", "k1/reward rtg", "k1/reward+loss", "k3/reward+loss")
+# Rows with the KL inside the advantage (correction "none"), under the policy-gradient corrections.
+PG_CONFIGS = ("k1/reward", "k1/reward rtg", "k3/reward+loss", "exact/reward+loss later")
+
+
+def three_distribution_configs() -> list:
+    """Row names of the three-distribution study: estimator/placement, plus K1 in the reward with
+    reward-to-go ("rtg") and exact in reward+loss with the later positions' return ("later")."""
+    names = []
+    for est in ("k1", "k2", "k3", "exact"):
+        for placement in ("reward", "loss", "reward+loss"):
+            names.append(f"{est}/{placement}")
+            if (est, placement) == ("k1", "reward"):
+                names.append("k1/reward rtg")
+            if (est, placement) == ("exact", "reward+loss"):
+                names.append("exact/reward+loss later")
+    return names
+
+
+def three_distribution_kl(name: str, correction: str, proposal: str,
+                          truncation: float | None = None) -> KLConfig | ExactKL:
+    """The KL configuration of row `name` under an off-policy correction and an IS proposal."""
+    base, _, variant = name.partition(" ")
+    estimator, placement = base.split("/")
+    if estimator == "exact":
+        if truncation is not None:
+            raise ValueError("exact: no truncation option")
+        return ExactKL(placement, "later" if variant == "later" else "full", correction, proposal)
+    return KLConfig(estimator, placement, coef=1.0, reward_to_go=variant == "rtg",
+                    off_policy_correction=correction, is_proposal=proposal,
+                    is_truncation=truncation)
+
+
+def pg_corrections(truncation: float) -> dict:
+    """The trainer's --rollout-correction settings compared: none, tis untruncated and at c,
+    seq-mis and icepop at their default bounds; keyed by a label with the bounds."""
+    configs = [RolloutCorrectionConfig(), RolloutCorrectionConfig("tis", 0.0, math.inf),
+               RolloutCorrectionConfig("tis", 0.0, truncation), RolloutCorrectionConfig("seq-mis"),
+               RolloutCorrectionConfig("icepop")]
+    out = {}
+    for cfg in configs:
+        low, high = cfg.bounds()
+        out[cfg.mode if not cfg.enabled else f"{cfg.mode} [{low:g}, {high:g}]"] = cfg
+    return out
+
+
+def sequence_weight_moments(theta, old, rollout, seq_len: int, model: str = "count") -> dict:
+    """Under mu, by enumeration: mean and second moment of the sequence weights pi_theta/pi_old
+    (behaviour) and pi_theta/mu (rollout); KL(mu || pi_old) and KL(A_theta || mu), sequence level;
+    the range of the token weights pi_old/mu (the policy-gradient correction's, before bounds)
+    over every position of every sequence."""
+    y = all_sequences(seq_len)
+    with torch.no_grad():
+        token_old, token_mu = (BinaryARPolicy(*params, model=model)(y)[0] for params in (old, rollout))
+        lp_theta, lp_old, lp_mu = (BinaryARPolicy(*params, model=model)(y).sum(-1)[0]
+                                   for params in (theta, old, rollout))
+    token_w = (token_old - token_mu).exp()
+    mu = lp_mu.exp()
+    out = {}
+    for proposal, lp_q in (("behaviour", lp_old), ("rollout", lp_mu)):
+        w = (lp_theta - lp_q).exp()
+        out[proposal] = {"mean": (mu * w).sum().item(), "second_moment": (mu * w.square()).sum().item()}
+    out["kl_mu_old"] = (mu * (lp_mu - lp_old)).sum().item()
+    out["kl_theta_mu"] = (lp_theta.exp() * (lp_theta - lp_mu)).sum().item()
+    out["token_weight_range"] = [token_w.min().item(), token_w.max().item()]
+    return out
+
+
+def three_distribution_study(theta, ref, old, rollout, seq_len: int, model: str = "count",
+                             truncation: float = 2.0) -> dict:
+    """Exact bias^2 vs g* and per-sample variance, samples from mu = rollout, PPO ratio against
+    pi_old = old, of every three_distribution_configs() row under each KL_COLUMNS entry; the
+    TRUNCATED_CONFIGS under truncated seq-is weights (with the shift |E_c - E|^2 the truncation
+    causes); the PG_CONFIGS under each pg_corrections() setting."""
+    g_star = true_gradient(theta, ref, seq_len, model)
+
+    def moments(kl_cfg, pg=None):
+        mean, variance = exact_gradient_moments(theta, ref, seq_len, kl_cfg, old, model,
+                                                rollout=rollout, pg_correction=pg)
+        sq_bias = (mean - g_star).square().sum().item()
+        return mean, {"exact_grad": mean.tolist(), "exact_sq_bias": sq_bias, "variance": variance,
+                      "biased": sq_bias > UNBIASED_TOL}
+
+    rows, untruncated = [], {}
+    for name in three_distribution_configs():
+        for correction, proposal in KL_COLUMNS:
+            mean, stats = moments(three_distribution_kl(name, correction, proposal))
+            untruncated[name, correction, proposal] = mean
+            rows.append({"table": "kl", "config": name, "correction": correction,
+                         "proposal": None if correction == "none" else proposal,
+                         "is_truncation": None, "pg_correction": "none", **stats})
+    for name in TRUNCATED_CONFIGS:
+        for proposal in IS_PROPOSALS:
+            mean, stats = moments(three_distribution_kl(name, "seq-is", proposal, truncation))
+            shift = (mean - untruncated[name, "seq-is", proposal]).square().sum().item()
+            rows.append({"table": "truncation", "config": name, "correction": "seq-is",
+                         "proposal": proposal, "is_truncation": truncation, "pg_correction": "none",
+                         **stats, "truncation_shift_sq": shift})
+    for name in PG_CONFIGS:
+        for label, pg in pg_corrections(truncation).items():
+            _, stats = moments(three_distribution_kl(name, "none", "behaviour"), pg)
+            rows.append({"table": "pg", "config": name, "correction": "none", "proposal": None,
+                         "is_truncation": None, "pg_correction": label, **stats})
+    return {"rollout": list(rollout), "old": list(old), "is_truncation": truncation,
+            "sequence_weights": sequence_weight_moments(theta, old, rollout, seq_len, model),
+            "rows": rows}
 
 
 def run_study(setup: ToySetup) -> dict:
@@ -615,6 +782,11 @@ def run_study(setup: ToySetup) -> dict:
         rows.append(row)
     settings = [(setup.theta, setup.ref)] + [s for s in setup.variance_settings
                                              if tuple(map(tuple, s)) != (setup.theta, setup.ref)]
+    sweep = variance_sweep(settings, t, model, setup.runs)
+    three = ({} if setup.rollout is None else
+             {"three_distribution": three_distribution_study(setup.theta, setup.ref, setup.old,
+                                                             setup.rollout, t, model,
+                                                             setup.is_truncation)})
     return {
         "setup": {"model": model, "seq_len": t, "theta": list(setup.theta), "ref": list(setup.ref),
                   "old": list(setup.old), "num_trials": k, "num_samples": n, "seed": setup.seed,
@@ -626,7 +798,8 @@ def run_study(setup: ToySetup) -> dict:
         "true_gradient_enum_abs_err": (g_enum - g_star).abs().max().item(),
         "true_gradient_closed_form_abs_err": (g_closed - g_star).abs().max().item(),
         "rows": rows,
-        "variance_sweep": variance_sweep(settings, t, model, setup.runs),
+        "variance_sweep": sweep,
+        **three,
         "runtime_s": time.perf_counter() - start,
         "cpu_s": time.process_time() - start_cpu,
     }
@@ -667,6 +840,94 @@ def _variance_reading(result: dict) -> list:
         f"{later_best} of {len(sweep)} settings: the term s_t KL_t it drops has mean zero but "
         f"can be negatively correlated with the rest.",
     ]
+
+
+def _cell(row: dict) -> str:
+    """bias^2 / variance, bias^2 in bold when below UNBIASED_TOL."""
+    bias = f"{row['exact_sq_bias']:.2e}"
+    return f"{'**' + bias + '**' if not row['biased'] else bias} / {row['variance']:.3g}"
+
+
+def three_distribution_markdown(result: dict) -> list:
+    """Lines of the three-distribution study's tables (run_study with a rollout), then what they show."""
+    three = result["three_distribution"]
+    setup = result["setup"]
+    rows = three["rows"]
+    sw = three["sequence_weights"]
+    c = three["is_truncation"]
+    kl_rows = {(r["config"], r["correction"], r["proposal"] or "behaviour"): r
+               for r in rows if r["table"] == "kl"}
+    names = list(dict.fromkeys(r["config"] for r in rows if r["table"] == "kl"))
+    columns = [f"{corr}" if corr == "none" else f"{corr} / {PROPOSAL_NAMES[prop]}"
+               for corr, prop in KL_COLUMNS]
+    lines = [
+        "", f"Three distributions: samples y ~ mu = {three['rollout']} (the engine), the PPO ratio's "
+        f"denominator pi_old = {three['old']} (the trainer's recompute), A_theta = {setup['theta']}; "
+        "the same g* as above. Columns: the KL's off-policy correction and what its importance "
+        "weights divide by (--kl-is-proposal: behaviour = pi_old, rollout = mu). Cells: "
+        "bias^2 = |E_mu[grad] - g*|^2 / per-sample variance under mu, exact (enumeration of all "
+        f"2^T sequences, float64), no baseline; bias^2 in bold: below {UNBIASED_TOL:g} (unbiased). "
+        f"Sequence level: KL(mu || pi_old) = {sw['kl_mu_old']:.4f}, KL(A_theta || mu) = "
+        f"{sw['kl_theta_mu']:.4f} nats; under mu the weight A_theta/pi_old has mean "
+        f"{sw['behaviour']['mean']:.4f} and second moment {sw['behaviour']['second_moment']:.3g}, "
+        f"A_theta/mu mean {sw['rollout']['mean']:.4f} and second moment "
+        f"{sw['rollout']['second_moment']:.3g}; token weights pi_old/mu within "
+        f"[{sw['token_weight_range'][0]:.3f}, {sw['token_weight_range'][1]:.3f}].", "",
+        "| config | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(_cell(kl_rows[name, corr, prop])
+                                                 for corr, prop in KL_COLUMNS) + " |")
+    trunc = {(r["config"], r["proposal"]): r for r in rows if r["table"] == "truncation"}
+    if trunc:
+        lines += ["", f"seq-is with truncated weights min(w, {c:g}) (--is-truncation; the trainer's "
+                  "--kl-is-truncation): bias^2 vs "
+                  "g*, per-sample variance, and the shift^2 = |E[grad, truncated] - E[grad, "
+                  "untruncated]|^2 the truncation causes:", "",
+                  "| config | " + " | ".join(f"/ {PROPOSAL_NAMES[p]}: bias^2 | variance | shift^2"
+                                             for p in IS_PROPOSALS) + " |",
+                  "|---|" + "---|---|---|" * len(IS_PROPOSALS)]
+        for name in dict.fromkeys(n for n, _ in trunc):
+            cells = [f"{trunc[name, p]['exact_sq_bias']:.3e} | {trunc[name, p]['variance']:.3g} | "
+                     f"{trunc[name, p]['truncation_shift_sq']:.3e}" for p in IS_PROPOSALS]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    pg = {(r["config"], r["pg_correction"]): r for r in rows if r["table"] == "pg"}
+    if pg:
+        labels = list(dict.fromkeys(label for _, label in pg))
+        lines += ["", "KL inside the advantage (correction none) under the policy-gradient rollout "
+                  "correction (--rollout-correction: detached weights pi_old/mu on the surrogate, "
+                  "float32 as in the trainer): bias^2 / variance:", "",
+                  "| config | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        for name in dict.fromkeys(n for n, _ in pg):
+            lines.append(f"| {name} | " + " | ".join(_cell(pg[name, label]) for label in labels) + " |")
+    lines += [""] + _three_distribution_reading(three)
+    return lines
+
+
+def _three_distribution_reading(three: dict) -> list:
+    """Sentences stating which columns are unbiased here, computed from the numbers."""
+    kl_rows = [r for r in three["rows"] if r["table"] == "kl"]
+    unbiased = [r for r in kl_rows if not r["biased"]]
+    found = ", ".join(f"{r['config']} ({r['correction']} / {PROPOSAL_NAMES[r['proposal']]})"
+                      for r in unbiased) or "none"
+    same = [r for r in kl_rows if r["correction"] == "seq-is" and r["proposal"] == "behaviour"
+            and any(u["config"] == r["config"] for u in unbiased)]
+    lines = [f"What it shows: unbiased here (bias^2 <= {UNBIASED_TOL:g}): {found}."]
+    if same:
+        lo = min(r["exact_sq_bias"] for r in same)
+        hi = max(r["exact_sq_bias"] for r in same)
+        lines[0] += (f" The same configurations with seq-is weights against pi_old: bias^2 "
+                     f"{lo:.3g}-{hi:.3g}.")
+    pg = [r for r in three["rows"] if r["table"] == "pg" and r["pg_correction"] != "none"]
+    if pg:
+        lines[0] += (f" No policy-gradient rollout correction makes a KL inside the advantage "
+                     f"unbiased: bias^2 {min(r['exact_sq_bias'] for r in pg):.3g}-"
+                     f"{max(r['exact_sq_bias'] for r in pg):.3g}."
+                     if all(r["biased"] for r in pg) else
+                     " Some policy-gradient rollout corrections left the KL inside the advantage "
+                     "unbiased here.")
+    return lines
 
 
 def markdown_table(result: dict) -> str:
@@ -718,6 +979,8 @@ def markdown_table(result: dict) -> str:
                      for s in sweep]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines += [""] + _variance_reading(result)
+    if "three_distribution" in result:
+        lines += three_distribution_markdown(result)
     lines.append("")
     lines.append(f"Runtime: {result['runtime_s']:.1f} s wall, {result['cpu_s']:.1f} s CPU "
                  f"(torch threads: {torch.get_num_threads()})")
@@ -778,6 +1041,14 @@ def main(argv=None) -> int:
     parser.add_argument("--old", type=float, nargs=2, metavar=("A", "B"), help=(
         "parameters of the behaviour policy A_old that samples the off-policy rows (default: "
         "unset, the --model's; see --theta)"))
+    parser.add_argument("--rollout", type=float, nargs=2, metavar=("A", "B"), help=(
+        "parameters of the engine's distribution mu, parameterised as --old: adds the "
+        "three-distribution study, samples from mu, the PPO ratio against --old, the KL's "
+        "importance weights against pi_old (behaviour) or mu (rollout), and the policy-gradient "
+        "rollout corrections (default: unset, no such study)"))
+    parser.add_argument("--is-truncation", type=float, default=ToySetup.is_truncation, help=(
+        "with --rollout: c of the truncated variants, min(w, c), of the KL's seq-is weights and "
+        "of the tis policy-gradient correction (default: %(default)s)"))
     parser.add_argument("--out", default="outputs/toy", help=(
         "directory for table.md, results.json and figure.png, created when missing "
         "(default: %(default)s)"))
@@ -798,12 +1069,16 @@ def main(argv=None) -> int:
     if not 1 <= args.seq_len <= MAX_SEQ_LEN:
         parser.error(f"--seq-len must be in [1, {MAX_SEQ_LEN}] (2^T sequences are enumerated), "
                      f"got {args.seq_len}")
+    if not args.is_truncation > 0:
+        parser.error(f"--is-truncation must be > 0, got {args.is_truncation}")
 
     theta, ref, old = (tuple(given) if given is not None else default
                        for given, default in zip((args.theta, args.ref, args.old),
                                                  DEFAULT_PARAMS[args.model]))
     setup = ToySetup(seq_len=args.seq_len, theta=theta, ref=ref, old=old, model=args.model,
-                     num_trials=args.num_trials, num_samples=args.num_samples, seed=args.seed)
+                     num_trials=args.num_trials, num_samples=args.num_samples, seed=args.seed,
+                     rollout=tuple(args.rollout) if args.rollout is not None else None,
+                     is_truncation=args.is_truncation)
     result = run_study(setup)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

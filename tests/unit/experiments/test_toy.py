@@ -1,17 +1,20 @@
 """The toy study: closed forms (C1)-(C3) vs enumeration, exact expected gradients of the production
-loss vs closed forms, bias verdicts, and the `exact` per-position KL estimator."""
+loss vs closed forms, bias verdicts, the `exact` per-position KL estimator, and the
+three-distribution study (samples from mu, PPO ratio against pi_old, KL weights against either)."""
 import json
 import math
 
 import pytest
 import torch
 
+from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.kl import KLConfig
 from megatron_rl.experiments.toy import (DEFAULT_PARAMS, BinaryARPolicy, ExactKL, ToySetup, all_sequences,
                              closed_form_gradients, closed_form_kl, closed_form_kl_gradient,
                              default_runs, enumerated_kl, enumerated_kl_gradient,
                              estimator_gradients, exact_expected_gradient, exact_gradient_moments,
-                             main, prefix_features, true_gradient, _state_marginals)
+                             main, pg_corrections, prefix_features, three_distribution_configs,
+                             three_distribution_kl, true_gradient, _state_marginals)
 
 SEQ_LEN = 6
 THETA, REF, OLD = DEFAULT_PARAMS["count"]
@@ -201,6 +204,7 @@ def test_main_writes_outputs(tmp_path):
                  "--no-plot"]) == 0
     result = json.loads((out / "results.json").read_text())
     assert result["setup"]["model"] == "count"
+    assert "three_distribution" not in result  # only with --rollout
     rows = {r["config"]: r for r in result["rows"]}
     assert len(rows) == len(default_runs())
     assert rows["k1/reward"]["biased"] is False and rows["k3/loss"]["biased"] is True
@@ -237,3 +241,121 @@ def test_default_setup_is_the_documented_one():
     assert (setup.theta, setup.ref, setup.old) == (THETA, REF, OLD) == ((0.5, -0.25), (-0.5, 0.25),
                                                                        (0.9, -0.15))
     assert (setup.num_trials, setup.num_samples) == (200, 1000)
+
+
+# ---------------------------------------------------------------- three distributions
+
+ROLLOUT = (0.7, -0.05)  # mu: differs from pi_old = OLD and from A_theta = THETA
+SEQ_IS_UNBIASED = ("k1/reward", "k1/reward rtg", "k1/reward+loss", "k3/reward+loss",
+                   "exact/reward+loss", "exact/reward+loss later")
+
+
+def _three(kl, rollout=ROLLOUT, pg=None):
+    """E_mu[grad] [2]: samples from mu = rollout, PPO ratio against pi_old = OLD."""
+    return exact_gradient_moments(THETA, REF, SEQ_LEN, kl, OLD, rollout=rollout, pg_correction=pg)[0]
+
+
+def _per_sequence():
+    """Over all 2^T sequences: A_theta(y), mu(y), pi_old(y), R(y) = sum_t K1_t and S(y) [2^T, 2]."""
+    y = all_sequences(SEQ_LEN).transpose(0, 1)
+    policy = BinaryARPolicy(*THETA, num_copies=y.shape[0])
+    seq_lp = policy(y).sum((-1, -2))
+    score = torch.stack(torch.autograd.grad(seq_lp.sum(), [policy.a, policy.b]), dim=-1)
+    with torch.no_grad():
+        lp_ref, lp_old, lp_mu = (BinaryARPolicy(*params)(y).sum((-1, -2))
+                                 for params in (REF, OLD, ROLLOUT))
+    seq_lp = seq_lp.detach()
+    return seq_lp.exp(), lp_mu.exp(), lp_old.exp(), seq_lp - lp_ref, score
+
+
+@pytest.mark.parametrize("name", SEQ_IS_UNBIASED)
+def test_seq_is_against_the_sampler_is_unbiased_and_against_pi_old_is_not(name):
+    assert _sq_bias(_three(three_distribution_kl(name, "seq-is", "rollout"))) < UNBIASED
+    assert _sq_bias(_three(three_distribution_kl(name, "seq-is", "behaviour"))) > 1e-3
+
+
+def test_behaviour_seq_is_bias_is_the_prefix_shift():
+    """E_mu[(A_theta/pi_old)(y) R S] = E_theta[(mu/pi_old)(y) R S], K1 in the reward (sequence weight)."""
+    p_theta, p_mu, p_old, returns, score = _per_sequence()
+    expected = (p_theta * p_mu / p_old * returns) @ score
+    got = _three(three_distribution_kl("k1/reward", "seq-is", "behaviour"))
+    assert torch.allclose(got, expected, atol=1e-12, rtol=0)
+
+
+def test_truncated_rollout_weights_cost_the_mass_above_c():
+    """min(W, c), W = A_theta/mu: E_mu[min(W, c) R S] = g* - E_theta[(1 - c/W)_+ R S]."""
+    c = 1.5
+    p_theta, p_mu, _, returns, score = _per_sequence()
+    lost = (p_theta * (1 - c * p_mu / p_theta).clamp(min=0) * returns) @ score
+    assert lost.norm() > 0.1  # the truncation bites here
+    got = _three(three_distribution_kl("k1/reward", "seq-is", "rollout", truncation=c))
+    assert torch.allclose(got, true_gradient(THETA, REF, SEQ_LEN) - lost, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", three_distribution_configs())
+def test_proposals_agree_exactly_when_mu_is_pi_old(name):
+    """mu = pi_old: both proposals give the same gradients, those of the study sampling from pi_old."""
+    for correction in ("token-is", "seq-is"):
+        moments = [exact_gradient_moments(THETA, REF, SEQ_LEN,
+                                          three_distribution_kl(name, correction, proposal), OLD,
+                                          rollout=OLD) for proposal in ("behaviour", "rollout")]
+        assert torch.equal(moments[0][0], moments[1][0]) and moments[0][1] == moments[1][1]
+        single = exact_gradient_moments(THETA, REF, SEQ_LEN,
+                                        three_distribution_kl(name, correction, "behaviour"), OLD)
+        assert torch.equal(moments[0][0], single[0]) and moments[0][1] == single[1]
+
+
+@pytest.mark.parametrize("name,correction", [("k3/loss", "token-is"), ("exact/loss", "token-is"),
+                                             ("k3/loss", "seq-is"), ("k1/reward rtg", "seq-is"),
+                                             ("k1/reward+loss", "seq-is"),
+                                             ("exact/reward+loss later", "seq-is")])
+def test_rollout_proposal_weights_the_kl_against_the_sampler(name, correction):
+    """KL terms outside the advantage (the loss side; the reward side under seq-is) with weights
+    against mu do not see pi_old: they equal the single-sampler study with pi_old := mu. (Under
+    token-is the reward side stays in the advantage, where the PPO ratio divides by pi_old.)"""
+    got = _three(three_distribution_kl(name, correction, "rollout"))
+    single = exact_expected_gradient(THETA, REF, SEQ_LEN,
+                                     three_distribution_kl(name, correction, "behaviour"), ROLLOUT)
+    assert torch.allclose(got, single, atol=1e-12, rtol=0)
+
+
+def test_policy_gradient_correction_corrects_the_token_not_the_prefix():
+    """KL inside the advantage: untruncated tis makes the token weight (A_theta/pi_old)(pi_old/mu)
+    = A_theta/mu, i.e. the study with pi_old := mu and no correction; still biased (prefixes from mu).
+    With mu = pi_old every correction's weight is 1."""
+    kl = KLConfig("k1", "reward", coef=1.0)
+    tis = pg_corrections(2.0)["tis [0, inf]"]
+    got = _three(kl, pg=tis)
+    assert torch.allclose(got, exact_expected_gradient(THETA, REF, SEQ_LEN, kl, ROLLOUT), atol=1e-6,
+                          rtol=1e-6)  # the trainer's correction weights are float32
+    assert _sq_bias(got) > 0.1
+    for pg in pg_corrections(2.0).values():
+        assert torch.equal(_three(kl, rollout=OLD, pg=pg), _three(kl, rollout=OLD))
+    assert isinstance(tis, RolloutCorrectionConfig) and tis.bounds() == (0.0, math.inf)
+
+
+def test_main_with_rollout_prints_the_three_distribution_study(tmp_path, capsys):
+    argv = ["--out", str(tmp_path), "--seq-len", "5", "--num-trials", "0", "--no-plot",
+            "--rollout", *map(str, ROLLOUT), "--is-truncation", "1.5"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "Three distributions" in table and "| seq-is / mu |" in table
+    result = json.loads((tmp_path / "results.json").read_text())
+    three = result["three_distribution"]
+    assert three["rollout"] == list(ROLLOUT) and three["is_truncation"] == 1.5
+    rows = {(r["table"], r["config"], r["correction"], r["proposal"], r["pg_correction"]): r
+            for r in three["rows"]}
+    for name in SEQ_IS_UNBIASED:
+        assert rows["kl", name, "seq-is", "rollout", "none"]["biased"] is False
+        assert rows["kl", name, "seq-is", "behaviour", "none"]["biased"] is True
+    truncated = rows["truncation", "k1/reward", "seq-is", "rollout", "none"]
+    assert truncated["exact_sq_bias"] == pytest.approx(truncated["truncation_shift_sq"], rel=1e-12)
+    assert three["sequence_weights"]["rollout"]["mean"] == pytest.approx(1.0, abs=1e-14)
+    assert result["rows"] == json.loads(json.dumps(main_rows(tmp_path / "plain")))
+    with pytest.raises(SystemExit):
+        main(argv + ["--is-truncation", "0"])
+
+
+def main_rows(out):
+    assert main(["--out", str(out), "--seq-len", "5", "--num-trials", "0", "--no-plot", "--json"]) == 0
+    return json.loads((out / "results.json").read_text())["rows"]
