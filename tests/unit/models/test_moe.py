@@ -7,8 +7,9 @@ Checked: the config mapping (megatron-core's moe_* fields, the per-layer pattern
 config.json), logits equal to transformers' Qwen3MoeForCausalLM, the HF -> Megatron -> HF round
 trip bit-exact and re-loadable by transformers, gradients of the router and of every expert
 equal to transformers' autograd, the load-balancing loss off by default and on when asked, and
-TP2 + sequence parallelism equal to TP1 (two gloo ranks, this file run under torchrun as its
-own worker). Expert parallelism (EP > 1) is not covered.
+TP2 + sequence parallelism equal to TP1 and PP2 stages built with their own sparse and dense
+layers (two gloo ranks, this file run under torchrun as its own worker). Expert parallelism
+(EP > 1) is not covered.
 """
 import dataclasses
 import json
@@ -191,6 +192,42 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(moe_ckpts, tmp_path, name):
                                    _hf_model(path)(tokens).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+def test_shard_then_gather_is_identity(moe_ckpts, tp, pp):
+    """Each expert's fc1 is split as the dense fc1 ([gate_r; up_r] on rank r), its fc2 by
+    columns, the router replicated; pipeline stages take their layers, sparse or dense."""
+    args = ModelArgs.from_pretrained(moe_ckpts["renorm"])
+    full = hf_mapping.hf_to_megatron(hf_mapping.load_hf_state_dict(moe_ckpts["renorm"]), args)
+    shards = {(r, s): hf_mapping.shard_for_rank(full, args, tp_size=tp, tp_rank=r, pp_size=pp,
+                                                pp_rank=s)
+              for r in range(tp) for s in range(pp)}
+    f, e = args.moe_intermediate_size, "mlp.experts.local_experts.1."
+    fc1 = full[f"decoder.layers.0.{e}linear_fc1.weight"]
+    fc2 = full[f"decoder.layers.0.{e}linear_fc2.weight"]
+    last = shards[(tp - 1, 0)]
+    assert torch.equal(last[f"decoder.layers.0.{e}linear_fc1.weight"],
+                       torch.cat([fc1[:f].chunk(tp)[-1], fc1[f:].chunk(tp)[-1]]))
+    assert torch.equal(last[f"decoder.layers.0.{e}linear_fc2.weight"], fc2.chunk(tp, dim=1)[-1])
+    assert torch.equal(last["decoder.layers.0.mlp.router.weight"],
+                       full["decoder.layers.0.mlp.router.weight"])
+    back = hf_mapping.gather_shards(shards, args, tp, pp)
+    assert set(back) == set(full)
+    assert all(torch.equal(back[k], full[k]) for k in full)
+
+
+def test_a_pipeline_stage_reads_only_its_tensors(moe_ckpts):
+    path = moe_ckpts["renorm"]
+    args = ModelArgs.from_pretrained(path)
+    full = hf_mapping.hf_to_megatron(hf_mapping.load_hf_state_dict(path), args)
+    hf_names = hf_mapping.hf_expected_shapes(args)
+    for pp_rank in range(2):
+        names = hf_mapping.stage_names(hf_names, args, pp_size=2, pp_rank=pp_rank)
+        stage = hf_mapping.hf_to_megatron(hf_mapping.load_hf_state_dict(path, names), args,
+                                          pp_size=2, pp_rank=pp_rank)
+        assert set(stage) == hf_mapping.stage_names(full, args, pp_size=2, pp_rank=pp_rank)
+        assert all(torch.equal(stage[k], full[k]) for k in stage)
+
+
 def _unfused(tensors, args) -> dict[str, torch.Tensor]:
     """transformers' in-memory (name, tensor) pairs under the checkpoint's per-expert names:
     transformers 5 holds a layer's experts fused, gate_up_proj [E, 2 f, h] = per expert
@@ -279,7 +316,8 @@ def test_load_balancing_loss_reaches_the_routers_when_asked(moe_ckpts, single_ra
 
 def _tp_worker(path: str, out: str) -> None:
     """Under torchrun with 2 ranks: the same batch at TP1 (both ranks, DP2) and TP2 + sequence
-    parallelism; rank 0 saves each layout's full logits and full gradients."""
+    parallelism; rank 0 saves each layout's full logits and full gradients. Then PP2: each
+    stage's model takes its shard of the weights exactly."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -319,6 +357,17 @@ def _tp_worker(path: str, out: str) -> None:
         result[name] = {"logits": logits.detach(), "grads": hf_mapping.gather_shards(
             {(r, 0): s for r, s in enumerate(shards)}, args, tp_size=tp, pp_size=1)}
         ps.destroy_model_parallel()
+    # PP2: each stage builds its own layers, sparse or dense, and takes exactly its shard
+    init_distributed(ParallelConfig(1, 2))
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    model = build_gpt_model(args, pipeline_parallel=2, use_te=False)
+    missing, unexpected = model.load_state_dict(
+        hf_mapping.shard_for_rank(full, args, pp_size=2, pp_rank=pp_rank), strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
+    routers = sorted(k for k in model.state_dict() if k.endswith("router.weight"))
+    assert routers == [f"decoder.layers.{i}.mlp.router.weight" for i in range(2)
+                       if PATTERNS["renorm"][2 * pp_rank + i]], routers
+    ps.destroy_model_parallel()
     if dist.get_rank() == 0:
         torch.save(result, os.path.join(out, "moe_tp.pt"))
     dist.barrier()
