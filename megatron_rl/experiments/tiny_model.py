@@ -66,12 +66,12 @@ CHAR_MODEL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hid
                   eos_token_id=1, pad_token_id=0)
 
 
-def make_char_model(path: str, seed: int = 0, **overrides) -> str:
-    """A random tiny Qwen2 (CHAR_MODEL, with `overrides`) and the character tokenizer at
-    `path`."""
+def make_char_model(path: str, seed: int = 0, family: str = "qwen2", **overrides) -> str:
+    """A random tiny model of `family` (CHAR_MODEL's sizes, with `overrides`; "qwen3_moe" adds
+    its experts) and the character tokenizer at `path`."""
     kwargs = {**CHAR_MODEL, **overrides}
     tied = kwargs.pop("tie_word_embeddings")
-    make_tiny_hf_checkpoint(path, "qwen2", tie_word_embeddings=tied, seed=seed, **kwargs)
+    make_tiny_hf_checkpoint(path, family, tie_word_embeddings=tied, seed=seed, **kwargs)
     make_char_tokenizer(path, vocab_size=kwargs["vocab_size"])
     return path
 

@@ -22,6 +22,14 @@ def tiny_char_ref(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory):
+    """(policy, reference): two random tiny Qwen3-MoE checkpoints (4 experts, top-2, one sparse
+    and one dense layer) with the character tokenizer."""
+    return tuple(_char_model(str(tmp_path_factory.mktemp(f"moe{seed}")), seed=seed,
+                             family="qwen3_moe") for seed in (0, 1))
+
+
+@pytest.fixture(scope="session")
 def arithmetic_jsonl(tmp_path_factory):
     """64 two-term additions as prepared JSONL (task "arithmetic")."""
     from megatron_rl.data.records import TaskExample, write_jsonl
