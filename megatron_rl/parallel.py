@@ -34,6 +34,11 @@ class ParallelConfig:
         "help": "megatron's sequence parallelism: the activations outside the tensor-parallel "
         "layers are split over the sequence across the TP ranks; needs "
         "--tensor-model-parallel-size > 1"})
+    expert_model_parallel_size: int = dataclasses.field(default=1, metadata={
+        "min": 1, "help": "expert-parallel ranks (megatron's EP): each mixture-of-experts "
+        "layer's experts are split over N ranks of the data-parallel dimension, which route "
+        "tokens to each other's experts; must divide the expert count and the data-parallel "
+        "size; needs a mixture-of-experts model"})
     use_distributed_optimizer: bool = dataclasses.field(default=False, metadata={
         "help": "megatron's distributed optimizer: fp32 main parameters and Adam state sharded "
         "over the data-parallel ranks (ZeRO-1); same updates, less memory per rank"})
@@ -50,7 +55,15 @@ class ParallelConfig:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor x pipeline parallel size "
                 f"{self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size}")
-        return world_size // mp
+        dp = world_size // mp
+        ep = self.expert_model_parallel_size
+        if ep > 1 and dp % ep:
+            # megatron-core lays the expert ranks over TP x EP x expert-DP x PP with the
+            # expert-tensor size = TP: EP ranks come out of the data-parallel ranks
+            raise ValueError(f"--expert-model-parallel-size {ep} must divide the data-parallel "
+                             f"size {dp} (world size {world_size} / (tensor x pipeline parallel "
+                             f"size {mp}))")
+        return dp
 
 
 # -- the device decision: made here and nowhere else -------------------------------------------
@@ -169,6 +182,7 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            expert_model_parallel_size=cfg.expert_model_parallel_size,
         )
     set_seed(seed)
     return dp

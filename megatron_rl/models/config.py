@@ -358,8 +358,11 @@ def resolve_fusions(options: "ModelOptions", use_te: bool) -> dict[str, bool]:
 
 def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                        params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
-                       options: ModelOptions | None = None, use_te: bool = False, **overrides):
-    """Build megatron-core's TransformerConfig for `args`, the parallel layout and `options`."""
+                       options: ModelOptions | None = None, use_te: bool = False,
+                       expert_parallel: int = 1, **overrides):
+    """Build megatron-core's TransformerConfig for `args`, the parallel layout and `options`.
+    expert_parallel: --expert-model-parallel-size (each rank builds num_experts /
+    expert_parallel experts of every mixture-of-experts layer)."""
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -382,6 +385,13 @@ def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_pa
         # megatron-core refuses to train MoE layers under TP without it (moe_layer.py:379)
         raise ValueError(f"a mixture-of-experts model at --tensor-model-parallel-size "
                          f"{tensor_parallel} needs --sequence-parallel")
+    if expert_parallel > 1:
+        if not args.num_experts:
+            raise ValueError(f"--expert-model-parallel-size {expert_parallel} needs a "
+                             f"mixture-of-experts model; {args.architecture} has no experts")
+        if args.num_experts % expert_parallel:
+            raise ValueError(f"--expert-model-parallel-size {expert_parallel} must divide "
+                             f"num_experts ({args.num_experts})")
     on_gpu = use_cuda()
     kwargs = dict(
         num_layers=args.num_hidden_layers,
@@ -424,6 +434,8 @@ def transformer_config(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_pa
     )
     if args.num_experts:
         kwargs.update(moe_kwargs(args, options))
+    if expert_parallel > 1:
+        kwargs["expert_model_parallel_size"] = expert_parallel
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

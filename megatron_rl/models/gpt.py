@@ -274,8 +274,11 @@ def layer_spec(args: ModelArgs, use_te: bool | None = None, *, moe: bool = False
 def build_gpt_model(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                     params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
                     options: ModelOptions | None = None, pre_process: bool | None = None,
-                    post_process: bool | None = None, use_te: bool | None = None, **overrides):
+                    post_process: bool | None = None, use_te: bool | None = None,
+                    expert_parallel: int = 1, **overrides):
     """Build this rank's stage of the GPT policy (model-parallel groups must be initialised).
+    expert_parallel: the expert-model-parallel size megatron's groups were initialised with
+    (this rank builds its num_experts / expert_parallel experts of each sparse layer).
 
     Returns a megatron-core GPTModel whose forward(input_ids [b, s], position_ids [b, s],
     attention_mask=None) returns vocab-parallel logits [b, s, V/TP] on the last pipeline stage
@@ -304,7 +307,7 @@ def build_gpt_model(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_paral
     config = transformer_config(args, tensor_parallel=tensor_parallel,
                                 pipeline_parallel=pipeline_parallel, params_dtype=params_dtype,
                                 sequence_parallel=sequence_parallel, options=options,
-                                use_te=use_te, **overrides)
+                                use_te=use_te, expert_parallel=expert_parallel, **overrides)
     spec = layer_spec(args, use_te)
     if not use_te:  # the final norm too (megatron picks WrappedTorchNorm without apex)
         from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,

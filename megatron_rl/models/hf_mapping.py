@@ -18,8 +18,9 @@ Three layers, each a plain function on state dicts:
 2. `shard_for_rank` / `gather_shards`: TP slicing along each parameter's partition dim and PP
    selection of layers (global <-> local layer numbers). Under TP, fc1 of rank r holds
    [gate_r; up_r], not a contiguous slice of the full fc1; each expert's fc1 / fc2 are split
-   like the dense ones (expert-tensor-parallel size = TP, expert-parallel size 1: every rank
-   holds every expert), the router is replicated.
+   like the dense ones (expert-tensor-parallel size = TP), the router is replicated. Under
+   expert parallelism (EP > 1) expert-parallel rank p holds the experts
+   [p E/EP, (p + 1) E/EP) as local_experts.0 .. E/EP - 1 (global id = p E/EP + local id).
 3. `check_state_dict`: every expected tensor present with the expected shape, or a ValueError that
    names the tensor and the expected and found shapes.
 Plus HF safetensors I/O (sharded or single file), written atomically.
@@ -65,6 +66,33 @@ _ALL_LAYER_PARAMS = {**_LAYER_PARAMS, **_QK_NORM_PARAMS}
 _DENSE_MLP_PARAMS = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 _ROUTER = "mlp.router.weight"
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+
+_EXPERT_NAME_RE = re.compile(
+    r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\.linear_fc[12]\.weight)$")
+
+
+def expert_range(args: ModelArgs, ep_size: int = 1, ep_rank: int = 0) -> range:
+    """Global ids of the experts (of every sparse layer) that expert-parallel rank ep_rank holds."""
+    if args.num_experts % ep_size:
+        raise ValueError(f"--expert-model-parallel-size {ep_size} must divide num_experts "
+                         f"({args.num_experts})")
+    per = args.num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether megatron tensor `name` belongs to one expert (split by expert parallelism)."""
+    return _EXPERT_NAME_RE.match(name) is not None
+
+
+def _renumber_expert(name: str, offset: int) -> tuple[str, int] | None:
+    """(name with its expert id shifted by `offset`, the original id); None for a non-expert."""
+    m = _EXPERT_NAME_RE.match(name)
+    if m is None:
+        return None
+    e = int(m.group(2))
+    return f"{m.group(1)}{e + offset}{m.group(3)}", e
 
 
 def _expert(e: int, which: str) -> str:
@@ -333,12 +361,24 @@ def pp_layer_range(args: ModelArgs, pp_size: int, pp_rank: int) -> range:
 
 
 def shard_for_rank(full: dict[str, torch.Tensor], args: ModelArgs, *, tp_size: int = 1,
-                   tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0) -> dict[str, torch.Tensor]:
-    """Full megatron state dict -> this (tp_rank, pp_rank)'s local state dict (local layer ids).
+                   tp_rank: int = 0, pp_size: int = 1, pp_rank: int = 0, ep_size: int = 1,
+                   ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """Full megatron state dict -> this (tp_rank, pp_rank, ep_rank)'s local state dict (local
+    layer ids; with ep_size > 1 only this rank's experts, with local expert ids).
 
     With tied embeddings and PP > 1 the last stage also gets `output_layer.weight` (megatron keeps
     a copy of the embedding there).
     """
+    if ep_size > 1:
+        experts = expert_range(args, ep_size, ep_rank)
+        local_experts = {}
+        for name, t in full.items():
+            renamed = _renumber_expert(name, -experts.start)
+            if renamed is None:
+                local_experts[name] = t
+            elif renamed[1] in experts:
+                local_experts[renamed[0]] = t
+        full = local_experts
     layers = pp_layer_range(args, pp_size, pp_rank)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     out = {}
@@ -365,21 +405,32 @@ def shard_for_rank(full: dict[str, torch.Tensor], args: ModelArgs, *, tp_size: i
     return out
 
 
-def gather_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], args: ModelArgs,
-                  tp_size: int, pp_size: int) -> dict[str, torch.Tensor]:
-    """Inverse of shard_for_rank: {(tp_rank, pp_rank): local state dict} -> full state dict."""
+def gather_shards(shards: dict[tuple[int, ...], dict[str, torch.Tensor]], args: ModelArgs,
+                  tp_size: int, pp_size: int, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Inverse of shard_for_rank: {(tp_rank, pp_rank): local state dict} -> full state dict.
+    With ep_size > 1 the keys are (tp_rank, pp_rank, ep_rank); expert-parallel rank p > 0 need
+    only hold its experts (the other tensors are taken from p = 0)."""
     full = {}
     for pp_rank in range(pp_size):
         offset = pp_layer_range(args, pp_size, pp_rank).start
-        names = [n for n in shards[(0, pp_rank)] if not n.endswith("_extra_state")]
-        for name in names:
-            m = _LAYER_RE.match(name)
-            global_name = (f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m
-                           else name)
-            if args.tie_word_embeddings and name == "output_layer.weight":
-                continue  # the last stage's copy of the tied embedding
-            parts = [shards[(r, pp_rank)][name] for r in range(tp_size)]
-            full[global_name] = _merge(parts, partition_kind(name))
+        for ep_rank in range(ep_size):
+            key = (pp_rank, ep_rank) if ep_size > 1 else (pp_rank,)
+            first = expert_range(args, ep_size, ep_rank).start if ep_size > 1 else 0
+            names = [n for n in shards[(0, *key)] if not n.endswith("_extra_state")]
+            for name in names:
+                local_name = name
+                if ep_size > 1:
+                    renamed = _renumber_expert(name, first)
+                    if renamed is None and ep_rank > 0:
+                        continue  # not an expert: taken from expert-parallel rank 0
+                    local_name = name if renamed is None else renamed[0]
+                m = _LAYER_RE.match(local_name)
+                global_name = (f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m
+                               else local_name)
+                if args.tie_word_embeddings and name == "output_layer.weight":
+                    continue  # the last stage's copy of the tied embedding
+                parts = [shards[(r, *key)][name] for r in range(tp_size)]
+                full[global_name] = _merge(parts, partition_kind(name))
     return full
 
 

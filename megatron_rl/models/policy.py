@@ -192,18 +192,23 @@ class Policy:
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
+        self.ep_size = ps.get_expert_model_parallel_world_size()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.vocab_start = self.tp_rank * (args.vocab_size // self.tp_size)
         self.params_dtype = params_dtype
         self.trainable = trainable
-        parallel = parallel or ParallelConfig(self.tp_size, self.pp_size)
-        if (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size) != (
-                self.tp_size, self.pp_size):
+        parallel = parallel or ParallelConfig(self.tp_size, self.pp_size,
+                                              expert_model_parallel_size=self.ep_size)
+        if (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                parallel.expert_model_parallel_size) != (self.tp_size, self.pp_size, self.ep_size):
             raise ValueError(
                 f"ParallelConfig asks for TP{parallel.tensor_model_parallel_size} x "
-                f"PP{parallel.pipeline_model_parallel_size}, but megatron's groups are "
-                f"TP{self.tp_size} x PP{self.pp_size} (init_distributed with the same config)")
+                f"PP{parallel.pipeline_model_parallel_size} x "
+                f"EP{parallel.expert_model_parallel_size}, but megatron's groups are "
+                f"TP{self.tp_size} x PP{self.pp_size} x EP{self.ep_size} (init_distributed with "
+                "the same config)")
         self.parallel = parallel
         self.options = options or ModelOptions()
         self.sequence_parallel = parallel.sequence_parallel
@@ -212,7 +217,8 @@ class Policy:
         self.fused_lm_head = self.options.fused_lm_head
         model = build_gpt_model(args, tensor_parallel=self.tp_size,
                                 pipeline_parallel=self.pp_size, params_dtype=params_dtype,
-                                sequence_parallel=parallel.sequence_parallel, options=self.options)
+                                sequence_parallel=parallel.sequence_parallel, options=self.options,
+                                expert_parallel=self.ep_size)
         self.config = model.config
         self.optimizer = None
         self.scheduler = None
@@ -414,15 +420,16 @@ class Policy:
     def _check_same_layout(self, other: "Policy") -> None:
         """`other` must be a frozen model of the same architecture in this rank's layout (the
         reference run inside forward_backward)."""
-        mine = (self.tp_size, self.pp_size, self.pp_rank, self.sequence_parallel,
+        mine = (self.tp_size, self.pp_size, self.pp_rank, self.ep_size, self.sequence_parallel,
                 self.args.vocab_size, self.args.hidden_size, self.args.num_hidden_layers,
                 self.params_dtype, self.fused_lm_head)
-        theirs = (other.tp_size, other.pp_size, other.pp_rank, other.sequence_parallel,
+        theirs = (other.tp_size, other.pp_size, other.pp_rank, other.ep_size,
+                  other.sequence_parallel,
                   other.args.vocab_size, other.args.hidden_size, other.args.num_hidden_layers,
                   other.params_dtype, other.fused_lm_head)
         if mine != theirs:
             raise ValueError("the reference must have the policy's layout and architecture "
-                             "(TP, PP, stage, sequence parallelism, vocab, hidden size, layers, "
+                             "(TP, PP, stage, EP, sequence parallelism, vocab, hidden size, layers, "
                              f"dtype, fused LM head): policy {mine}, reference {theirs}")
         if other.trainable:
             raise ValueError("the reference run inside forward_backward must be frozen "
@@ -542,7 +549,8 @@ class Policy:
                                     source)
         local = hf_mapping.shard_for_rank(full, self.args, tp_size=self.tp_size,
                                           tp_rank=self.tp_rank, pp_size=self.pp_size,
-                                          pp_rank=self.pp_rank)
+                                          pp_rank=self.pp_rank, ep_size=self.ep_size,
+                                          ep_rank=self.ep_rank)
         own = self.module.state_dict()
         if any(k.endswith("layer_norm_weight") for k in own):
             local = hf_mapping.to_te_names(local)
@@ -593,7 +601,8 @@ class Policy:
 
     def _gather_full(self, local: dict[str, torch.Tensor], dst: int | None):
         """TP shards are all-gathered on the device (NCCL on GPUs), then copied to the host;
-        pipeline stages exchange host tensors as objects."""
+        expert-parallel ranks exchange their experts, and pipeline stages everything, as host
+        tensors in objects."""
         from megatron.core import parallel_state as ps
 
         local = hf_mapping.from_te_names(local)
@@ -612,11 +621,20 @@ class Policy:
             gathered[name] = [t.to("cpu", copy=self.tp_size == 1) for t in gathered[name]]
         shards = {(r, self.pp_rank): {n: gathered[n][r] for n in names}
                   for r in range(self.tp_size)}
+        if self.ep_size > 1:
+            # every EP rank holds the same non-expert tensors: send only the experts
+            shards = {(*k, self.ep_rank): ({n: t for n, t in v.items()
+                                            if hf_mapping.is_expert_param(n)}
+                                           if self.ep_rank else v) for k, v in shards.items()}
+            objs = [None] * self.ep_size
+            dist.all_gather_object(objs, shards, group=ps.get_expert_model_parallel_group())
+            shards = {k: v for o in objs for k, v in o.items()}
         if self.pp_size > 1:
             objs = [None] * self.pp_size
             dist.all_gather_object(objs, shards, group=ps.get_pipeline_model_parallel_group())
             shards = {k: v for o in objs for k, v in o.items()}
-        full = hf_mapping.gather_shards(shards, self.args, self.tp_size, self.pp_size)
+        full = hf_mapping.gather_shards(shards, self.args, self.tp_size, self.pp_size,
+                                        self.ep_size)
         if dst is None or dist.get_rank() == dst:
             return full
         return None

@@ -1,0 +1,131 @@
+"""Expert parallelism (--expert-model-parallel-size 2) on a tiny Qwen3-MoE (4 experts, top-2, one
+dense layer): two gloo ranks, each holding two experts of every sparse layer, give the logits,
+loss and gradients (router and every expert, gathered) of a single process holding all four;
+the weights loaded from the HF checkpoint at EP2 export back to it exactly. The shard/gather
+mapping of experts over expert-parallel ranks is checked without processes too.
+
+This file is also the torchrun worker: `python -m torch.distributed.run ... this_file --ep N`.
+"""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_rl.models import ModelArgs, hf_mapping  # noqa: E402
+
+ROWS, SEQ = 4, 16
+
+
+def _worker(path: str, out: str, ep: int) -> None:
+    """Under torchrun: a trainable Policy at --expert-model-parallel-size `ep` (the data-parallel
+    ranks take ROWS / world rows each) loads the checkpoint, runs forward + backward of the mean
+    next-token NLL over all ROWS x (SEQ - 1) tokens, and rank 0 saves the logits of every row,
+    the loss, the gathered gradients and the gathered state dict."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
+
+    torch.set_num_threads(1)
+    cfg = ParallelConfig(expert_model_parallel_size=ep)
+    dp = init_distributed(cfg)
+    args = ModelArgs.from_pretrained(path)
+    policy = Policy(args, parallel=cfg)
+    policy.load_hf(path)
+    experts = sorted({k.split("local_experts.")[1].split(".")[0]
+                      for k in policy.module.state_dict() if "local_experts." in k})
+    assert experts == [str(e) for e in range(args.num_experts // ep)], experts
+    assert ps.get_expert_model_parallel_world_size() == ep
+    tokens = torch.randint(0, args.vocab_size, (ROWS, SEQ),
+                           generator=torch.Generator().manual_seed(7))
+    per = ROWS // dp
+    rank = ps.get_data_parallel_rank()
+    mine = tokens[rank * per:(rank + 1) * per]
+    total = ROWS * (SEQ - 1)
+
+    def loss_fn(batch, logits):
+        logp = logits[:, :-1].float().log_softmax(-1)
+        nll = -logp.gather(-1, batch["tokens"][:, 1:, None]).sum() / total
+        return nll, {"loss": nll.detach().clone(), "logits": logits.detach().clone()}
+
+    metrics = policy.forward_backward([{"tokens": mine}], loss_fn)
+    loss = metrics[0]["loss"].reshape(1)
+    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    logits = [None] * dp
+    dist.all_gather_object(logits, metrics[0]["logits"], group=ps.get_data_parallel_group())
+    grads = policy.full_grads(dst=0)
+    state = policy.full_state_dict(dst=0)
+    if dist.get_rank() == 0:
+        torch.save({"logits": torch.cat(logits), "loss": float(loss), "grads": grads,
+                    "state": state}, os.path.join(out, f"ep{ep}.pt"))
+    destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(str(tmp_path_factory.mktemp("tiny_moe_ep")), "qwen3_moe",
+                                   seed=3, norm_topk_prob=True, mlp_only_layers=[1],
+                                   decoder_sparse_step=1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_expert_shards_gather_back_to_the_full_state_dict(moe_ckpt, tp):
+    """shard_for_rank at EP2 gives each rank its half of the experts renumbered from 0 (and the
+    other tensors as at EP1); gather_shards puts them back in place."""
+    args = ModelArgs.from_pretrained(moe_ckpt)
+    full = hf_mapping.hf_to_megatron(hf_mapping.load_hf_state_dict(moe_ckpt), args)
+    shards = {(r, 0, p): hf_mapping.shard_for_rank(full, args, tp_size=tp, tp_rank=r, ep_size=2,
+                                                   ep_rank=p)
+              for r in range(tp) for p in range(2)}
+    e1 = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight" not in shards[(0, 0, 1)]
+    torch.testing.assert_close(shards[(0, 0, 1)][e1], hf_mapping.shard_for_rank(
+        {e1: full["decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"]}, args,
+        tp_size=tp)[e1], rtol=0, atol=0)
+    back = hf_mapping.gather_shards(shards, args, tp_size=tp, pp_size=1, ep_size=2)
+    assert set(back) == set(full)
+    for k, t in full.items():
+        assert torch.equal(back[k], t), k
+
+
+@pytest.mark.distributed
+def test_ep2_matches_a_single_process(moe_ckpt, tmp_path, torchrun):
+    worker = ["--ckpt", moe_ckpt, "--out", str(tmp_path)]
+    torchrun(1, [os.path.abspath(__file__), *worker, "--ep", "1"], timeout=120)
+    torchrun(2, [os.path.abspath(__file__), *worker, "--ep", "2"], timeout=120)
+    ref = torch.load(os.path.join(tmp_path, "ep1.pt"))
+    got = torch.load(os.path.join(tmp_path, "ep2.pt"))
+    torch.testing.assert_close(got["logits"], ref["logits"], rtol=0, atol=1e-5)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert set(got["grads"]) == set(ref["grads"])
+    routers = [k for k in ref["grads"] if k.endswith("mlp.router.weight")]
+    experts = [k for k in ref["grads"] if hf_mapping.is_expert_param(k)]
+    assert len(routers) == 3 and len(experts) == 3 * 4 * 2, (routers, experts)
+    for k in routers + experts:
+        assert float(ref["grads"][k].abs().max()) > 0, k  # every expert received tokens
+    for k, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{k}: {m}")
+    # the weights loaded at EP2 export to exactly the checkpoint's
+    args = ModelArgs.from_pretrained(moe_ckpt)
+    hf = hf_mapping.load_hf_state_dict(moe_ckpt)
+    exported = hf_mapping.megatron_to_hf(got["state"], args)
+    assert set(exported) == set(hf)
+    for k, t in hf.items():
+        assert torch.equal(exported[k], t), k
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="EP worker of test_expert_parallel (torchrun)")
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ep", type=int, required=True)
+    cli = parser.parse_args()
+    _worker(cli.ckpt, cli.out, cli.ep)
