@@ -9,7 +9,7 @@ trip bit-exact and re-loadable by transformers, gradients of the router and of e
 equal to transformers' autograd, the load-balancing loss off by default and on when asked, and
 TP2 + sequence parallelism equal to TP1 and PP2 stages built with their own sparse and dense
 layers (two gloo ranks, this file run under torchrun as its own worker). Expert parallelism
-(EP > 1) is not covered.
+across processes: tests/distributed/test_expert_parallel.py.
 """
 import dataclasses
 import json
