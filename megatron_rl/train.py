@@ -190,6 +190,7 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
         ref_lp = reference.token_logprobs(batch.tokens, lay, seq_lengths=batch.seq_lengths)
     advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, batch.loss_mask,
                                   loss_cfg, batch.group_size, token_kl=exact_kl)
+    rollout_lp = batch.rollout_logprobs if loss_cfg.kl.is_proposal == "rollout" else None
     is_weights = None
     if loss_cfg.rollout_correction.enabled:  # the engine's samples, the trainer's pi_old
         is_weights, stats = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
@@ -209,7 +210,7 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
             norm_tokens = (rollout_tokens if loss_cfg.aggregation == "token-sum-over-batch-tokens"
                            else _global_sum(mbatch.loss_mask.sum()))
             norm_seqs = _global_sum(len(idx))
-            micro = [_microbatch(batch, advantages, ref_lp, m, is_weights)
+            micro = [_microbatch(batch, advantages, ref_lp, m, is_weights, rollout_lp)
                      for m in lay.microbatches(batch.tokens, batch.seq_lengths, idx,
                                                policy.pad_multiple, policy.pp_size > 1)]
             in_loss = reference if loss_cfg.kl.exact_kl_in_loss else None
@@ -303,14 +304,16 @@ def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs:
 
 
 def _microbatch(batch: RolloutBatch, advantages, ref_lp, m: Microbatch,
-                is_weights=None) -> dict:
-    """The loss function's microbatch: the model inputs of `m` and its rows' per-token data."""
+                is_weights=None, rollout_lp=None) -> dict:
+    """The loss function's microbatch: the model inputs of `m` and its rows' per-token data
+    (is_weights: the rollout correction's; rollout_lp: the engine's log-probs, for the KL's
+    importance weights under --kl-is-proposal rollout)."""
     t = m.rows.to(batch.device)
     return {**m.inputs, "layout": m, "loss_mask": batch.loss_mask[t],
             "old_logprobs": batch.old_logprobs[t], "advantages": advantages[t],
             "ref_logprobs": None if ref_lp is None else ref_lp[t],
             "is_weights": None if is_weights is None else is_weights[t],
-            "rollout_logprobs": batch.rollout_logprobs[t]}
+            "rollout_logprobs": None if rollout_lp is None else rollout_lp[t]}
 
 
 def nonfinite_flag(results: list[dict], params) -> torch.Tensor:
