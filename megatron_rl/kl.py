@@ -260,8 +260,8 @@ class KLConfig(Placement):
         "k1, k3 and exact")})
     placement: str = field(default="reward", metadata={"choices": list(PLACEMENTS), "help": (
         "where the KL enters: reward = --kl-coef x sum_t K_t subtracted from each response's "
-        "return (stop-gradient; it reaches the policy through the advantage); loss = --kl- "
-        "coef x K_t added to each token's loss (differentiated path-wise); reward+loss = "
+        "return (stop-gradient; it reaches the policy through the advantage); loss = "
+        "--kl-coef x K_t added to each token's loss (differentiated path-wise); reward+loss = "
         "both; none = no KL term (the KL is still logged)")})
     coef: float = field(default=0.05, metadata={"help": (
         "beta: the weight of the KL term")})
