@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_rl.models.routing import fill_routes
 from megatron_rl.rollout.base import Completion
 
 
@@ -44,6 +45,9 @@ class RolloutBatch:
     response_lengths: list[int]
     finish_reasons: list[str]
     old_logprobs: torch.Tensor | None = None  # [B, L-1] behaviour policy, filled by the trainer
+    # [B, L, M, k] int16: the experts the engine routed each token to, for routing replay
+    # (models.routing); None without a record
+    routed_experts: torch.Tensor | None = None
 
     @property
     def seq_lengths(self) -> list[int]:
@@ -64,7 +68,8 @@ class RolloutBatch:
         return dataclasses.replace(self, tokens=move(self.tokens), loss_mask=move(self.loss_mask),
                                    rollout_logprobs=move(self.rollout_logprobs),
                                    rewards=move(self.rewards),
-                                   old_logprobs=move(self.old_logprobs))
+                                   old_logprobs=move(self.old_logprobs),
+                                   routed_experts=move(self.routed_experts))
 
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
         """Rows `idx` (e.g. a PPO minibatch), keeping the padding length."""
@@ -74,7 +79,8 @@ class RolloutBatch:
                             self.rollout_logprobs[idx_t], self.rewards[idx_t], self.group_size,
                             pick(self.prompt_lengths), pick(self.response_lengths),
                             pick(self.finish_reasons),
-                            None if self.old_logprobs is None else self.old_logprobs[idx_t])
+                            None if self.old_logprobs is None else self.old_logprobs[idx_t],
+                            None if self.routed_experts is None else self.routed_experts[idx_t])
 
 
 def pack_rollouts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Completion]],
@@ -104,5 +110,12 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequen
         start, n = plens[i] - 1, rlens[i]  # position t predicts token t+1
         loss_mask[i, start:start + n] = 1.0
         rollout_lp[i, start:start + n] = torch.tensor(lps[i], dtype=torch.float32)
+    routes = None
+    records = [c.routed_experts for group in completions for c in group]
+    if any(r is not None for r in records):
+        if any(r is None for r in records):
+            raise ValueError("some completions carry routed experts and some do not")
+        _, M, k = records[0].shape
+        routes = fill_routes(records, L, M, k)
     return RolloutBatch(tokens, loss_mask, rollout_lp, torch.tensor(rewards, dtype=torch.float32),
-                        group_size, plens, rlens, reasons)
+                        group_size, plens, rlens, reasons, routed_experts=routes)

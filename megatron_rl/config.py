@@ -226,6 +226,12 @@ class AlgorithmConfig:
         "the trainer over the batch; rollout = the engine's; auto = the engine's where they "
         "are the policy's own (local or process engine, fp32, temperature 1, top-p 1, or "
         "generated in the background under --async-level), else recompute"))
+    routing_replay: bool = _opt(False, help=(
+        "mixture-of-experts policies (R3, rollout routing replay): the engine returns the "
+        "experts each token was routed to, and the trainer's forward passes over the rollout "
+        "(the behaviour log-probs and the update; not the reference) route every token to "
+        "those experts instead of computing their own top-k. The gate weights and the router's "
+        "gradient stay the trainer's. Needs an engine that records routes (local, process)"))
     max_nonfinite_steps: int = _opt(3, min=1, help=(
         "stop after this many consecutive RL steps whose update was skipped (a NaN/inf loss or "
         "gradient)"))
@@ -352,6 +358,20 @@ class TrainConfig:
                              "the behaviour log-probs are the engine's (--old-logprobs auto or "
                              "rollout), not a recompute, unless --rollout-correction weighs the "
                              "engine's samples against the recompute")
+        if self.algorithm.routing_replay:
+            engine = self.rollout.rollout_engine
+            if not ENGINES[engine].routed_experts:
+                raise ValueError(f"--routing-replay needs an engine that returns each token's "
+                                 f"experts; --rollout-engine {engine} does not (local, process "
+                                 "do: " + ", ".join(n for n, e in ENGINES.items()
+                                                   if e.routed_experts) + ")")
+            if self.model.options.recompute_granularity:
+                raise ValueError("--routing-replay with --recompute-granularity: the recomputed "
+                                 "forward would route the tokens again; turn one off")
+            if engine == "local" and self.parallel.pipeline_model_parallel_size > 1:
+                raise ValueError("--routing-replay with the local engine needs "
+                                 "--pipeline-model-parallel-size 1 (each stage records only its "
+                                 "own layers); use --rollout-engine process")
         if self.rollout.rollout_release_memory:
             if self.algorithm.async_level:
                 raise ValueError("--rollout-release-memory needs --async-level 0: under async "

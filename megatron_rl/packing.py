@@ -112,26 +112,36 @@ class Microbatch:
 
 
 def padded_microbatches(tokens: torch.Tensor, rows: Sequence[int], micro_batch_size: int,
-                        equal_shapes: bool = True) -> list[Microbatch]:
+                        equal_shapes: bool = True,
+                        routes: torch.Tensor | None = None) -> list[Microbatch]:
     """`micro_batch_size` rows at a time of the right-padded [B, L] tokens; with equal_shapes
-    (the pipeline schedule) the last one is filled up with copies of its first row."""
+    (the pipeline schedule) the last one is filled up with copies of its first row. routes:
+    the batch's [B, L, M, k] routing-replay experts (models.routing), carried as the inputs'
+    "routed_experts" [b, L, M, k]."""
     out = []
     rows = list(rows)
     for i in range(0, len(rows), micro_batch_size):
         r = torch.as_tensor(rows[i:i + micro_batch_size], dtype=torch.long, device=tokens.device)
-        t = tokens[r]
+        take = r
         if equal_shapes and len(r) < micro_batch_size:
-            t = torch.cat([t, t[:1].expand(micro_batch_size - len(r), -1)])
-        out.append(Microbatch(r, {"tokens": t}, next_token_targets(t)))
+            take = torch.cat([r, r[:1].expand(micro_batch_size - len(r))])
+        t = tokens[take]
+        inputs = {"tokens": t}
+        if routes is not None:
+            inputs["routed_experts"] = routes[take.to(routes.device)]
+        out.append(Microbatch(r, inputs, next_token_targets(t)))
     return out
 
 
 def packed_microbatches(tokens: torch.Tensor, seq_lengths: Sequence[int], rows: Sequence[int],
                         max_tokens: int, pad_multiple: int = 8,
-                        equal_shapes: bool = False) -> list[Microbatch]:
+                        equal_shapes: bool = False,
+                        routes: torch.Tensor | None = None) -> list[Microbatch]:
     """Pack `rows` of the right-padded [B, L] tokens (row i's sequence: its first seq_lengths[i]
     tokens) into rows of at most `max_tokens` tokens (first-fit decreasing), each padded to a
-    multiple of `pad_multiple`; with equal_shapes (the pipeline schedule) all to the longest."""
+    multiple of `pad_multiple`; with equal_shapes (the pipeline schedule) all to the longest.
+    routes: the batch's [B, L, M, k] routing-replay experts, carried packed like the tokens as
+    the inputs' "routed_experts" [1, T, M, k]."""
     rows = list(rows)
     lengths = [int(seq_lengths[r]) for r in rows]
     bins = first_fit_decreasing(lengths, max_tokens)
@@ -169,6 +179,9 @@ def packed_microbatches(tokens: torch.Tensor, seq_lengths: Sequence[int], rows: 
         flat_tokens = tokens.reshape(-1)
         inputs = {"tokens": flat_tokens[src.to(dev)][None], "position_ids": pos.to(dev)[None],
                   "cu_seqlens": cu.to(dev), "max_seqlen": max(seg)}
+        if routes is not None:
+            flat_routes = routes.reshape(-1, *routes.shape[2:])
+            inputs["routed_experts"] = flat_routes[src.to(routes.device)][None]
         r = torch.as_tensor(rid, dtype=torch.long).to(dev)
         out.append(Microbatch(r, inputs, flat_tokens[nxt.to(dev)][None], unpack.to(dev),
                               valid.to(dev)))
@@ -186,13 +199,16 @@ class Layout:
 
     def microbatches(self, tokens: torch.Tensor, seq_lengths: Sequence[int] | None = None,
                      rows: Sequence[int] | None = None, pad_multiple: int = 8,
-                     equal_shapes: bool = False) -> list[Microbatch]:
+                     equal_shapes: bool = False,
+                     routes: torch.Tensor | None = None) -> list[Microbatch]:
         """The microbatches of `rows` (default: all) of the right-padded [B, L] `tokens`, whose
-        sequences have `seq_lengths` tokens (default: L each)."""
+        sequences have `seq_lengths` tokens (default: L each); `routes` [B, L, M, k]: the
+        experts to replay (models.routing), laid out with the tokens."""
         B, L = tokens.shape
         rows = range(B) if rows is None else rows
         if not self.packed:
-            return padded_microbatches(tokens, rows, self.micro_batch_size, equal_shapes)
+            return padded_microbatches(tokens, rows, self.micro_batch_size, equal_shapes, routes)
         lengths = [L] * B if seq_lengths is None else seq_lengths
         cap = self.max_tokens or self.micro_batch_size * L
-        return packed_microbatches(tokens, lengths, rows, cap, pad_multiple, equal_shapes)
+        return packed_microbatches(tokens, lengths, rows, cap, pad_multiple, equal_shapes,
+                                   routes)

@@ -73,7 +73,8 @@ class Run:
         r = self.cfg.rollout
         return SamplingParams(temperature=r.temperature, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=self.codec.stop_ids,
-                              seed=seed)
+                              seed=seed,
+                              return_routed_experts=self.cfg.algorithm.routing_replay)
 
     def save(self, step: int, data_state: dict | None = None) -> None:
         """Checkpoint `step` (collective); `data_state`: the data position to resume from
@@ -109,6 +110,9 @@ def setup_run(cfg: TrainConfig) -> Run:
     os.makedirs(save, exist_ok=True)
     dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32
     args = ModelArgs.from_pretrained(cfg.model.hf_checkpoint)
+    if cfg.algorithm.routing_replay and not args.num_experts:
+        raise ValueError(f"--routing-replay replays mixture-of-experts routing; "
+                         f"{cfg.model.hf_checkpoint} ({args.architecture}) has no experts")
     policy = Policy(args, trainable=True, params_dtype=dtype, optim=cfg.optimizer,
                     parallel=cfg.parallel, options=cfg.model.options)
     reference = Policy(args, trainable=False, params_dtype=dtype, parallel=cfg.parallel,

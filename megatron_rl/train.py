@@ -118,7 +118,8 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
         batch.old_logprobs = batch.rollout_logprobs.clone()
     else:
         batch.old_logprobs = run.policy.token_logprobs(batch.tokens, layout(cfg),
-                                                       seq_lengths=batch.seq_lengths)
+                                                       seq_lengths=batch.seq_lengths,
+                                                       routes=batch.routed_experts)
         metrics.update(global_metrics.mismatch_metrics(batch.rollout_logprobs,
                                                        batch.old_logprobs, batch.loss_mask,
                                                        dp_group))
@@ -212,7 +213,8 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
             norm_seqs = _global_sum(len(idx))
             micro = [_microbatch(batch, advantages, ref_lp, m, is_weights, rollout_lp)
                      for m in lay.microbatches(batch.tokens, batch.seq_lengths, idx,
-                                               policy.pad_multiple, policy.pp_size > 1)]
+                                               policy.pad_multiple, policy.pp_size > 1,
+                                               batch.routed_experts)]
             in_loss = reference if loss_cfg.kl.exact_kl_in_loss else None
             loss_fn = make_rl_loss_fn(policy, loss_cfg, norm_tokens, norm_seqs, in_loss)
             results = policy.forward_backward(micro, loss_fn, reference=in_loss,

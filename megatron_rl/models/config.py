@@ -450,7 +450,9 @@ def moe_kwargs(args: ModelArgs, options: ModelOptions) -> dict[str, Any]:
     (unnormalised). Experts are megatron-core's SequentialMLP (moe_grouped_gemm off: the grouped
     GEMM needs TransformerEngine or the grouped_gemm package) behind the allgather dispatcher
     (no CUDA streams; all experts on each rank at expert-parallel size 1). The router computes
-    in the activations' dtype, as transformers does."""
+    in the activations' dtype, as transformers does. Every router holds megatron-core's
+    RouterReplay hook (moe_enable_routing_replay), inert until megatron_rl.models.routing sets
+    an action for one forward."""
     return dict(
         num_moe_experts=args.num_experts,
         moe_router_topk=args.num_experts_per_tok,
@@ -462,4 +464,5 @@ def moe_kwargs(args: ModelArgs, options: ModelOptions) -> dict[str, Any]:
         moe_token_dispatcher_type="allgather",
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=float(options.moe_aux_loss_coeff),
+        moe_enable_routing_replay=True,
     )

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_rl.models.config import ModelArgs, ModelOptions
 from megatron_rl.models.gpt import build_gpt_model, thd_params
-from megatron_rl.models import hf_mapping
+from megatron_rl.models import hf_mapping, routing
 from megatron_rl.parallel import ParallelConfig
 
 if TYPE_CHECKING:
@@ -132,6 +132,66 @@ def _pad_sequence(tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | 
         full[..., idx, idx] = False
         mask = full
     return tokens, pos, mask
+
+
+def _match_expert_peers(microbatches: list[dict], group) -> list[dict]:
+    """`microbatches` padded so that every rank of the expert-parallel `group` runs the same
+    number of microbatches of one shape. Under expert parallelism each MoE layer of every forward
+    exchanges the ranks' tokens (megatron-core's allgather dispatcher, which needs equal sizes),
+    while data-parallel ranks hold batches of their own lengths. Each microbatch grows to the
+    group's largest [b, s]: padded rows take copies of the first row and right padding, cut off
+    the output again (its "_shape" is the original), a packed row a padding segment (its outputs
+    are read through its layout, so nothing to cut). Missing microbatches are padding only,
+    marked "_dummy": loss 0, results dropped."""
+    from megatron_rl.packing import PAD_SEGMENT
+
+    packed = bool(microbatches) and "cu_seqlens" in microbatches[0]
+    b = max((mb["tokens"].shape[0] for mb in microbatches), default=1)
+    s = max((mb["tokens"].shape[1] for mb in microbatches), default=8)
+    stats = torch.tensor([len(microbatches), b, s, int(packed)], dtype=torch.long)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+    n, b, s, packed = (int(v) for v in stats.tolist())
+    out = []
+    for mb in microbatches:
+        tokens = mb["tokens"]
+        b0, s0 = tokens.shape
+        if (b0, s0) == (b, s):
+            out.append(mb)
+            continue
+        mb = dict(mb, _shape=(b0, s0))
+        if "cu_seqlens" in mb:  # one more padding segment (segments of at most PAD_SEGMENT)
+            extra = s - s0
+            segs = [min(PAD_SEGMENT, extra - a) for a in range(0, extra, PAD_SEGMENT)]
+            cu = mb["cu_seqlens"]
+            ends = cu[-1] + torch.cumsum(torch.tensor(segs, dtype=cu.dtype), 0).to(cu.device)
+            mb.update(tokens=torch.cat([tokens, tokens.new_zeros(1, extra)], dim=1),
+                      position_ids=torch.cat([mb["position_ids"], torch.cat(
+                          [torch.arange(n_, device=tokens.device) for n_ in segs])[None]], dim=1),
+                      cu_seqlens=torch.cat([cu, ends]), max_seqlen=max(mb["max_seqlen"],
+                                                                       max(segs)))
+            if "routed_experts" in mb:
+                r = mb["routed_experts"]
+                fill = torch.arange(r.shape[-1], dtype=r.dtype, device=r.device)
+                mb["routed_experts"] = torch.cat(
+                    [r, fill.expand(1, extra, *r.shape[2:])], dim=1)
+        else:  # more rows (copies of the first); the sequence is padded in the forward step
+            rows = torch.cat([torch.arange(b0), torch.zeros(b - b0, dtype=torch.long)])
+            for key in ("tokens", "position_ids", "attention_mask", "routed_experts"):
+                if mb.get(key) is not None:
+                    mb[key] = mb[key][rows.to(mb[key].device)]
+        out.append(mb)
+    dev = microbatches[0]["tokens"].device if microbatches else torch.device("cpu")
+    while len(out) < n:
+        tokens = torch.zeros(b, s, dtype=torch.long, device=dev)
+        dummy: dict = {"tokens": tokens, "_dummy": True}
+        if packed:
+            segs = [min(PAD_SEGMENT, s - a) for a in range(0, s, PAD_SEGMENT)]
+            cu = torch.zeros(len(segs) + 1, dtype=torch.int32)
+            cu[1:] = torch.cumsum(torch.tensor(segs), 0)
+            dummy.update(position_ids=torch.cat([torch.arange(n_) for n_ in segs])[None].to(dev),
+                         cu_seqlens=cu.to(dev), max_seqlen=max(segs))
+        out.append(dummy)
+    return out
 
 
 @contextlib.contextmanager
@@ -333,6 +393,12 @@ class Policy:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        num_real = len(microbatches)
+        if self.ep_size > 1:  # the expert-parallel peers run matching forwards
+            from megatron.core import parallel_state as ps
+
+            microbatches = _match_expert_peers(microbatches,
+                                               ps.get_expert_model_parallel_group())
         if not microbatches:
             return []
         if reference is not None:
@@ -349,19 +415,38 @@ class Policy:
         padded = -(-s // self.tp_size) * self.tp_size if self.sequence_parallel else s
 
         def loss_wrapper(batch, ref_logits, logits):
-            if padded != s and "cu_seqlens" not in batch:
-                logits = logits[:, :s].contiguous()
-                if ref_logits is not None:
-                    ref_logits = ref_logits[:, :s].contiguous()
+            if batch.get("_dummy"):  # expert-parallel padding: no loss, nothing collected
+                return logits.float().sum() * 0.0, {}
+            if "cu_seqlens" not in batch:  # cut the padding off (sequence parallel, EP peers)
+                rows, length = batch.get("_shape", (logits.shape[0], s))
+                if (rows, length) != tuple(logits.shape[:2]):
+                    logits = logits[:rows, :length].contiguous()
+                    if ref_logits is not None:
+                        ref_logits = ref_logits[:rows, :length].contiguous()
             extra = () if reference is None else (ref_logits,)
             if collect is not None:
                 return torch.zeros((), device=logits.device), collect(batch, logits, *extra)
             loss, metrics = loss_fn(batch, logits, *extra)
             return loss * scale, metrics
 
-        def run(policy, model, tokens, pos, mask, packed):
+        def run(policy, model, tokens, pos, mask, packed, batch=None):
             head = (_hidden_states_output(policy.module) if hidden and policy.is_last_stage
                     else contextlib.nullcontext())
+            routes = None if batch is None else batch.get("routed_experts")
+            record = None if batch is None else batch.get("record_routes")
+            if routes is not None:
+                routes = routing.router_order(routes.to(dev), tokens.shape[1], policy.tp_rank,
+                                              policy.tp_size, policy.sequence_parallel)
+                with head, routing.replaying(policy.module, routes):
+                    return model(tokens, pos, mask, packed_seq_params=packed)
+            if record is not None:  # the experts chosen, [b, s, M_stage, k] as the batch's
+                with head, routing.recording(policy.module) as rec:
+                    out = model(tokens, pos, mask, packed_seq_params=packed)
+                rows, length = batch.get("_shape", batch["tokens"].shape)
+                got = routing.gather_recorded(rec, tokens.shape[0], policy.tp_group,
+                                              policy.tp_size, policy.sequence_parallel)
+                record.append(got[:rows, :length])
+                return out
             with head:
                 return model(tokens, pos, mask, packed_seq_params=packed)
 
@@ -379,15 +464,16 @@ class Policy:
                                  f"{self.pad_multiple} (packing.packed_microbatches pad_multiple)")
             if packed is None and padded != s:
                 tokens, pos, mask = _pad_sequence(tokens, pos, mask, padded)
+            # the policy replays or records routes (models.routing), the reference neither
             if reference is None:
-                return (run(self, model, tokens, pos, mask, packed),
+                return (run(self, model, tokens, pos, mask, packed, batch),
                         functools.partial(loss_wrapper, batch, None))
             received = self.module.decoder.input_tensor  # set by the schedule; None on stage 0
             if received is not None:
                 half = received.shape[0] // 2
                 self.module.set_input_tensor(received[:half])
                 reference.module.set_input_tensor(received[half:])
-            out = run(self, model, tokens, pos, mask, packed)
+            out = run(self, model, tokens, pos, mask, packed, batch)
             with torch.no_grad():
                 ref_out = run(reference, reference.model[0], tokens, pos, mask, packed)
             if self.is_last_stage:
@@ -415,7 +501,7 @@ class Policy:
                      micro_batch_size=b, forward_only=forward_only)
         if reference is not None:
             reference.module.set_input_tensor(None)
-        return out if self.is_last_stage else []
+        return out[:num_real] if self.is_last_stage else []
 
     def _check_same_layout(self, other: "Policy") -> None:
         """`other` must be a frozen model of the same architecture in this rank's layout (the
@@ -467,18 +553,21 @@ class Policy:
         return self.broadcast_from_last_stage(t, shape, dtype)
 
     def collect_per_token(self, tokens: torch.Tensor, layout, fn: Callable, num_outputs: int,
-                          *, seq_lengths=None, reference: "Policy | None" = None) -> torch.Tensor:
+                          *, seq_lengths=None, reference: "Policy | None" = None,
+                          routes: torch.Tensor | None = None) -> torch.Tensor:
         """[num_outputs, B, L-1] fp32 per-token values of a right-padded batch, on every rank of
         this pipeline: one forward-only pass over `layout`'s microbatches (packing.Layout, or an
         int: padded microbatches of that many rows). fn(microbatch, out[, ref_out]) -> a list of
         `num_outputs` per-position tensors shaped like microbatch.targets (from `score`);
-        they come back in the batch's layout (position t scores token t+1)."""
+        they come back in the batch's layout (position t scores token t+1). routes: [B, L, M, k]
+        experts this model's MoE layers replay (models.routing; the reference's do not)."""
         from megatron_rl.packing import Layout
 
         if isinstance(layout, int):
             layout = Layout(packed=False, micro_batch_size=layout)
         B, L = tokens.shape
-        mbs = layout.microbatches(tokens, seq_lengths, None, self.pad_multiple, self.pp_size > 1)
+        mbs = layout.microbatches(tokens, seq_lengths, None, self.pad_multiple, self.pp_size > 1,
+                                  routes)
 
         def collect(batch, out, *ref):
             mb = batch["layout"]
@@ -495,25 +584,30 @@ class Policy:
         return self.broadcast_from_last_stage(result, (num_outputs, B, L - 1), torch.float32)
 
     def token_logprobs(self, tokens: torch.Tensor, layout, temperature: float = 1.0, *,
-                       seq_lengths=None) -> torch.Tensor:
+                       seq_lengths=None, routes: torch.Tensor | None = None) -> torch.Tensor:
         """log pi(tokens[:, t+1] | tokens[:, :t+1]) for a right-padded batch: [B, L-1] fp32 on
         every rank of this pipeline, on the model's device (0 past each sequence's end when
         `seq_lengths` are given). Forward only, microbatches as `layout` says (see
-        collect_per_token), through `score`."""
+        collect_per_token), through `score`; `routes`: experts to replay (models.routing)."""
         def fn(mb, out):
             return [self.score(out, mb.targets, temperature=temperature).logprobs]
-        return self.collect_per_token(tokens, layout, fn, 1, seq_lengths=seq_lengths)[0]
+        return self.collect_per_token(tokens, layout, fn, 1, seq_lengths=seq_lengths,
+                                      routes=routes)[0]
 
     def last_token_logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
-                          position_ids: torch.Tensor) -> torch.Tensor:
+                          position_ids: torch.Tensor,
+                          routes_out: list | None = None) -> torch.Tensor:
         """Full-vocabulary logits [B, V] (fp32) at the last position, on every rank (used by
-        the local rollout engine; TP shards are gathered, PP broadcasts from the last stage)."""
+        the local rollout engine; TP shards are gathered, PP broadcasts from the last stage).
+        routes_out: a list to which the forward appends the experts this stage's MoE layers
+        chose, [B, s, M_stage, k] (models.routing)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         def collect(batch, logits):
             return gather_from_tensor_model_parallel_region(logits[:, -1].float().contiguous())
 
-        batch = {"tokens": tokens, "attention_mask": attention_mask, "position_ids": position_ids}
+        batch = {"tokens": tokens, "attention_mask": attention_mask, "position_ids": position_ids,
+                 "record_routes": routes_out}
         outs = self.forward_backward([batch], None, forward_only=True, collect=collect)
         out = outs[0] if self.is_last_stage else None
         return self.broadcast_from_last_stage(out, (tokens.shape[0], self.args.vocab_size),

@@ -6,7 +6,10 @@ Token ids in, token ids and the sampled tokens' log-probs out. Engines never see
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol, Sequence, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -77,6 +80,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # mixture-of-experts models: also return each token's chosen experts (Completion's
+    # routed_experts), for routing replay in training
+    return_routed_experts: bool = False
 
 
 @dataclasses.dataclass
@@ -87,11 +93,15 @@ class Completion:
     rollout_logprobs: log pi_rollout(token_t | prefix) of each sampled token, length T, as the
         engine computed them (under its own numerics and sampling temperature).
     finish_reason: "stop" (a stop token, included in token_ids) or "length".
+    routed_experts: with SamplingParams.return_routed_experts, the experts the engine's
+        mixture-of-experts layers chose for every token it forwarded: [P + T - 1, M, k] integer
+        (P prompt tokens, M MoE layers, k experts per token; see megatron_rl.models.routing).
     """
 
     token_ids: list[int]
     rollout_logprobs: list[float]
     finish_reason: str
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

@@ -22,6 +22,8 @@ class EngineSpec:
     release_memory: it can free its GPU memory for the training phase (--rollout-release-memory).
     trainer_numerics: it samples with the trainer's own model code, so at fp32 and temperature 1
         its log-probs are the trainer's up to float rounding (--old-logprobs auto uses them).
+    routed_experts: it returns the experts a mixture-of-experts model routed each token to
+        (SamplingParams.return_routed_experts, for --routing-replay).
     """
 
     name: str
@@ -30,18 +32,19 @@ class EngineSpec:
     servers: bool
     release_memory: bool
     trainer_numerics: bool
+    routed_experts: bool
 
 
 ENGINES: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("local", holds_own_weights=False, weight_syncs=("auto",), servers=False,
-               release_memory=False, trainer_numerics=True),
+               release_memory=False, trainer_numerics=True, routed_experts=True),
     EngineSpec("process", holds_own_weights=True, weight_syncs=("auto", "disk", "tensor"),
-               servers=False, release_memory=False, trainer_numerics=True),
+               servers=False, release_memory=False, trainer_numerics=True, routed_experts=True),
     EngineSpec("vllm", holds_own_weights=True, weight_syncs=("auto", "disk", "tensor"),
-               servers=True, release_memory=True, trainer_numerics=False),
+               servers=True, release_memory=True, trainer_numerics=False, routed_experts=False),
     EngineSpec("sglang", holds_own_weights=True,
                weight_syncs=("auto", "disk", "tensor", "distributed"), servers=True,
-               release_memory=True, trainer_numerics=False),
+               release_memory=True, trainer_numerics=False, routed_experts=False),
 )}
 
 

@@ -21,6 +21,13 @@ rounding, same generator use):
 
 rollout_logprobs are log-probs under the temperature-scaled distribution softmax(z / T), before
 top-k / top-p truncation (with T = 1 and no truncation: the policy's own log-probs).
+
+Mixture-of-experts policies decode by full recompute. With SamplingParams.return_routed_experts
+each completion carries the experts its tokens were routed to (megatron_rl.models.routing): the
+prompt's from the first forward, each generated token's from the step that fed it in, as an
+engine with a KV cache computes each position once. Under expert parallelism the data-parallel
+ranks exchange tokens inside every forward, so all ranks decode in lockstep: a rank whose
+sequences have all stopped keeps stepping until every rank's have.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from typing import Sequence
 import os
 
 import torch
+import torch.distributed as dist
 
+from megatron_rl.models import routing
 from megatron_rl.models.decode import KVDecoder, unsupported_reason
 from megatron_rl.parallel import device
 from megatron_rl.rollout.base import Completion, SamplingParams
@@ -105,6 +114,22 @@ class LocalEngine:
     def shutdown(self) -> None:
         pass
 
+    def _routes_buffer(self, batch: int, length: int, dev) -> torch.Tensor:
+        """[batch, length, M, k] int16 for the experts of every position (return_routed_experts);
+        an error where the policy cannot record them."""
+        if not self.policy.args.num_experts:
+            raise ValueError("return_routed_experts needs a mixture-of-experts model; "
+                             f"{self.policy.args.architecture} has no experts")
+        if self.policy.pp_size > 1:
+            raise ValueError("the local engine records routed experts at pipeline-parallel "
+                             "size 1 only (each stage sees its own layers); use "
+                             "--rollout-engine process")
+        if self.kv_cache:
+            raise ValueError("routed experts are recorded by the full-recompute decoder")
+        args = self.policy.args
+        return torch.zeros(batch, length, sum(args.moe_layer_pattern), args.num_experts_per_tok,
+                           dtype=torch.int16, device=dev)
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:
@@ -144,6 +169,10 @@ class LocalEngine:
         pads = torch.tensor([P - len(p) for p in seqs], device=dev)
         pos = (torch.arange(max_len, device=dev)[None, :] - pads[:, None]).clamp(min=0)
         decoder = KVDecoder(self.policy, len(prompts), max_len) if self.kv_cache else None
+        routes = None  # [B, max_len, M, k]: the experts each forwarded position was routed to
+        if params.return_routed_experts:
+            routes = self._routes_buffer(B, max_len, dev)
+        lockstep = self.policy.ep_size > 1 and dist.is_initialized()
         allowed = valid  # set at t == 0 (the whole prefix), then per step
         for t in range(params.max_new_tokens):
             s = P + t
@@ -151,8 +180,12 @@ class LocalEngine:
             if decoder is None or t == 0:  # the whole prefix: causal, pads hidden
                 allowed = (causal[:s, :s] & v[:, None, :]) | eye[:s, :s]
             if decoder is None:  # full recompute of the prefix
+                recorded: list | None = [] if routes is not None else None
                 logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None],
-                                                       pos[:, :s])
+                                                       pos[:, :s], routes_out=recorded)
+                if routes is not None and recorded:  # the prompt at t == 0, then the new token
+                    first = 0 if t == 0 else s - 1
+                    routes[:, first:s] = recorded[0][:, first:s].to(routes.dtype)
             elif t == 0:  # prefill with each distinct prompt once, then one cache row per sample
                 logits = decoder.forward(tokens[::n, :s], pos[::n, :s], allowed[::n, None])
                 decoder.repeat_rows(n)
@@ -177,9 +210,14 @@ class LocalEngine:
             stopped = active & torch.isin(nxt, stop_ids)
             hit_stop |= stopped
             finished |= stopped
-            if bool(finished.all()):  # the one host sync per decoding step
+            done = finished.all()
+            if lockstep:  # expert-parallel peers run every forward together
+                done = done.to(torch.int32)
+                dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            if bool(done):  # the one host sync per decoding step
                 break
         tokens, new_logprobs = tokens[:, P:].cpu(), new_logprobs.cpu()
+        routes = None if routes is None else routes.cpu()
         lengths, hit_stop = lengths.cpu(), hit_stop.cpu()
         out: list[list[Completion]] = []
         for i in range(B):
@@ -187,6 +225,8 @@ class LocalEngine:
             c = Completion(token_ids=tokens[i, :n_i].tolist(),
                            rollout_logprobs=new_logprobs[i, :n_i].tolist(),
                            finish_reason="stop" if bool(hit_stop[i]) else "length")
+            if routes is not None:  # prompt + response, less the last token (never fed in)
+                c.routed_experts = routes[i, P - len(seqs[i]):P + n_i - 1]
             if i % n == 0:
                 out.append([])
             out[-1].append(c)
