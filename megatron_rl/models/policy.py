@@ -174,11 +174,19 @@ def _match_expert_peers(microbatches: list[dict], group) -> list[dict]:
                 fill = torch.arange(r.shape[-1], dtype=r.dtype, device=r.device)
                 mb["routed_experts"] = torch.cat(
                     [r, fill.expand(1, extra, *r.shape[2:])], dim=1)
-        else:  # more rows (copies of the first); the sequence is padded in the forward step
+        else:  # more rows (copies of the first), then right padding
             rows = torch.cat([torch.arange(b0), torch.zeros(b - b0, dtype=torch.long)])
             for key in ("tokens", "position_ids", "attention_mask", "routed_experts"):
                 if mb.get(key) is not None:
                     mb[key] = mb[key][rows.to(mb[key].device)]
+            if s > s0:  # (routes are padded where they are laid out, routing.router_order)
+                pos = mb.get("position_ids")
+                if pos is None:
+                    pos = torch.arange(s0, device=tokens.device).expand(b, s0)
+                mb["tokens"], mb["position_ids"], mask = _pad_sequence(
+                    mb["tokens"], pos, mb.get("attention_mask"), s)
+                if mask is not None:
+                    mb["attention_mask"] = mask
         out.append(mb)
     dev = microbatches[0]["tokens"].device if microbatches else torch.device("cpu")
     while len(out) < n:

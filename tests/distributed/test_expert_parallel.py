@@ -1,6 +1,8 @@
 """Expert parallelism (--expert-model-parallel-size 2) on a tiny Qwen3-MoE (4 experts, top-2, one
 dense layer): two gloo ranks, each holding two experts of every sparse layer, give the logits,
-loss and gradients (router and every expert, gathered) of a single process holding all four;
+loss and gradients (router and every expert, gathered) of a single process holding all four,
+also when the ranks hold unequal data (other microbatch counts and shapes, packed or padded)
+and replay given routes;
 the weights loaded from the HF checkpoint at EP2 export back to it exactly. The shard/gather
 mapping of experts over expert-parallel ranks is checked without processes too.
 
@@ -64,6 +66,64 @@ def _worker(path: str, out: str, ep: int) -> None:
     destroy_distributed()
 
 
+LENGTHS = [16, 11, 7, 13]  # the uneven test's sequences; EP2: rank 0 takes 3, rank 1 one
+
+
+def _uneven_worker(path: str, out: str, ep: int, packed: bool) -> None:
+    """Under torchrun: the loss and gradients of LENGTHS' sequences (next-token NLL over every
+    position, / the total) with replayed routes (a fixed pattern unlike the router's own choice),
+    at --expert-model-parallel-size `ep`. EP2's ranks hold unequal data: rank 0 three sequences
+    (three packed microbatches, or two padded ones of 16 positions), rank 1 one of 13 tokens (one
+    microbatch), so the forward passes of the two must be matched (Policy._match_expert_peers)."""
+    import torch.distributed as dist
+
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.packing import Layout
+    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
+
+    torch.set_num_threads(1)
+    cfg = ParallelConfig(expert_model_parallel_size=ep)
+    init_distributed(cfg)
+    args = ModelArgs.from_pretrained(path)
+    policy = Policy(args, parallel=cfg)
+    policy.load_hf(path)
+    gen = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(0, args.vocab_size, (n,), generator=gen) for n in LENGTHS]
+    mine = list(range(4)) if ep == 1 else ([0, 1, 2] if dist.get_rank() == 0 else [3])
+    L = max(LENGTHS[i] for i in mine)
+    tokens = torch.zeros(len(mine), L, dtype=torch.long)
+    M = sum(args.moe_layer_pattern)
+    routes = torch.zeros(len(mine), L, M, 2, dtype=torch.int16)
+    for j, i in enumerate(mine):
+        tokens[j, :LENGTHS[i]] = seqs[i]
+        pos = torch.arange(L)[:, None] + torch.arange(M)[None, :] + i
+        routes[j, :, :, 0] = pos % 4
+        routes[j, :, :, 1] = (pos + 1 + i % 3) % 4
+    lengths = [LENGTHS[i] for i in mine]
+    lay = Layout(packed=packed, micro_batch_size=2, max_tokens=16)
+    mbs = lay.microbatches(tokens, lengths, None, policy.pad_multiple, False, routes)
+    valid = torch.zeros(len(mine), L - 1)
+    for j, n in enumerate(lengths):
+        valid[j, :n - 1] = 1.0
+    total = float(sum(n - 1 for n in LENGTHS))
+
+    def loss_fn(batch, logits):
+        mb = batch["layout"]
+        logp = logits.float().log_softmax(-1).gather(-1, mb.targets[..., None])[..., 0]
+        nll = -(mb.to_rows(logp) * valid[mb.rows]).sum() / total
+        return nll, {"loss": nll.detach().clone()}
+
+    metrics = policy.forward_backward([{**m.inputs, "layout": m} for m in mbs], loss_fn)
+    assert len(metrics) == len(mbs)  # the padding microbatches return nothing
+    loss = torch.stack([m["loss"] for m in metrics]).sum().reshape(1)
+    dist.all_reduce(loss)
+    grads = policy.full_grads(dst=0)
+    if dist.get_rank() == 0:
+        torch.save({"loss": float(loss), "grads": grads, "microbatches": len(mbs)},
+                   os.path.join(out, f"uneven_ep{ep}_{'packed' if packed else 'padded'}.pt"))
+    destroy_distributed()
+
+
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
     from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
@@ -120,6 +180,23 @@ def test_ep2_matches_a_single_process(moe_ckpt, tmp_path, torchrun):
         assert torch.equal(exported[k], t), k
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_ep2_with_unequal_ranks_and_replayed_routes(moe_ckpt, tmp_path, torchrun, layout):
+    """Expert-parallel ranks with different numbers and shapes of microbatches, each replaying
+    given routes: the loss and every gradient equal one process holding all the data."""
+    worker = ["--ckpt", moe_ckpt, "--out", str(tmp_path), "--uneven", layout]
+    torchrun(1, [os.path.abspath(__file__), *worker, "--ep", "1"], timeout=120)
+    torchrun(2, [os.path.abspath(__file__), *worker, "--ep", "2"], timeout=120)
+    ref = torch.load(os.path.join(tmp_path, f"uneven_ep1_{layout}.pt"))
+    got = torch.load(os.path.join(tmp_path, f"uneven_ep2_{layout}.pt"))
+    assert got["microbatches"] > 1  # rank 0 ran more microbatches than rank 1's one
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    for k, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{k}: {m}")
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -127,5 +204,10 @@ if __name__ == "__main__":
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--ep", type=int, required=True)
+    parser.add_argument("--uneven", choices=["packed", "padded"], default=None,
+                        help="run the unequal-ranks replay worker with this layout")
     cli = parser.parse_args()
-    _worker(cli.ckpt, cli.out, cli.ep)
+    if cli.uneven:
+        _uneven_worker(cli.ckpt, cli.out, cli.ep, cli.uneven == "packed")
+    else:
+        _worker(cli.ckpt, cli.out, cli.ep)
