@@ -197,6 +197,41 @@ def test_ep2_with_unequal_ranks_and_replayed_routes(moe_ckpt, tmp_path, torchrun
                                    msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.distributed
+def test_rl_training_under_ep2_with_routing_replay(tmp_path, torchrun):
+    """`megatron_rl.train` on two ranks at --expert-model-parallel-size 2 with --routing-replay,
+    the local engine and prompts of different lengths (so the ranks' batches differ in shape and
+    their sequences stop at different steps): 3 steps, finite, every update applied, and the
+    trainer's recompute of each rollout (replaying the engine's experts) equal to the engine's
+    log-probs to float rounding."""
+    import json
+
+    from megatron_rl.data.records import TaskExample, write_jsonl
+    from megatron_rl.experiments.tiny_model import make_char_model
+
+    model = make_char_model(str(tmp_path / "moe"), seed=0, family="qwen3_moe")
+    # a reference of other weights: the KL has a gradient from the first step (a random policy
+    # earns no reward)
+    ref = make_char_model(str(tmp_path / "ref"), seed=1, family="qwen3_moe")
+    data = str(tmp_path / "train.jsonl")
+    write_jsonl(data, [TaskExample(f"Calculate {a}+{b}." + " " * (3 * a), str(a + b),
+                                   "arithmetic") for a in range(8) for b in range(8)])
+    save = str(tmp_path / "run")
+    torchrun(2, ["-m", "megatron_rl.train", "--hf-checkpoint", model, "--ref-checkpoint", ref,
+                 "--kl-coef", "1.0", "--kl-placement", "reward+loss", "--train-data", data,
+                 "--save", save, "--train-iters", "3", "--num-prompts-per-step", "4",
+                 "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-2",
+                 "--max-tokens-per-microbatch", "48", "--prompt-template", "{prompt}=",
+                 "--no-task-instruction", "--seed", "3", "--expert-model-parallel-size", "2",
+                 "--routing-replay", "--old-logprobs", "recompute"], timeout=300)
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["skipped_update"] == 0 and r["grad_norm"] > 0, r
+        assert r["mismatch/abs_delta_max"] < 1e-4, r["mismatch/abs_delta_max"]
+
+
 if __name__ == "__main__":
     import argparse
 
