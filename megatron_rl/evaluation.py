@@ -33,7 +33,8 @@ def evaluate_engine(engine, records, encode, decode, scorer, k: int, params: Sam
     for start in range(0, len(records), batch_prompts):
         chunk = records[start:start + batch_prompts]
         ids = [encode(r.text) for r in chunk]
-        p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + start})
+        p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + start,
+                              "return_routed_experts": False})
         groups = engine.generate(ids, k, p)
         texts = [decode(c.token_ids) for g in groups for c in g]
         golds = [r.answer for r in chunk for _ in range(k)]
@@ -65,7 +66,8 @@ def _eval_records(run: Run, limit: int, share: bool = True):
 def evaluate(run: Run, step: int) -> dict:
     """The trainer's periodic evaluation: flat metrics "eval/<task>/mean_at_k" ... (DP-reduced).
     An engine with one client rank evaluates the whole set there; the in-process engine
-    evaluates each data-parallel rank's share."""
+    evaluates each data-parallel rank's share (under expert parallelism: the whole set on every
+    rank)."""
     if run.eval_data is None:
         return {}
     cfg, engine = run.cfg, run.engine
@@ -78,10 +80,14 @@ def evaluate(run: Run, step: int) -> dict:
 
         res = on_client(engine, on_the_client)
         return reduce_eval_results(res, sorted(res), group=None)
-    records, tasks = _eval_records(run, cfg.eval.eval_max_prompts)
+    # expert-parallel ranks exchange tokens inside every forward, so they must generate the
+    # same number of batches: each evaluates the whole set (with one seed) instead of a share
+    share = run.policy.ep_size == 1
+    records, tasks = _eval_records(run, cfg.eval.eval_max_prompts, share=share)
+    seed = cfg.seed + 104729 + (run.dp_rank if share else 0)
     res = evaluate_engine(engine, records, run.codec.encode, run.codec.decode, run.scorer, k,
-                          run.sampling_params(seed=cfg.seed + 104729 + run.dp_rank))
-    return reduce_eval_results(res, tasks, data_parallel_group())
+                          run.sampling_params(seed=seed))
+    return reduce_eval_results(res, tasks, data_parallel_group() if share else None)
 
 
 def reduce_eval_results(res: dict, tasks: list[str], group=None) -> dict[str, float]:
