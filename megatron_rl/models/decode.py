@@ -13,6 +13,9 @@ step is seen by the next call) and runs the same arithmetic with a preallocated 
                 q, k = RoPE(q, pos), RoPE(k, pos);  K, V <- cache[:, :, :t] ++ (k, v)
                 x = x + W_proj softmax(q K^T / sqrt(d) + mask) V                   (sum over TP)
                 h = RMSNorm(x);  g, u = W_fc1 h;  x = x + W_fc2 (silu(g) * u)      (sum over TP)
+                [mixture of experts: z = W_router h;  e_1..e_k = top-k of z (pre-softmax routers:
+                 of softmax(z));  w = softmax(z_e1..z_ek) (pre-softmax: softmax(z)_e1..ek);
+                 x = x + sum_j w_j W_fc2^(e_j) (silu(g) * u)^(e_j)                 (sum over TP)]
     logits = W_out RMSNorm(x)[:, -1]                                 (gathered over TP)
 
 with megatron-core's layouts (megatron_rl.models.hf_mapping): W_qkv rows grouped per query
@@ -23,8 +26,14 @@ padding (masked) changes nothing. Tensor parallelism works on the local shards w
 all-reduce after the attention and MLP outputs; sequence parallelism needs no special case
 (weights are the same). Agreement with megatron-core's forward: tests/unit/models/test_decode.py.
 
-Supported: the Qwen2 / Qwen3 / Llama models megatron_rl.models builds (RMSNorm, SwiGLU, RoPE,
-GQA, qkv bias, q/k norms, tied or untied output), pipeline-parallel size 1. `unsupported_reason` says why not.
+Mixture-of-experts layers (Qwen3-MoE) compute megatron-core's softmax top-k router on the same
+weights (the router is replicated over TP, each expert split like a dense MLP) and send each token
+through its k experts; `forward(..., routes=list)` also returns the chosen experts of every new
+position, which the rollout engine hands to routing replay (megatron_rl.models.routing).
+
+Supported: the Qwen2 / Qwen3 / Qwen3-MoE / Llama models megatron_rl.models builds (RMSNorm,
+SwiGLU, RoPE, GQA, qkv bias, q/k norms, tied or untied output, softmax-routed experts),
+pipeline-parallel size 1, expert-parallel size 1. `unsupported_reason` says why not.
 """
 
 from __future__ import annotations
@@ -44,7 +53,10 @@ def unsupported_reason(policy) -> str | None:
     if not (cfg.gated_linear_unit and cfg.normalization == "RMSNorm"):
         return "KV-cached decoding supports RMSNorm + SwiGLU models only"
     if getattr(cfg, "num_moe_experts", None):
-        return "KV-cached decoding does not support MoE layers"
+        if policy.ep_size != 1:
+            return "KV-cached decoding of mixture-of-experts layers needs expert-parallel size 1"
+        if cfg.moe_router_score_function != "softmax" or cfg.moe_router_num_groups:
+            return "KV-cached decoding supports softmax top-k routers only"
     if getattr(cfg, "rotary_interleaved", False):
         return "KV-cached decoding supports non-interleaved RoPE only"
     return None
@@ -87,7 +99,16 @@ class KVDecoder:
                 "input_layernorm.weight", "self_attention.linear_qkv.weight",
                 "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
                 "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
-                "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")})
+                "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
+                "mlp.router.weight")})
+            if self.layers[-1]["mlp.router.weight"] is not None:  # the experts, in id order
+                n_experts = cfg.num_moe_experts
+                self.layers[-1]["experts"] = [
+                    (p[f"{pre}mlp.experts.local_experts.{e}.linear_fc1.weight"],
+                     p[f"{pre}mlp.experts.local_experts.{e}.linear_fc2.weight"])
+                    for e in range(n_experts)]
+        self.topk = getattr(cfg, "moe_router_topk", 0)
+        self.pre_softmax = getattr(cfg, "moe_router_pre_softmax", False)
         dev, dtype = self.embedding.device, self.embedding.dtype
         rot = model.rotary_pos_emb(max_len).reshape(max_len, -1).to(dev)  # [S, rot_dim] angles
         self.cos, self.sin = rot.cos().to(dtype), rot.sin().to(dtype)
@@ -133,11 +154,36 @@ class KVDecoder:
             self.cache = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0))
                           for k, v in self.cache]
 
+    def _experts(self, h: torch.Tensor, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mixture-of-experts MLP on h [B, s, H]: (this TP rank's partial output [B, s, H],
+        the chosen experts [B, s, k]), as megatron-core's softmax top-k router and experts."""
+        z = F.linear(h, w["mlp.router.weight"])  # [B, s, E]
+        if self.pre_softmax:
+            gates, idx = torch.softmax(z, dim=-1, dtype=torch.float32).type_as(z).topk(self.topk)
+        else:
+            top, idx = z.topk(self.topk)
+            gates = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(z)
+        flat_h, flat_idx, flat_g = h.reshape(-1, h.shape[-1]), idx.reshape(-1, self.topk), \
+            gates.reshape(-1, self.topk)
+        out = torch.zeros_like(flat_h)
+        for e, (fc1, fc2) in enumerate(w["experts"]):
+            hit = flat_idx == e  # [tokens, k]
+            rows = hit.any(-1).nonzero()[:, 0]
+            if rows.numel() == 0:
+                continue
+            gate, up = F.linear(flat_h[rows], fc1).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, fc2)
+            out.index_add_(0, rows, y * (flat_g[rows] * hit[rows]).sum(-1, keepdim=True))
+        return out.view_as(h), idx
+
     # -- the forward -----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                allowed: torch.Tensor) -> torch.Tensor:
+                allowed: torch.Tensor, routes: list | None = None) -> torch.Tensor:
+        """routes: a list that receives the chosen experts of the new positions, [B, s, M, k]
+        (M = the model's mixture-of-experts layers), when the model has any."""
         B, s = tokens.shape
+        chosen = []
         t0, t1 = self.length, self.length + s
         if t1 > self.cos.shape[0]:
             raise ValueError(f"KV cache holds {self.cos.shape[0]} positions, asked for {t1}")
@@ -163,8 +209,15 @@ class KVDecoder:
             a = a.transpose(1, 2).reshape(B, s, ng * qpg * d)
             x = x + self._tp_sum(F.linear(a, w["self_attention.linear_proj.weight"]))
             h = torch.rms_norm(x, (x.shape[-1],), w["pre_mlp_layernorm.weight"], self.eps)
+            if w["mlp.router.weight"] is not None:
+                partial, idx = self._experts(h, w)
+                chosen.append(idx)
+                x = x + self._tp_sum(partial)
+                continue
             gate, up = F.linear(h, w["mlp.linear_fc1.weight"]).chunk(2, dim=-1)
             x = x + self._tp_sum(F.linear(F.silu(gate) * up, w["mlp.linear_fc2.weight"]))
+        if routes is not None and chosen:
+            routes.append(torch.stack(chosen, dim=2))
         self.length = t1
         x = torch.rms_norm(x[:, -1], (x.shape[-1],), self.final_norm, self.eps)
         return self._logits(x)

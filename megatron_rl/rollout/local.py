@@ -22,12 +22,13 @@ rounding, same generator use):
 rollout_logprobs are log-probs under the temperature-scaled distribution softmax(z / T), before
 top-k / top-p truncation (with T = 1 and no truncation: the policy's own log-probs).
 
-Mixture-of-experts policies decode by full recompute. With SamplingParams.return_routed_experts
-each completion carries the experts its tokens were routed to (megatron_rl.models.routing): the
-prompt's from the first forward, each generated token's from the step that fed it in, as an
-engine with a KV cache computes each position once. Under expert parallelism the data-parallel
-ranks exchange tokens inside every forward, so all ranks decode in lockstep: a rank whose
-sequences have all stopped keeps stepping until every rank's have.
+Mixture-of-experts policies: with SamplingParams.return_routed_experts each completion carries
+the experts its tokens were routed to (megatron_rl.models.routing): the prompt's from the first
+forward, each generated token's from the step that fed it in (each position is routed once, as
+in any engine with a KV cache). Under expert parallelism (full recompute: the experts of other
+ranks are reached through megatron-core's token exchange) the data-parallel ranks exchange
+tokens inside every forward, so all ranks decode in lockstep: a rank whose sequences have all
+stopped keeps stepping until every rank's have.
 """
 
 from __future__ import annotations
@@ -124,8 +125,6 @@ class LocalEngine:
             raise ValueError("the local engine records routed experts at pipeline-parallel "
                              "size 1 only (each stage sees its own layers); use "
                              "--rollout-engine process")
-        if self.kv_cache:
-            raise ValueError("routed experts are recorded by the full-recompute decoder")
         args = self.policy.args
         return torch.zeros(batch, length, sum(args.moe_layer_pattern), args.num_experts_per_tok,
                            dtype=torch.int16, device=dev)
@@ -187,14 +186,21 @@ class LocalEngine:
                     first = 0 if t == 0 else s - 1
                     routes[:, first:s] = recorded[0][:, first:s].to(routes.dtype)
             elif t == 0:  # prefill with each distinct prompt once, then one cache row per sample
-                logits = decoder.forward(tokens[::n, :s], pos[::n, :s], allowed[::n, None])
+                recorded = [] if routes is not None else None
+                logits = decoder.forward(tokens[::n, :s], pos[::n, :s], allowed[::n, None],
+                                         routes=recorded)
                 decoder.repeat_rows(n)
                 logits = logits.repeat_interleave(n, 0)
+                if routes is not None and recorded:
+                    routes[:, :s] = recorded[0].repeat_interleave(n, 0).to(routes.dtype)
             else:  # one new query (position s-1) over the s cached keys, pads hidden
                 allowed = v.clone()
                 allowed[:, s - 1] = True
+                recorded = [] if routes is not None else None
                 logits = decoder.forward(tokens[:, s - 1:s], pos[:, s - 1:s],
-                                         allowed[:, None, None])
+                                         allowed[:, None, None], routes=recorded)
+                if routes is not None and recorded:
+                    routes[:, s - 1] = recorded[0][:, 0].to(routes.dtype)
             if self.policy.is_sampler:  # one rank decides, every rank of the group follows
                 nxt, lp = sample_tokens(logits, params, gen)
             else:

@@ -66,6 +66,59 @@ def _worker(path: str, out: str, ep: int) -> None:
     destroy_distributed()
 
 
+LAYOUTS = {"tp2": (2, 1, 1), "tp2ep2": (2, 1, 2), "pp2": (1, 2, 1)}  # (TP, PP, EP)
+
+
+def _layout_worker(path: str, out: str, layout: str) -> None:
+    """Under torchrun: the mean next-token NLL of ROWS x SEQ tokens and its gradients (gathered
+    to full tensors) at LAYOUTS[layout] (sequence parallelism with TP), scored through
+    Policy.score as in training; rank 0 saves them. At TP2 (expert-parallel size 1) the KV-cached
+    decoder through the TP-split experts is also checked against megatron-core's forward."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.batch import next_token_targets
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
+
+    torch.set_num_threads(1)
+    tp, pp, ep = LAYOUTS[layout]
+    cfg = ParallelConfig(tp, pp, sequence_parallel=tp > 1, expert_model_parallel_size=ep)
+    dp = init_distributed(cfg)
+    args = ModelArgs.from_pretrained(path)
+    policy = Policy(args, parallel=cfg)
+    policy.load_hf(path)
+    tokens = torch.randint(0, args.vocab_size, (ROWS, SEQ),
+                           generator=torch.Generator().manual_seed(7))
+    per = ROWS // dp
+    rank = ps.get_data_parallel_rank()
+    mine = tokens[rank * per:(rank + 1) * per]
+    total = ROWS * (SEQ - 1)
+
+    def loss_fn(batch, out):
+        logp = policy.score(out, next_token_targets(batch["tokens"])).logprobs[:, :-1]
+        nll = -logp.sum() / total
+        return nll, {"loss": nll.detach().clone()}
+
+    metrics = policy.forward_backward([{"tokens": mine}], loss_fn, for_scoring=True)
+    loss = torch.tensor([float(sum(float(m["loss"]) for m in metrics))])
+    dist.all_reduce(loss)  # the last stage's TP ranks each hold their DP share's loss
+    grads = policy.full_grads(dst=0)
+    kv_error = None
+    if ep == 1 and pp == 1:
+        from megatron_rl.models.decode import KVDecoder
+
+        allowed = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None, None].expand(ROWS, 1, -1, -1)
+        pos = torch.arange(SEQ).expand(ROWS, SEQ)
+        ref = policy.last_token_logits(tokens, ~allowed, pos)
+        got = KVDecoder(policy, ROWS, SEQ).forward(tokens, pos, allowed)
+        kv_error = float((ref - got).abs().max())
+    if dist.get_rank() == 0:
+        torch.save({"loss": float(loss) / tp, "grads": grads, "kv_error": kv_error},
+                   os.path.join(out, f"{layout}.pt"))
+    destroy_distributed()
+
+
 LENGTHS = [16, 11, 7, 13]  # the uneven test's sequences; EP2: rank 0 takes 3, rank 1 one
 
 
@@ -232,6 +285,30 @@ def test_rl_training_under_ep2_with_routing_replay(tmp_path, torchrun):
         assert r["mismatch/abs_delta_max"] < 1e-4, r["mismatch/abs_delta_max"]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tp_pp_and_ep_layouts_match_a_single_process(moe_ckpt, tmp_path, torchrun, layout):
+    """TP2 with sequence parallelism (2 ranks), TP2 x EP2 (4 ranks: two data-parallel replicas
+    whose experts are split over the pair) and PP2 (2 ranks, sparse and dense layers on
+    different stages) give one process's loss and gradients; at TP2 the KV-cached decoder
+    through the TP-split experts gives megatron-core's logits."""
+    tp, pp, ep = LAYOUTS[layout]
+    worker = ["--ckpt", moe_ckpt, "--out", str(tmp_path)]
+    torchrun(1, [os.path.abspath(__file__), *worker, "--ep", "1"], timeout=120)
+    torchrun(tp * pp * ep, [os.path.abspath(__file__), *worker, "--ep", "1", "--layout", layout],
+             timeout=300)
+    ref = torch.load(os.path.join(tmp_path, "ep1.pt"))
+    got = torch.load(os.path.join(tmp_path, f"{layout}.pt"))
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert set(got["grads"]) == set(ref["grads"])
+    for k, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{k}: {m}")
+    if got["kv_error"] is not None:
+        assert got["kv_error"] < 1e-5
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -241,8 +318,12 @@ if __name__ == "__main__":
     parser.add_argument("--ep", type=int, required=True)
     parser.add_argument("--uneven", choices=["packed", "padded"], default=None,
                         help="run the unequal-ranks replay worker with this layout")
+    parser.add_argument("--layout", choices=list(LAYOUTS), default=None,
+                        help="run the TP/PP/EP layout worker for this layout")
     cli = parser.parse_args()
-    if cli.uneven:
+    if cli.layout:
+        _layout_worker(cli.ckpt, cli.out, cli.layout)
+    elif cli.uneven:
         _uneven_worker(cli.ckpt, cli.out, cli.ep, cli.uneven == "packed")
     else:
         _worker(cli.ckpt, cli.out, cli.ep)

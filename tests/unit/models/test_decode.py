@@ -3,7 +3,9 @@
 A left-padded batch of unequal prompts is prefilled, then decoded one token at a time; at every
 step the decoder's last-position logits must equal megatron-core's full forward of the whole
 prefix (same masks, same positions) to float32 rounding. Models: tiny Qwen2 (GQA, qkv bias,
-untied output), a tiny Qwen3 (q/k norms, head_dim != hidden / heads) and a tiny tied Llama with Llama-3.1 RoPE scaling and no GQA. Also: the decoder
+untied output), a tiny Qwen3 (q/k norms, head_dim != hidden / heads), a tiny tied Llama with
+Llama-3.1 RoPE scaling and no GQA, and a tiny Qwen3-MoE (the experts each position is routed to
+as well). Also: the decoder
 reads the live weights, so an optimizer step is seen without any sync.
 """
 
@@ -95,6 +97,40 @@ def test_decoder_matches_megatron_forward_tied_llama_rope_scaling(dist_env, tmp_
     assert policy.args.rope_scaling_factor == 8.0 and policy.args.tie_word_embeddings
     err, scale = _max_decode_error(policy, lens=(30, 2), new=40)
     assert scale > 0.1 and err < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renormalised", "pre-softmax"])
+def test_decoder_matches_megatron_forward_qwen3_moe(dist_env, tmp_path, norm_topk_prob):
+    """Mixture-of-experts layers (4 experts, top-2; layer 1 dense): the decoder's logits equal
+    megatron-core's, and the experts it reports for every position are those megatron-core's
+    router picks in the full forward of the same prefix."""
+    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
+    from megatron_rl.models.decode import KVDecoder
+
+    path = make_tiny_hf_checkpoint(str(tmp_path / "moe"), "qwen3_moe", seed=3,
+                                   norm_topk_prob=norm_topk_prob, mlp_only_layers=[1],
+                                   decoder_sparse_step=1)
+    policy = _policy(path)
+    err, scale = _max_decode_error(policy)
+    assert scale > 0.1 and err < 1e-5
+    lens, new = (1, 4, 9, 6), 5
+    tokens, valid, P = _left_padded(policy.args.vocab_size, lens, new, seed=1)
+    pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    S = P + new
+    allowed = (torch.ones(S, S, dtype=torch.bool).tril() & valid[:, None, :S]) | torch.eye(S, dtype=torch.bool)
+    decoder = KVDecoder(policy, len(lens), S)
+    got: list = []
+    decoder.forward(tokens[:, :P], pos[:, :P], allowed[:, None, :P, :P], routes=got)
+    for s in range(P + 1, S + 1):
+        decoder.forward(tokens[:, s - 1:s], pos[:, s - 1:s], allowed[:, None, s - 1:s, :s],
+                        routes=got)
+    kv_routes = torch.cat(got, dim=1)  # [B, S, M, k]
+    ref: list = []
+    policy.last_token_logits(tokens, ~allowed[:, None], pos, routes_out=ref)
+    assert kv_routes.shape == ref[0].shape == (len(lens), S, 3, 2)
+    # each position's set of experts (the order within the k may differ)
+    assert torch.equal(kv_routes.sort(-1).values, ref[0].sort(-1).values)
 
 
 @pytest.mark.distributed
