@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Callable, Iterable, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
 
 import torch
 import torch.distributed as dist
@@ -158,7 +158,7 @@ def _match_expert_peers(microbatches: list[dict], group) -> list[dict]:
         if (b0, s0) == (b, s):
             out.append(mb)
             continue
-        mb = dict(mb, _shape=(b0, s0))
+        mb = cast("dict[str, Any]", {**mb, "_shape": (b0, s0)})
         if "cu_seqlens" in mb:  # one more padding segment (segments of at most PAD_SEGMENT)
             extra = s - s0
             segs = [min(PAD_SEGMENT, extra - a) for a in range(0, extra, PAD_SEGMENT)]

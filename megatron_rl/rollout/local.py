@@ -40,7 +40,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models import routing
 from megatron_rl.models.decode import KVDecoder, unsupported_reason
 from megatron_rl.parallel import device
 from megatron_rl.rollout.base import Completion, SamplingParams
