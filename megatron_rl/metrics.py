@@ -110,6 +110,22 @@ def correction_metrics(stats: CorrectionStats, group=None) -> dict[str, float]:
     return CorrectionStats.as_metrics(sums, raw_max, raw_min)
 
 
+def routing_metrics(own: torch.Tensor, engine: torch.Tensor, seq_lengths: list[int],
+                    group=None) -> dict[str, float]:
+    """routing/*: how often the trainer's routers, computing their own top-k, would have sent a
+    rollout token to other experts than the engine did: own [B, L-1, M, k] (the recompute's,
+    in the batch's layout), engine [B, L, M, k] (the batch's routed_experts), over each
+    sequence's forwarded tokens; per token and MoE layer, and per token in any layer."""
+    from megatron_rl.models.routing import disagreement
+
+    n = own.shape[1]
+    valid = torch.arange(n, device=own.device)[None, :] < torch.tensor(
+        seq_lengths, device=own.device)[:, None] - 1
+    s = all_reduce(disagreement(own, engine[:, :n].to(own.device), valid), group).tolist()
+    return {"routing/differ_token_layers": s[0] / max(s[1], 1.0),
+            "routing/differ_tokens": s[2] / max(s[3], 1.0)}
+
+
 def mismatch_metrics(rollout_lp: torch.Tensor, lp: torch.Tensor, mask: torch.Tensor,
                      group=None) -> dict[str, float]:
     """Train-vs-rollout log-prob mismatch (mismatch/*) over the global batch."""

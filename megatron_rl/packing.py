@@ -103,12 +103,15 @@ class Microbatch:
         return self.inputs["tokens"].numel()
 
     def to_rows(self, per_token: torch.Tensor) -> torch.Tensor:
-        """Per-position outputs [b, s] (padded; padded rows beyond `rows` dropped) or [1, T]
-        (packed) -> [len(rows), L-1] in the batch's layout (0 at positions that score nothing)."""
+        """Per-position outputs [b, s, ...] (padded; padded rows beyond `rows` dropped) or
+        [1, T, ...] (packed) -> [len(rows), L-1, ...] in the batch's layout (0 at positions that
+        score nothing)."""
         if self.unpack is None:
             return per_token[:len(self.rows), :-1]
-        out = per_token.reshape(-1)[self.unpack.to(per_token.device)]
-        return torch.where(self.valid.to(per_token.device), out, torch.zeros_like(out))
+        rest = per_token.shape[2:]
+        out = per_token.reshape(-1, *rest)[self.unpack.to(per_token.device)]
+        valid = self.valid.to(per_token.device).reshape(*self.valid.shape, *(1,) * len(rest))
+        return torch.where(valid, out, torch.zeros_like(out))
 
 
 def padded_microbatches(tokens: torch.Tensor, rows: Sequence[int], micro_batch_size: int,

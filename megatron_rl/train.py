@@ -117,12 +117,19 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
     if cfg.use_rollout_logprobs():
         batch.old_logprobs = batch.rollout_logprobs.clone()
     else:
+        # replaying the engine's experts, the recompute also notes the routers' own choice
+        own: list | None = ([] if batch.routed_experts is not None and run.policy.pp_size == 1
+                            else None)
         batch.old_logprobs = run.policy.token_logprobs(batch.tokens, layout(cfg),
                                                        seq_lengths=batch.seq_lengths,
-                                                       routes=batch.routed_experts)
+                                                       routes=batch.routed_experts,
+                                                       own_routes=own)
         metrics.update(global_metrics.mismatch_metrics(batch.rollout_logprobs,
                                                        batch.old_logprobs, batch.loss_mask,
                                                        dp_group))
+        if own and batch.routed_experts is not None:
+            metrics.update(global_metrics.routing_metrics(own[0], batch.routed_experts,
+                                                          batch.seq_lengths, dp_group))
     return batch, metrics
 
 

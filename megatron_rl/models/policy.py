@@ -442,21 +442,27 @@ class Policy:
                     else contextlib.nullcontext())
             routes = None if batch is None else batch.get("routed_experts")
             record = None if batch is None else batch.get("record_routes")
-            if routes is not None:
+            if routes is None and record is None:
+                with head:
+                    return model(tokens, pos, mask, packed_seq_params=packed)
+            if routes is not None:  # replay; with `record`: and note the routers' own choice
                 routes = routing.router_order(routes.to(dev), tokens.shape[1], policy.tp_rank,
                                               policy.tp_size, policy.sequence_parallel)
-                with head, routing.replaying(policy.module, routes):
-                    return model(tokens, pos, mask, packed_seq_params=packed)
-            if record is not None:  # the experts chosen, [b, s, M_stage, k] as the batch's
+                rec: list = []
+                with head, routing.replaying(policy.module, routes,
+                                             None if record is None else rec):
+                    out = model(tokens, pos, mask, packed_seq_params=packed)
+                if record is None:
+                    return out
+            else:  # the experts chosen
                 with head, routing.recording(policy.module) as rec:
                     out = model(tokens, pos, mask, packed_seq_params=packed)
+            if record is not None:  # as [b, s, M_stage, k] in the batch's layout
                 rows, length = batch.get("_shape", batch["tokens"].shape)
                 got = routing.gather_recorded(rec, tokens.shape[0], policy.tp_group,
                                               policy.tp_size, policy.sequence_parallel)
                 record.append(got[:rows, :length])
-                return out
-            with head:
-                return model(tokens, pos, mask, packed_seq_params=packed)
+            return out
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
@@ -562,13 +568,16 @@ class Policy:
 
     def collect_per_token(self, tokens: torch.Tensor, layout, fn: Callable, num_outputs: int,
                           *, seq_lengths=None, reference: "Policy | None" = None,
-                          routes: torch.Tensor | None = None) -> torch.Tensor:
+                          routes: torch.Tensor | None = None,
+                          own_routes: list | None = None) -> torch.Tensor:
         """[num_outputs, B, L-1] fp32 per-token values of a right-padded batch, on every rank of
         this pipeline: one forward-only pass over `layout`'s microbatches (packing.Layout, or an
         int: padded microbatches of that many rows). fn(microbatch, out[, ref_out]) -> a list of
         `num_outputs` per-position tensors shaped like microbatch.targets (from `score`);
         they come back in the batch's layout (position t scores token t+1). routes: [B, L, M, k]
-        experts this model's MoE layers replay (models.routing; the reference's do not)."""
+        experts this model's MoE layers replay (models.routing; the reference's do not);
+        own_routes: a list that receives the experts this stage's routers chose themselves
+        (while replaying `routes`), [B, L-1, M_stage, k] in the batch's layout."""
         from megatron_rl.packing import Layout
 
         if isinstance(layout, int):
@@ -581,9 +590,17 @@ class Policy:
             mb = batch["layout"]
             return torch.stack([mb.to_rows(v.float()) for v in fn(mb, out, *ref)])
 
-        outs = self.forward_backward([{**mb.inputs, "layout": mb} for mb in mbs], None,
+        recorded: list = []
+        record = {} if own_routes is None else {"record_routes": recorded}
+        outs = self.forward_backward([{**mb.inputs, "layout": mb, **record} for mb in mbs], None,
                                      forward_only=True, collect=collect, reference=reference,
                                      for_scoring=True)
+        if own_routes is not None:
+            rows = torch.zeros(B, L - 1, *recorded[0].shape[2:], dtype=recorded[0].dtype,
+                               device=recorded[0].device)
+            for mb, got in zip(mbs, recorded):
+                rows[mb.rows.to(rows.device)] = mb.to_rows(got)
+            own_routes.append(rows)
         result = None
         if self.is_last_stage:
             result = torch.zeros(num_outputs, B, L - 1, device=outs[0].device if outs else None)
@@ -592,15 +609,17 @@ class Policy:
         return self.broadcast_from_last_stage(result, (num_outputs, B, L - 1), torch.float32)
 
     def token_logprobs(self, tokens: torch.Tensor, layout, temperature: float = 1.0, *,
-                       seq_lengths=None, routes: torch.Tensor | None = None) -> torch.Tensor:
+                       seq_lengths=None, routes: torch.Tensor | None = None,
+                       own_routes: list | None = None) -> torch.Tensor:
         """log pi(tokens[:, t+1] | tokens[:, :t+1]) for a right-padded batch: [B, L-1] fp32 on
         every rank of this pipeline, on the model's device (0 past each sequence's end when
         `seq_lengths` are given). Forward only, microbatches as `layout` says (see
-        collect_per_token), through `score`; `routes`: experts to replay (models.routing)."""
+        collect_per_token), through `score`; `routes`: experts to replay and `own_routes` the
+        routers' own choice (models.routing, collect_per_token)."""
         def fn(mb, out):
             return [self.score(out, mb.targets, temperature=temperature).logprobs]
         return self.collect_per_token(tokens, layout, fn, 1, seq_lengths=seq_lengths,
-                                      routes=routes)[0]
+                                      routes=routes, own_routes=own_routes)[0]
 
     def last_token_logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
                           position_ids: torch.Tensor,

@@ -20,7 +20,8 @@ the loss reads, but every position must route somewhere).
 Mechanism. megatron-core's TopKRouter holds a `RouterReplay` (moe_enable_routing_replay, set
 on every MoE model megatron_rl builds); with no action set it routes as usual. `recording` sets
 RECORD on this model's routers and `replaying` sets REPLAY_FORWARD with target indices, each for
-one forward, and both clear the routers afterwards. Each model drives its own routers only
+one forward, and both clear the routers afterwards. While replaying, the routers' own top-k can
+be collected too: `disagreement` then says how often the engine routed a token elsewhere. Each model drives its own routers only
 (megatron's static helpers act on every router of the process, the reference model's included).
 
 The router sees a forward's tokens as [s, b] flattened sequence-major (megatron's [s, b, h]
@@ -89,9 +90,12 @@ def recording(module) -> Iterator[list[torch.Tensor]]:
 
 
 @contextlib.contextmanager
-def replaying(module, routes: torch.Tensor) -> Iterator[None]:
+def replaying(module, routes: torch.Tensor,
+              own: list[torch.Tensor] | None = None) -> Iterator[None]:
     """One forward of `module` in which every MoE router uses `routes` [tokens, M, k] (router
-    token order, all M MoE layers of the model; this stage takes its own) instead of its top-k."""
+    token order, all M MoE layers of the model; this stage takes its own) instead of its top-k.
+    own: a list that receives, per MoE layer of this stage, the [tokens, k] experts the router
+    would have chosen itself (for measuring how often the engine's routing differs)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     layers = moe_layers(module)
@@ -100,11 +104,29 @@ def replaying(module, routes: torch.Tensor) -> Iterator[None]:
             r = _replay_of(router)
             r.set_target_indices(routes[:, m].long())
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            if own is not None:
+                r.get_replay_topk = _also_own_topk(r, own)
         yield
     finally:
         for _, router in layers:
-            _replay_of(router).clear_router_replay_action()
-            _replay_of(router).clear_indices()
+            r = _replay_of(router)
+            r.clear_router_replay_action()
+            r.clear_indices()
+            r.__dict__.pop("get_replay_topk", None)
+
+
+def _also_own_topk(replay, own: list[torch.Tensor]):
+    """`replay`'s get_replay_topk (megatron-core's RouterReplay), which also appends the top-k the
+    router computes itself to `own` before returning the replayed choice."""
+    method = type(replay).get_replay_topk
+
+    def get_replay_topk(scores, topk, num_groups=None, group_topk=None,
+                        default_compute_topk=None):
+        assert default_compute_topk is not None
+        own.append(default_compute_topk(scores, topk, num_groups, group_topk)[1].detach())
+        return method(replay, scores, topk, num_groups, group_topk, default_compute_topk)
+
+    return get_replay_topk
 
 
 def router_order(routes: torch.Tensor, length: int, tp_rank: int = 0, tp_size: int = 1,
@@ -149,3 +171,15 @@ def fill_routes(per_sequence: list[torch.Tensor | None], length: int, num_layers
             n = min(r.shape[0], length)
             out[i, :n] = r[:n].to(torch.int16)
     return out
+
+
+def disagreement(own: torch.Tensor, engine: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """How often the trainer's own routing differs from the engine's: own / engine [B, n, M, k]
+    experts (order within the k ignored) over the `valid` [B, n] positions. Returns float64
+    sums to reduce across ranks: [token-layer pairs whose expert sets differ, token-layer
+    pairs, tokens with at least one such layer, tokens]."""
+    differ = (own.long().sort(-1).values != engine.long().sort(-1).values).any(-1)  # [B, n, M]
+    differ = differ & valid[..., None]
+    tokens = valid.sum()
+    return torch.stack([differ.sum(), tokens * own.shape[2], differ.any(-1).sum(),
+                        tokens]).double()

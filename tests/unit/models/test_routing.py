@@ -6,7 +6,7 @@ sequence; replaying a forward's own routes changes nothing, replaying other rout
 output (so replay acts); packed and padded microbatches replay the same routes token for token;
 and the property replay exists for: when the trainer's router disagrees with the engine's at
 near-ties, the trainer's log-probs of the rollout equal the engine's to float rounding with
-replay and differ without it.
+replay and differ without it, and the routing/* metrics count the tokens that moved.
 """
 import os
 
@@ -144,7 +144,17 @@ def test_replay_gives_the_engines_logprobs_where_routers_disagree(moe_path, sing
         valid[i, :n - 1] = True
     assert 0 < int((changed & valid).sum()), "no token changed experts: the test lost its point"
     without = policy.token_logprobs(batch.tokens, lay, seq_lengths=batch.seq_lengths)
+    own: list = []
     with_replay = policy.token_logprobs(batch.tokens, lay, seq_lengths=batch.seq_lengths,
-                                        routes=batch.routed_experts)
+                                        routes=batch.routed_experts, own_routes=own)
     assert _masked_max(with_replay, engine_lp, mask) < 1e-4
     assert _masked_max(without, engine_lp, mask) > 1e-2
+    # while replaying, the routers' own choice is noted: the routing/* metrics count the moves
+    from megatron_rl.metrics import routing_metrics
+
+    L = batch.tokens.shape[1]
+    assert own[0].shape == (6, L - 1, 3, 2)
+    m = routing_metrics(own[0], batch.routed_experts, batch.seq_lengths)
+    moved = int((changed & valid)[:, :L - 1].sum())
+    assert m["routing/differ_tokens"] == pytest.approx(moved / int(valid.sum()))
+    assert m["routing/differ_token_layers"] == pytest.approx(moved / (3 * int(valid.sum())))
