@@ -256,7 +256,7 @@ def test_rl_training_under_ep2_with_routing_replay(tmp_path, torchrun):
     the local engine and prompts of different lengths (so the ranks' batches differ in shape and
     their sequences stop at different steps): 3 steps, finite, every update applied, and the
     trainer's recompute of each rollout (replaying the engine's experts) equal to the engine's
-    log-probs to float rounding."""
+    log-probs to float rounding. The checkpoint exports to HF with every expert, trained."""
     import json
 
     from megatron_rl.data.records import TaskExample, write_jsonl
@@ -276,13 +276,30 @@ def test_rl_training_under_ep2_with_routing_replay(tmp_path, torchrun):
                  "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-2",
                  "--max-tokens-per-microbatch", "48", "--prompt-template", "{prompt}=",
                  "--no-task-instruction", "--seed", "3", "--expert-model-parallel-size", "2",
-                 "--routing-replay", "--old-logprobs", "recompute"], timeout=300)
+                 "--routing-replay", "--old-logprobs", "recompute", "--save-interval", "3"],
+             timeout=300)
     with open(os.path.join(save, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["skipped_update"] == 0 and r["grad_norm"] > 0, r
         assert r["mismatch/abs_delta_max"] < 1e-4, r["mismatch/abs_delta_max"]
+        assert r["routing/differ_tokens"] < 0.05, r["routing/differ_tokens"]
+    # the checkpoint, each rank holding half of the experts, exports to HF from one process
+    import subprocess
+    import sys
+
+    hf = str(tmp_path / "hf")
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.convert", "megatron-to-hf",
+                           "--load", save, "--save", hf], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    init, trained = hf_mapping.load_hf_state_dict(model), hf_mapping.load_hf_state_dict(hf)
+    assert set(trained) == set(init)
+    experts = [k for k in init if ".mlp.experts." in k]
+    assert len(experts) == 4 * 3  # 4 experts x (gate, up, down) of the one sparse layer
+    assert all(torch.isfinite(trained[k]).all() for k in init)
+    assert any(not torch.equal(trained[k], init[k]) for k in experts)  # trained experts saved
 
 
 @pytest.mark.distributed
