@@ -231,7 +231,8 @@ class AlgorithmConfig:
         "experts each token was routed to, and the trainer's forward passes over the rollout "
         "(the behaviour log-probs and the update; not the reference) route every token to "
         "those experts instead of computing their own top-k. The gate weights and the router's "
-        "gradient stay the trainer's. Needs an engine that records routes (local, process)"))
+        "gradient stay the trainer's. Needs an engine that returns routes (local, process, "
+        "sglang)"))
     max_nonfinite_steps: int = _opt(3, min=1, help=(
         "stop after this many consecutive RL steps whose update was skipped (a NaN/inf loss or "
         "gradient)"))

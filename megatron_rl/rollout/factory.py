@@ -44,7 +44,7 @@ ENGINES: dict[str, EngineSpec] = {s.name: s for s in (
                servers=True, release_memory=True, trainer_numerics=False, routed_experts=False),
     EngineSpec("sglang", holds_own_weights=True,
                weight_syncs=("auto", "disk", "tensor", "distributed"), servers=True,
-               release_memory=True, trainer_numerics=False, routed_experts=False),
+               release_memory=True, trainer_numerics=False, routed_experts=True),
 )}
 
 
@@ -108,6 +108,7 @@ def build_engine(cfg, policy, pad_id: int):
                                                  context_length=max_len, mem_fraction_static=mem,
                                                  host=r.rollout_host, sync=sync,
                                                  memory_saver=r.rollout_release_memory,
+                                                 routed_experts=cfg.algorithm.routing_replay,
                                                  bucket_bytes=r.weight_sync_bucket_mb << 20),
                                 policy=policy, start=False) for d, url in zip(dirs, urls)]
     else:

@@ -65,6 +65,8 @@ class SGLangConfig(ServerConfig):
     tp_size: int = 1
     mem_fraction_static: float | None = None
     memory_saver: bool = False          # --enable-memory-saver: release_memory / resume_memory
+    # --enable-return-routed-experts: requests may ask for each token's experts (routing replay)
+    routed_experts: bool = False
     # distributed (NCCL) sync: where the server's workers reach trainer rank 0
     nccl_master_address: str = "127.0.0.1"
     nccl_master_port: int | None = None
@@ -88,6 +90,7 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
         self.rank = dist_rank()
         self.python = config.python or sglang_python()
         self._nccl_group = None
+        self._sparse: tuple[int, list[int]] | None = None  # (layers, MoE layers), when asked
         self._nccl_group_name = ""
         self.server: ManagedServer | None = None
         if self.rank == 0:
@@ -128,6 +131,8 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
             argv += ["--mem-fraction-static", str(c.mem_fraction_static)]
         if c.memory_saver:
             argv.append("--enable-memory-saver")
+        if c.routed_experts:
+            argv.append("--enable-return-routed-experts")
         return argv + list(c.extra_args)
 
     def _env(self) -> dict[str, str]:
@@ -163,17 +168,36 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
                 sampling.append(sp)
         payload = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
                    "logprob_start_len": -1}
+        sparse = None
+        if params.return_routed_experts:
+            payload["return_routed_experts"] = True
+            sparse = self._sparse_layers()
         resp = self._post("/generate", payload, self.request_timeout)
         if isinstance(resp, dict):
             resp = [resp]
         try:
             if len(resp) != len(input_ids):
                 raise BadAnswer(f"{len(resp)} outputs for {len(input_ids)} samples")
-            return [[_completion(resp[i * n + j]) for j in range(n)]
-                    for i in range(len(prompts))]
+            return [[_completion(resp[i * n + j], len(p), sparse) for j in range(n)]
+                    for i, p in enumerate(prompts)]
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise BadAnswer(f"malformed answer ({type(e).__name__}: {e}): "
                             f"{str(resp)[:300]!r}") from None
+
+    def _sparse_layers(self) -> tuple[int, list[int]]:
+        """(the model's layer count, its mixture-of-experts layers): SGLang reports routes for
+        every layer."""
+        if self._sparse is None:
+            from megatron_rl.models.config import ModelArgs
+
+            pattern = ModelArgs.from_hf_config(read_hf_config(self.model_path),
+                                               source=self.model_path).moe_layer_pattern
+            sparse = [i for i, is_moe in enumerate(pattern) if is_moe]
+            if not sparse:
+                raise ValueError(f"routed experts asked of {self.model_path}, which has no "
+                                 "mixture-of-experts layers")
+            self._sparse = (len(pattern), sparse)
+        return self._sparse
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, version: int) -> None:
@@ -313,7 +337,11 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
 _UPDATE_GROUP_IDS = itertools.count()
 
 
-def _completion(item: dict) -> Completion:
+def _completion(item: dict, prompt_len: int = 0,
+                sparse: tuple[int, list[int]] | None = None) -> Completion:
+    """One sample of a /generate answer; with `sparse` (the model's layer count and its MoE
+    layers), also its routed experts: meta_info["routed_experts"], base64 of int32
+    [prompt + output - 1, layers, k] over every layer, cut to the MoE layers."""
     meta = item["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
     token_ids = [int(p[1]) for p in pairs]
@@ -324,7 +352,21 @@ def _completion(item: dict) -> Completion:
     kind = finish.get("type") if isinstance(finish, dict) else str(finish)
     # "stop" / "length" (None: the length limit); anything else ("abort") fails
     # check_completions
-    return Completion(token_ids, logprobs, "length" if kind is None else str(kind))
+    c = Completion(token_ids, logprobs, "length" if kind is None else str(kind))
+    if sparse is not None:
+        layers, sparse_ids = sparse
+        encoded = meta.get("routed_experts")
+        if not encoded:
+            raise BadAnswer("no routed_experts in the answer: the server needs "
+                            "--enable-return-routed-experts (SGLangConfig.routed_experts)")
+        flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+        n = prompt_len + len(token_ids) - 1
+        if n <= 0 or flat.numel() == 0 or flat.numel() % (n * layers):
+            raise BadAnswer(f"routed_experts holds {flat.numel()} ids, not {n} tokens x "
+                            f"{layers} layers x k")
+        routes = flat.reshape(n, layers, flat.numel() // (n * layers))[:, sparse_ids]
+        c.routed_experts = routes.to(torch.int16)
+    return c
 
 
 def _check_success(resp, what: str) -> None:

@@ -9,13 +9,14 @@ on the same tokens (max |delta| < TOL; measured ~1e-6 on both).
   stage_facts: "all layers are sparse"; the dense MLP's weights are skipped on load) and
   `tie_word_embeddings` (lm_head is never loaded). Either one silently serves wrong log-probs
   (|delta| ~1-3), with no error at load.
-- SGLang's routed experts (`--enable-return-routed-experts`, request `"return_routed_experts":
-  true`; `meta_info["routed_experts"]` is the base64 of a flat int32 array
-  [prompt + completion - 1, num_hidden_layers, num_experts_per_tok]) equal transformers' top-k
-  (softmax of the router logits, then topk). On CPU the server fails at startup without help:
-  its routed-experts host buffer is allocated with pin_memory and cudaHostRegister
+- SGLang's routed experts (SGLangConfig.routed_experts: `--enable-return-routed-experts`;
+  request `"return_routed_experts": true`; `meta_info["routed_experts"]`, base64 of int32
+  [prompt + completion - 1, num_hidden_layers, num_experts_per_tok], which SGLangEngine cuts to
+  the MoE layers as Completion.routed_experts) equal transformers' top-k (softmax of the router
+  logits, then topk). On CPU the server fails at startup without help: its routed-experts host
+  buffer is allocated with pin_memory and cudaHostRegister
   (sglang/srt/mem_cache/pool_host/common.py, alloc_with_host_register: "Torch not compiled with
-  CUDA enabled"). That test gives the server's processes an unpinned CPU allocator through a
+  CUDA enabled"). The test gives the server's processes an unpinned CPU allocator through a
   sitecustomize on PYTHONPATH (the only change; the routing itself is sglang's own).
 - vLLM 0.32.0 has the same option (`--enable-return-routed-experts`, choices[i].routed_experts,
   base64 .npy) but it needs Model Runner V2, which needs Triton with a CPU backend: not
@@ -24,11 +25,9 @@ Skipped (with the reason) when a server's venv is absent, as test_vllm_engine.py
 test_sglang_engine.py are.
 """
 
-import base64
 import os
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 
@@ -113,18 +112,6 @@ def sglang_moe(tmp_path_factory):
                            family="qwen3_moe", mlp_only_layers=[], tie_word_embeddings=False)
 
 
-@needs_sglang
-def test_sglang_serves_moe_export(sglang_moe, tmp_path):
-    cfg = SGLangConfig(work_dir=str(tmp_path / "work"), dtype="float32", context_length=256,
-                       max_restarts=0)
-    engine = SGLangEngine(sglang_moe, cfg)
-    try:
-        print(f"SGLang MoE startup {engine.server.startup_seconds[-1]:.1f} s")
-        generate_and_compare(engine, sglang_moe, "SGLang")
-    finally:
-        engine.shutdown()
-
-
 # Imported by every Python process of the SGLang server: sglang's CPU host caches without
 # pin_memory / cudaHostRegister (which need CUDA).
 UNPINNED_HOST_ALLOC = textwrap.dedent('''
@@ -162,49 +149,49 @@ UNPINNED_HOST_ALLOC = textwrap.dedent('''
 
 
 @needs_sglang
-def test_sglang_routed_experts_match_transformers(sglang_moe, tmp_path):
-    """meta_info["routed_experts"] of prompt + completion - 1 tokens equals transformers' top-k
-    of every layer, token by token; a different choice is allowed only at a near-tie of the
-    router (k-th and (k+1)-th probabilities within NEAR_TIE; measured: no mismatch at all)."""
+def test_sglang_serves_moe_export_with_routed_experts(sglang_moe, tmp_path):
+    """SGLangEngine (SGLangConfig.routed_experts, SamplingParams.return_routed_experts): the
+    server's log-probs equal transformers' (< TOL), and each completion's routed_experts, of
+    prompt + completion - 1 tokens, equal transformers' top-k of every layer, token by token; a
+    different choice is allowed only at a near-tie of the router (k-th and (k+1)-th
+    probabilities within NEAR_TIE; measured: no mismatch at all)."""
     patch = tmp_path / "unpinned"
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(UNPINNED_HOST_ALLOC)
     cfg = SGLangConfig(work_dir=str(tmp_path / "work"), dtype="float32", context_length=256,
-                       max_restarts=0, extra_args=("--enable-return-routed-experts",))
+                       max_restarts=0, routed_experts=True)
     engine = SGLangEngine(sglang_moe, cfg, start=False)
+    assert engine.server is not None
     engine.server.env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(patch), os.environ.get("PYTHONPATH")) if p)
     engine.start()
     try:
-        resp = engine.server.post("/generate", {
-            "input_ids": PROMPTS, "return_logprob": True, "logprob_start_len": -1,
-            "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True,
-                                "no_stop_trim": True, "sampling_seed": 3}})
+        print(f"SGLang MoE startup {engine.server.startup_seconds[-1]:.1f} s")
+        out = engine.generate(PROMPTS, n=2, params=SamplingParams(
+            max_new_tokens=16, seed=3, return_routed_experts=True))
         model = load_hf(sglang_moe)
-        cfg_hf = model.config
-        num_layers, k = cfg_hf.num_hidden_layers, cfg_hf.num_experts_per_tok
+        delta = max_logprob_delta(model, PROMPTS, out)
+        print(f"SGLang MoE: server vs transformers |dlogp| max {delta:.2e}")
+        assert delta < TOL
+        num_layers, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
         total = same = ties = 0
-        for prompt, item in zip(PROMPTS, resp):
-            meta = item["meta_info"]
-            seq = prompt + [int(t) for _, t, *_ in meta["output_token_logprobs"]]
-            flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
-            assert flat.size == (len(seq) - 1) * num_layers * k
-            routes = torch.from_numpy(flat.reshape(len(seq) - 1, num_layers, k).astype(np.int64))
-            lp, probs = hf_reference(model, seq)
-            assert sorted(probs) == list(range(num_layers))  # every layer sparse
-            server_lp = torch.tensor([float(x[0]) for x in meta["output_token_logprobs"]])
-            assert (lp[len(prompt) - 1:] - server_lp).abs().max().item() < TOL
-            for layer, p in probs.items():
-                p = p[:-1]  # the last sampled token is never forwarded
-                top = p.topk(k + 1, -1)
-                equal = (top.indices[:, :k].sort(-1).values
-                         == routes[:, layer].sort(-1).values).all(-1)
-                near_tie = (top.values[:, k - 1] - top.values[:, k]) < NEAR_TIE
-                assert bool((equal | near_tie).all()), (layer, (~equal).nonzero().tolist())
-                total += equal.numel()
-                same += int(equal.sum())
-                ties += int((~equal & near_tie).sum())
+        for prompt, row in zip(PROMPTS, out):
+            for c in row:
+                seq = prompt + c.token_ids
+                routes = c.routed_experts
+                assert routes is not None and routes.shape == (len(seq) - 1, num_layers, k)
+                _, probs = hf_reference(model, seq)
+                assert sorted(probs) == list(range(num_layers))  # every layer sparse
+                for layer, p in probs.items():
+                    p = p[:-1]  # the last sampled token is never forwarded
+                    top = p.topk(k + 1, -1)
+                    equal = (top.indices[:, :k].sort(-1).values
+                             == routes[:, layer].long().sort(-1).values).all(-1)
+                    near_tie = (top.values[:, k - 1] - top.values[:, k]) < NEAR_TIE
+                    assert bool((equal | near_tie).all()), (layer, (~equal).nonzero().tolist())
+                    total += equal.numel()
+                    same += int(equal.sum())
+                    ties += int((~equal & near_tie).sum())
         print(f"SGLang routed experts: {same}/{total} tokens x layers equal transformers' top-k "
               f"({ties} near-tie mismatches)")
         assert ties <= max(1, total // 50)

@@ -1,0 +1,38 @@
+"""Reading SGLang's /generate answers (megatron_rl.rollout.sglang_engine._completion) without a
+server: the routed experts, base64 of int32 [prompt + output - 1, layers, k] over every layer,
+come back cut to the model's mixture-of-experts layers; an answer without them, or of the wrong
+size, is a BadAnswer that says what is wrong."""
+import base64
+
+import pytest
+import torch
+
+from megatron_rl.rollout.base import BadAnswer
+from megatron_rl.rollout.sglang_engine import _completion
+
+
+def _item(routes: torch.Tensor | None, tokens=(7, 8, 9)) -> dict:
+    meta = {"output_token_logprobs": [[-0.5, t, None] for t in tokens],
+            "finish_reason": {"type": "length"}}
+    if routes is not None:
+        meta["routed_experts"] = base64.b64encode(
+            routes.to(torch.int32).numpy().tobytes()).decode()
+    return {"meta_info": meta}
+
+
+def test_routed_experts_cut_to_the_moe_layers():
+    prompt_len, layers, k = 4, 3, 2
+    n = prompt_len + 3 - 1
+    routes = torch.arange(n * layers * k).reshape(n, layers, k) % 8
+    c = _completion(_item(routes), prompt_len, (layers, [0, 2]))
+    assert c.token_ids == [7, 8, 9] and c.rollout_logprobs == [-0.5] * 3
+    assert c.routed_experts is not None and c.routed_experts.dtype == torch.int16
+    assert torch.equal(c.routed_experts.long(), routes[:, [0, 2]])
+    assert _completion(_item(routes), prompt_len).routed_experts is None  # not asked for
+
+
+def test_missing_or_misshapen_routes_are_named():
+    with pytest.raises(BadAnswer, match="--enable-return-routed-experts"):
+        _completion(_item(None), 4, (3, [0]))
+    with pytest.raises(BadAnswer, match="not 6 tokens x 3 layers"):
+        _completion(_item(torch.zeros(5, 3, 2)), 4, (3, [0]))
