@@ -84,6 +84,7 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
         self.policy = policy
         self.model_path = os.path.abspath(model_path)
         self.vocab_size = read_hf_config(model_path).get("vocab_size")
+        _check_servable(read_hf_config(model_path), model_path)
         self.request_timeout = config.request_timeout
         self.weight_version = read_version(model_path) or 0
         self._use_weight_sync()
@@ -335,6 +336,21 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
 
 
 _UPDATE_GROUP_IDS = itertools.count()
+
+
+def _check_servable(hf_config: dict, path: str) -> None:
+    """Refuse what SGLang 0.5.23 serves wrongly without an error: its Qwen3MoeForCausalLM makes
+    every layer sparse (skipping the dense layers' weights) and never loads a tied lm_head.
+    Qwen3-30B-A3B and its siblings (every layer sparse, untied) are served correctly."""
+    if hf_config.get("model_type") != "qwen3_moe":
+        return
+    dense = bool(hf_config.get("mlp_only_layers")) or hf_config.get("decoder_sparse_step", 1) != 1
+    if dense or hf_config.get("tie_word_embeddings"):
+        what = "dense layers (mlp_only_layers / decoder_sparse_step)" if dense else \
+            "tied embeddings"
+        raise ValueError(f"{path}: SGLang's Qwen3-MoE serves a checkpoint with {what} wrongly "
+                         "(every layer sparse, lm_head from the checkpoint); use the vllm, "
+                         "process or local engine")
 
 
 def _completion(item: dict, prompt_len: int = 0,

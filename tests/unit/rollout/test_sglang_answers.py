@@ -36,3 +36,16 @@ def test_missing_or_misshapen_routes_are_named():
         _completion(_item(None), 4, (3, [0]))
     with pytest.raises(BadAnswer, match="not 6 tokens x 3 layers"):
         _completion(_item(torch.zeros(5, 3, 2)), 4, (3, [0]))
+
+
+def test_moe_checkpoints_sglang_serves_wrongly_are_refused(tmp_path):
+    from megatron_rl.rollout.sglang_engine import _check_servable
+
+    base = {"model_type": "qwen3_moe", "mlp_only_layers": [], "decoder_sparse_step": 1,
+            "tie_word_embeddings": False}
+    _check_servable(base, "ok")  # every layer sparse, untied: Qwen3-30B-A3B's shape
+    _check_servable({"model_type": "qwen2", "tie_word_embeddings": True}, "dense")
+    with pytest.raises(ValueError, match="dense layers"):
+        _check_servable(dict(base, mlp_only_layers=[1]), "ckpt")
+    with pytest.raises(ValueError, match="tied embeddings"):
+        _check_servable(dict(base, tie_word_embeddings=True), "ckpt")
