@@ -27,6 +27,9 @@ deviations over the seeds (also written to <out>/table.md):
   the last step;
 - kl_k1 (KL to the reference, the initial policy) and reward/mean, averaged over the steps and
   at the last step;
+- routing/differ_tokens (replaying runs that recompute): the share of rollout tokens whose
+  experts the trainer's routers would have chosen differently from the engine, averaged over
+  the steps and its largest step;
 - stability: the largest grad_norm_max of a run, the skipped updates, non-finite values logged;
 - the PPO ratio's clip_fraction and ratio_mean, averaged over the steps;
 - the correction's rollout_corr/is_mean and changed_fraction (averaged over the steps) and
@@ -182,6 +185,10 @@ def summarise(rows: list[dict]) -> dict[str, float]:
         "clip_fraction": mean_of("clip_fraction"),
         "ratio_mean": mean_of("ratio_mean"),
     }
+    if any("routing/differ_tokens" in r for r in rows):  # replaying runs with a recompute
+        out["routing_differ"] = mean_of("routing/differ_tokens")
+        out["routing_differ_max"] = max(r.get("routing/differ_tokens", float("nan"))
+                                         for r in rows)
     if any("rollout_corr/is_mean" in r for r in rows):
         out["is_mean"] = mean_of("rollout_corr/is_mean")
         out["is_max"] = max(r.get("rollout_corr/is_max", float("nan")) for r in rows)
@@ -204,7 +211,9 @@ MISMATCH_COLS = [("delta_mean", "\\|Δ\\| mean", ".1e"),
                  ("delta_mean_last", "\\|Δ\\| mean, last", ".1e"),
                  ("delta_max", "\\|Δ\\| max", ".1e"), ("delta_max_last", "\\|Δ\\| max, last", ".1e"),
                  ("kl_k1", "kl_k1", ".4f"), ("kl_k1_last", "kl_k1, last", ".4f"),
-                 ("reward", "reward", ".3f"), ("reward_last", "reward, last", ".3f")]
+                 ("reward", "reward", ".3f"), ("reward_last", "reward, last", ".3f"),
+                 ("routing_differ", "tokens routed elsewhere", ".2e"),
+                 ("routing_differ_max", "routed elsewhere, max", ".2e")]
 STABILITY_COLS = [("grad_norm_max", "max grad norm", ".2f"), ("skipped", "skipped", ".0f"),
                   ("nonfinite", "non-finite", ".0f"), ("clip_fraction", "clip fraction", ".4f"),
                   ("ratio_mean", "ratio mean", ".4f"), ("is_mean", "IS mean", ".4f"),
