@@ -115,22 +115,38 @@ def test_router_order_matches_what_the_router_sees():
     assert torch.equal(half, flat[6:])
 
 
-def test_replay_gives_the_engines_logprobs_where_routers_disagree(moe_path, single_rank):
-    """The engine and the trainer route differently at near-ties (different kernels, or weights
-    an update apart): here two experts of the first sparse layer have the same router row while
-    the engine samples, so the engine breaks their ties one way; the trainer's row of the second
-    then differs by 1e-4 of its norm, so the trainer sends about half of those tokens to the
-    other expert. The gate values move by ~1e-4 only, the chosen experts' outputs by far more."""
-    policy = _policy(moe_path)
+def test_replay_gives_the_engines_logprobs_after_a_router_step(moe_path, single_rank):
+    """After an optimizer step that changes the router, the engine's rollout (sampled before
+    it) and the trainer disagree at near-ties, as engines with other kernels or weights an
+    update apart do: two experts of the first sparse layer share one router row while the
+    engine samples, so the engine breaks their ties one way; the step (Adam, lr 1e-5, a loss of
+    that row alone, so no other weight moves) changes the second expert's row, and the trainer
+    sends part of those tokens to it. Gate values move by ~1e-5 only, the chosen experts'
+    outputs by far more: with replay the trainer's log-probs equal the engine's to that, without
+    they do not."""
+    from megatron_rl.models.policy import OptimConfig, Policy
+
+    policy = Policy(ModelArgs.from_pretrained(moe_path), optim=OptimConfig(lr=1e-5))
+    policy.load_hf(moe_path)
     router = routing.moe_layers(policy.module)[0][1]
-    w = router.weight.data
-    w[1] = w[0]
+    w = router.weight
+    w.data[1] = w.data[0]
     batch, _ = _rollout(policy, seed=2, max_new_tokens=10)
     engine_lp = batch.rollout_logprobs
     mask = batch.loss_mask
-    # the trainer's router: expert 1 now wins the tie on part of the tokens
-    torch.manual_seed(0)
-    w[1] = w[0] + 1e-4 * w[0].norm() * torch.nn.functional.normalize(torch.randn_like(w[0]), dim=0)
+    before = {k: v.detach().clone() for k, v in policy.module.state_dict().items()
+              if v is not None and torch.is_tensor(v)}
+    direction = torch.randn(w.shape[1], generator=torch.Generator().manual_seed(0))
+
+    def row_loss(mb, logits):  # depends on router row 1 only (the logits term is 0)
+        loss = (w[1] * direction).sum() + 0.0 * logits.float().sum()
+        return loss, {}
+
+    policy.forward_backward([{"tokens": batch.tokens[:1]}], row_loss)
+    assert policy.step()[0]
+    after = policy.module.state_dict()
+    moved = [k for k, v in before.items() if not torch.equal(v, after[k])]
+    assert moved == [k for k in before if k.endswith("layers.0.mlp.router.weight")], moved
     from megatron_rl.packing import Layout
 
     lay = Layout(packed=True)
