@@ -120,3 +120,19 @@ def test_config_file_keys_no_setting_reads_are_ignored(tmp_path):
     old.write_text("log_intervals: 1\n")
     with pytest.raises(ValueError, match="unknown keys"):
         parse_config(["--config", str(old)] + BASE)
+
+
+def test_routing_replay_is_checked():
+    """--routing-replay: an engine that returns routes, no activation recompute, and the local
+    engine at PP 1 only."""
+    for engine in ("local", "process", "sglang"):
+        assert parse_config(BASE + ["--routing-replay", "--rollout-engine", engine]
+                            ).algorithm.routing_replay
+    with pytest.raises(ValueError, match="--rollout-engine vllm does not"):
+        parse_config(BASE + ["--routing-replay", "--rollout-engine", "vllm"])
+    with pytest.raises(ValueError, match="--recompute-granularity"):
+        parse_config(BASE + ["--routing-replay", "--recompute-granularity", "selective"])
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1"):
+        parse_config(BASE + ["--routing-replay", "--pipeline-model-parallel-size", "2"])
+    parse_config(BASE + ["--routing-replay", "--pipeline-model-parallel-size", "2",
+                         "--rollout-engine", "process"])

@@ -174,3 +174,12 @@ def test_replay_gives_the_engines_logprobs_after_a_router_step(moe_path, single_
     moved = int((changed & valid)[:, :L - 1].sum())
     assert m["routing/differ_tokens"] == pytest.approx(moved / int(valid.sum()))
     assert m["routing/differ_token_layers"] == pytest.approx(moved / (3 * int(valid.sum())))
+
+
+def test_routes_of_a_dense_model_are_refused(tiny_qwen2, single_rank):
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.local import LocalEngine
+
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        LocalEngine(_policy(tiny_qwen2)).generate(
+            PROMPTS, 1, SamplingParams(max_new_tokens=2, return_routed_experts=True))
