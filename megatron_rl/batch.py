@@ -46,7 +46,9 @@ class RolloutBatch:
     finish_reasons: list[str]
     old_logprobs: torch.Tensor | None = None  # [B, L-1] behaviour policy, filled by the trainer
     # [B, L, M, k] int16: the experts the engine routed each token to, for routing replay
-    # (models.routing); None without a record
+    # (models.routing); None without a record. It stays on the host (M * k * 2 bytes a token:
+    # 768 for Qwen3-30B-A3B, far more than the rest of the batch); each microbatch's share
+    # goes to the device when it runs.
     routed_experts: torch.Tensor | None = None
 
     @property
@@ -63,13 +65,13 @@ class RolloutBatch:
         return self.tokens.device
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
-        """This batch with every tensor on `device` (host lists stay on the host)."""
+        """This batch with every tensor on `device` (host lists and routed_experts stay on the
+        host)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return dataclasses.replace(self, tokens=move(self.tokens), loss_mask=move(self.loss_mask),
                                    rollout_logprobs=move(self.rollout_logprobs),
                                    rewards=move(self.rewards),
-                                   old_logprobs=move(self.old_logprobs),
-                                   routed_experts=move(self.routed_experts))
+                                   old_logprobs=move(self.old_logprobs))
 
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
         """Rows `idx` (e.g. a PPO minibatch), keeping the padding length."""
@@ -80,7 +82,8 @@ class RolloutBatch:
                             pick(self.prompt_lengths), pick(self.response_lengths),
                             pick(self.finish_reasons),
                             None if self.old_logprobs is None else self.old_logprobs[idx_t],
-                            None if self.routed_experts is None else self.routed_experts[idx_t])
+                            None if self.routed_experts is None
+                            else self.routed_experts[idx_t.to(self.routed_experts.device)])
 
 
 def pack_rollouts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Completion]],

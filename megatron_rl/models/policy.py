@@ -577,7 +577,8 @@ class Policy:
         they come back in the batch's layout (position t scores token t+1). routes: [B, L, M, k]
         experts this model's MoE layers replay (models.routing; the reference's do not);
         own_routes: a list that receives the experts this stage's routers chose themselves
-        (while replaying `routes`), [B, L-1, M_stage, k] in the batch's layout."""
+        (while replaying `routes`), [B, L-1, M_stage, k] int16 on the host, in the batch's
+        layout."""
         from megatron_rl.packing import Layout
 
         if isinstance(layout, int):
@@ -595,11 +596,10 @@ class Policy:
         outs = self.forward_backward([{**mb.inputs, "layout": mb, **record} for mb in mbs], None,
                                      forward_only=True, collect=collect, reference=reference,
                                      for_scoring=True)
-        if own_routes is not None:
-            rows = torch.zeros(B, L - 1, *recorded[0].shape[2:], dtype=recorded[0].dtype,
-                               device=recorded[0].device)
+        if own_routes is not None:  # int16 on the host, like the batch's routed_experts
+            rows = torch.zeros(B, L - 1, *recorded[0].shape[2:], dtype=torch.int16)
             for mb, got in zip(mbs, recorded):
-                rows[mb.rows.to(rows.device)] = mb.to_rows(got)
+                rows[mb.rows.cpu()] = mb.to_rows(got).to("cpu", torch.int16)
             own_routes.append(rows)
         result = None
         if self.is_last_stage:

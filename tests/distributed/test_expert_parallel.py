@@ -20,6 +20,25 @@ from megatron_rl.models import ModelArgs, hf_mapping  # noqa: E402
 ROWS, SEQ = 4, 16
 
 
+def _setup(path: str, cfg):
+    """(the trainable Policy holding the checkpoint in layout `cfg`, this data-parallel rank's
+    rows of the ROWS x SEQ test tokens), after initialising megatron's groups."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import init_distributed
+
+    torch.set_num_threads(1)
+    dp = init_distributed(cfg)
+    policy = Policy(ModelArgs.from_pretrained(path), parallel=cfg)
+    policy.load_hf(path)
+    tokens = torch.randint(0, policy.args.vocab_size, (ROWS, SEQ),
+                           generator=torch.Generator().manual_seed(7))
+    per = ROWS // dp
+    rank = ps.get_data_parallel_rank()
+    return policy, tokens[rank * per:(rank + 1) * per]
+
+
 def _worker(path: str, out: str, ep: int) -> None:
     """Under torchrun: a trainable Policy at --expert-model-parallel-size `ep` (the data-parallel
     ranks take ROWS / world rows each) loads the checkpoint, runs forward + backward of the mean
@@ -28,24 +47,15 @@ def _worker(path: str, out: str, ep: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.models.policy import Policy
-    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.parallel import ParallelConfig, destroy_distributed
 
-    torch.set_num_threads(1)
-    cfg = ParallelConfig(expert_model_parallel_size=ep)
-    dp = init_distributed(cfg)
-    args = ModelArgs.from_pretrained(path)
-    policy = Policy(args, parallel=cfg)
-    policy.load_hf(path)
+    policy, mine = _setup(path, ParallelConfig(expert_model_parallel_size=ep))
+    args = policy.args
+    dp = ps.get_data_parallel_world_size()
     experts = sorted({k.split("local_experts.")[1].split(".")[0]
                       for k in policy.module.state_dict() if "local_experts." in k})
     assert experts == [str(e) for e in range(args.num_experts // ep)], experts
     assert ps.get_expert_model_parallel_world_size() == ep
-    tokens = torch.randint(0, args.vocab_size, (ROWS, SEQ),
-                           generator=torch.Generator().manual_seed(7))
-    per = ROWS // dp
-    rank = ps.get_data_parallel_rank()
-    mine = tokens[rank * per:(rank + 1) * per]
     total = ROWS * (SEQ - 1)
 
     def loss_fn(batch, logits):
@@ -75,24 +85,13 @@ def _layout_worker(path: str, out: str, layout: str) -> None:
     Policy.score as in training; rank 0 saves them. At TP2 (expert-parallel size 1) the KV-cached
     decoder through the TP-split experts is also checked against megatron-core's forward."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megatron_rl.batch import next_token_targets
-    from megatron_rl.models.policy import Policy
-    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.parallel import ParallelConfig, destroy_distributed
 
-    torch.set_num_threads(1)
     tp, pp, ep = LAYOUTS[layout]
-    cfg = ParallelConfig(tp, pp, sequence_parallel=tp > 1, expert_model_parallel_size=ep)
-    dp = init_distributed(cfg)
-    args = ModelArgs.from_pretrained(path)
-    policy = Policy(args, parallel=cfg)
-    policy.load_hf(path)
-    tokens = torch.randint(0, args.vocab_size, (ROWS, SEQ),
-                           generator=torch.Generator().manual_seed(7))
-    per = ROWS // dp
-    rank = ps.get_data_parallel_rank()
-    mine = tokens[rank * per:(rank + 1) * per]
+    policy, mine = _setup(path, ParallelConfig(tp, pp, sequence_parallel=tp > 1,
+                                               expert_model_parallel_size=ep))
     total = ROWS * (SEQ - 1)
 
     def loss_fn(batch, out):
@@ -105,13 +104,14 @@ def _layout_worker(path: str, out: str, layout: str) -> None:
     dist.all_reduce(loss)  # the last stage's TP ranks each hold their DP share's loss
     grads = policy.full_grads(dst=0)
     kv_error = None
-    if ep == 1 and pp == 1:
+    if ep == 1 and pp == 1:  # this rank's rows (all of them: TP2 has one replica)
         from megatron_rl.models.decode import KVDecoder
 
-        allowed = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None, None].expand(ROWS, 1, -1, -1)
-        pos = torch.arange(SEQ).expand(ROWS, SEQ)
-        ref = policy.last_token_logits(tokens, ~allowed, pos)
-        got = KVDecoder(policy, ROWS, SEQ).forward(tokens, pos, allowed)
+        b = mine.shape[0]
+        allowed = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None, None].expand(b, 1, -1, -1)
+        pos = torch.arange(SEQ).expand(b, SEQ)
+        ref = policy.last_token_logits(mine, ~allowed, pos)
+        got = KVDecoder(policy, b, SEQ).forward(mine, pos, allowed)
         kv_error = float((ref - got).abs().max())
     if dist.get_rank() == 0:
         torch.save({"loss": float(loss) / tp, "grads": grads, "kv_error": kv_error},
