@@ -1,5 +1,6 @@
 """End-to-end training: a killed run resumes with no lost or repeated steps and identical
 metrics; a non-finite update is skipped; configuration errors name what is wrong."""
+import contextlib
 import json
 import math
 import os
@@ -220,8 +221,11 @@ def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_js
         args = train_args(model, arithmetic_jsonl, str(tmp_path / "run"), 3,
                           ["--rollout-engine", "vllm", "--rollout-url", proxy.url,
                            "--async-level", "1"])
+        # unbuffered, and with faulthandler: a trainer that does not stop is made to print
+        # every thread's stack (SIGABRT) before it is killed, so the log says where it hung
+        env = dict(_env(), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
         with open(log, "w") as out:
-            proc = subprocess.Popen(_train_cmd(*args), env=_env(), stdout=out, stderr=out)
+            proc = subprocess.Popen(_train_cmd(*args), env=env, stdout=out, stderr=out)
         deadline = time.time() + 300
         while proxy.completions_requests < 2:
             assert proc.poll() is None, log.read_text()[-4000:]
@@ -232,6 +236,12 @@ def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_js
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            pytest.fail("the trainer did not stop within 120 s of SIGINT; its stacks:\n"
+                        + log.read_text()[-6000:])
         finally:
             proc.kill()
         waited = time.monotonic() - t0
