@@ -122,12 +122,13 @@ def _layout_worker(path: str, out: str, layout: str) -> None:
 LENGTHS = [16, 11, 7, 13]  # the uneven test's sequences; EP2: rank 0 takes 3, rank 1 one
 
 
-def _uneven_worker(path: str, out: str, ep: int, packed: bool) -> None:
+def _uneven_worker(path: str, out: str, ep: int) -> None:
     """Under torchrun: the loss and gradients of LENGTHS' sequences (next-token NLL over every
     position, / the total) with replayed routes (a fixed pattern unlike the router's own choice),
-    at --expert-model-parallel-size `ep`. EP2's ranks hold unequal data: rank 0 three sequences
-    (three packed microbatches, or two padded ones of 16 positions), rank 1 one of 13 tokens (one
-    microbatch), so the forward passes of the two must be matched (Policy._match_expert_peers)."""
+    at --expert-model-parallel-size `ep`, packed and then padded. EP2's ranks hold unequal data:
+    rank 0 three sequences (three packed microbatches, or two padded ones of 16 positions), rank
+    1 one of 13 tokens (one microbatch), so the forward passes of the two must be matched
+    (Policy._match_expert_peers)."""
     import torch.distributed as dist
 
     from megatron_rl.models.policy import Policy
@@ -153,8 +154,6 @@ def _uneven_worker(path: str, out: str, ep: int, packed: bool) -> None:
         routes[j, :, :, 0] = pos % 4
         routes[j, :, :, 1] = (pos + 1 + i % 3) % 4
     lengths = [LENGTHS[i] for i in mine]
-    lay = Layout(packed=packed, micro_batch_size=2, max_tokens=16)
-    mbs = lay.microbatches(tokens, lengths, None, policy.pad_multiple, False, routes)
     valid = torch.zeros(len(mine), L - 1)
     for j, n in enumerate(lengths):
         valid[j, :n - 1] = 1.0
@@ -166,14 +165,17 @@ def _uneven_worker(path: str, out: str, ep: int, packed: bool) -> None:
         nll = -(mb.to_rows(logp) * valid[mb.rows]).sum() / total
         return nll, {"loss": nll.detach().clone()}
 
-    metrics = policy.forward_backward([{**m.inputs, "layout": m} for m in mbs], loss_fn)
-    assert len(metrics) == len(mbs)  # the padding microbatches return nothing
-    loss = torch.stack([m["loss"] for m in metrics]).sum().reshape(1)
-    dist.all_reduce(loss)
-    grads = policy.full_grads(dst=0)
-    if dist.get_rank() == 0:
-        torch.save({"loss": float(loss), "grads": grads, "microbatches": len(mbs)},
-                   os.path.join(out, f"uneven_ep{ep}_{'packed' if packed else 'padded'}.pt"))
+    for layout in ("packed", "padded"):
+        lay = Layout(packed=layout == "packed", micro_batch_size=2, max_tokens=16)
+        mbs = lay.microbatches(tokens, lengths, None, policy.pad_multiple, False, routes)
+        metrics = policy.forward_backward([{**m.inputs, "layout": m} for m in mbs], loss_fn)
+        assert len(metrics) == len(mbs)  # the padding microbatches return nothing
+        loss = torch.stack([m["loss"] for m in metrics]).sum().reshape(1)
+        dist.all_reduce(loss)
+        grads = policy.full_grads(dst=0)
+        if dist.get_rank() == 0:
+            torch.save({"loss": float(loss), "grads": grads, "microbatches": len(mbs)},
+                       os.path.join(out, f"uneven_ep{ep}_{layout}.pt"))
     destroy_distributed()
 
 
@@ -206,12 +208,20 @@ def test_expert_shards_gather_back_to_the_full_state_dict(moe_ckpt, tp):
         assert torch.equal(back[k], t), k
 
 
+@pytest.fixture(scope="module")
+def single_process(moe_ckpt, tmp_path_factory, torchrun):
+    """The one-process reference (_worker at EP1): logits, loss, gradients, state dict."""
+    out = str(tmp_path_factory.mktemp("ep1"))
+    torchrun(1, [os.path.abspath(__file__), "--ckpt", moe_ckpt, "--out", out, "--ep", "1"],
+             timeout=120)
+    return torch.load(os.path.join(out, "ep1.pt"))
+
+
 @pytest.mark.distributed
-def test_ep2_matches_a_single_process(moe_ckpt, tmp_path, torchrun):
+def test_ep2_matches_a_single_process(moe_ckpt, single_process, tmp_path, torchrun):
     worker = ["--ckpt", moe_ckpt, "--out", str(tmp_path)]
-    torchrun(1, [os.path.abspath(__file__), *worker, "--ep", "1"], timeout=120)
     torchrun(2, [os.path.abspath(__file__), *worker, "--ep", "2"], timeout=120)
-    ref = torch.load(os.path.join(tmp_path, "ep1.pt"))
+    ref = single_process
     got = torch.load(os.path.join(tmp_path, "ep2.pt"))
     torch.testing.assert_close(got["logits"], ref["logits"], rtol=0, atol=1e-5)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
@@ -234,20 +244,21 @@ def test_ep2_matches_a_single_process(moe_ckpt, tmp_path, torchrun):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_ep2_with_unequal_ranks_and_replayed_routes(moe_ckpt, tmp_path, torchrun, layout):
-    """Expert-parallel ranks with different numbers and shapes of microbatches, each replaying
-    given routes: the loss and every gradient equal one process holding all the data."""
-    worker = ["--ckpt", moe_ckpt, "--out", str(tmp_path), "--uneven", layout]
+def test_ep2_with_unequal_ranks_and_replayed_routes(moe_ckpt, tmp_path, torchrun):
+    """Expert-parallel ranks with different numbers and shapes of microbatches (packed, then
+    padded), each replaying given routes: the loss and every gradient equal one process holding
+    all the data."""
+    worker = ["--ckpt", moe_ckpt, "--out", str(tmp_path), "--uneven"]
     torchrun(1, [os.path.abspath(__file__), *worker, "--ep", "1"], timeout=120)
     torchrun(2, [os.path.abspath(__file__), *worker, "--ep", "2"], timeout=120)
-    ref = torch.load(os.path.join(tmp_path, f"uneven_ep1_{layout}.pt"))
-    got = torch.load(os.path.join(tmp_path, f"uneven_ep2_{layout}.pt"))
-    assert got["microbatches"] > 1  # rank 0 ran more microbatches than rank 1's one
-    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
-    for k, g in ref["grads"].items():
-        torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{k}: {m}")
+    for layout in ("packed", "padded"):
+        ref = torch.load(os.path.join(tmp_path, f"uneven_ep1_{layout}.pt"))
+        got = torch.load(os.path.join(tmp_path, f"uneven_ep2_{layout}.pt"))
+        assert got["microbatches"] > 1  # rank 0 ran more microbatches than rank 1's one
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), layout
+        for k, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{layout} {k}: {m}")
 
 
 @pytest.mark.distributed
@@ -305,17 +316,17 @@ def test_rl_training_under_ep2_with_routing_replay(tmp_path, torchrun):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_tp_pp_and_ep_layouts_match_a_single_process(moe_ckpt, tmp_path, torchrun, layout):
+def test_tp_pp_and_ep_layouts_match_a_single_process(moe_ckpt, single_process, tmp_path,
+                                                     torchrun, layout):
     """TP2 with sequence parallelism (2 ranks), TP2 x EP2 (4 ranks: two data-parallel replicas
     whose experts are split over the pair) and PP2 (2 ranks, sparse and dense layers on
     different stages) give one process's loss and gradients; at TP2 the KV-cached decoder
     through the TP-split experts gives megatron-core's logits."""
     tp, pp, ep = LAYOUTS[layout]
     worker = ["--ckpt", moe_ckpt, "--out", str(tmp_path)]
-    torchrun(1, [os.path.abspath(__file__), *worker, "--ep", "1"], timeout=120)
     torchrun(tp * pp * ep, [os.path.abspath(__file__), *worker, "--ep", "1", "--layout", layout],
              timeout=300)
-    ref = torch.load(os.path.join(tmp_path, "ep1.pt"))
+    ref = single_process
     got = torch.load(os.path.join(tmp_path, f"{layout}.pt"))
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert set(got["grads"]) == set(ref["grads"])
@@ -333,14 +344,14 @@ if __name__ == "__main__":
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--ep", type=int, required=True)
-    parser.add_argument("--uneven", choices=["packed", "padded"], default=None,
-                        help="run the unequal-ranks replay worker with this layout")
+    parser.add_argument("--uneven", action="store_true",
+                        help="run the unequal-ranks replay worker (packed, then padded)")
     parser.add_argument("--layout", choices=list(LAYOUTS), default=None,
                         help="run the TP/PP/EP layout worker for this layout")
     cli = parser.parse_args()
     if cli.layout:
         _layout_worker(cli.ckpt, cli.out, cli.layout)
     elif cli.uneven:
-        _uneven_worker(cli.ckpt, cli.out, cli.ep, cli.uneven == "packed")
+        _uneven_worker(cli.ckpt, cli.out, cli.ep)
     else:
         _worker(cli.ckpt, cli.out, cli.ep)

@@ -419,15 +419,15 @@ def test_packed_fused_training_equals_padded_logits_training(tiny_char_model, ti
             assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(b[k])), (a["step"], k, a[k], b[k])
 
 
-@pytest.mark.parametrize("replay", [False, True], ids=["own-routing", "routing-replay"])
-@pytest.mark.parametrize("engine", ["local", "process"])
+@pytest.mark.parametrize("engine, replay", [("local", False), ("local", True),
+                                            ("process", True)])
 def test_qwen3_moe_policy_trains_end_to_end(engine, replay, tiny_moe_models, arithmetic_jsonl,
                                            tmp_path):
     """A Qwen3-MoE policy (megatron-core's MoE layers, a softmax top-2 router) trains with the
-    in-process engine and with the process engine, with and without --routing-replay: the
-    engine's decoding through the experts (full recompute) gives the trainer's log-probs to
-    float rounding, gradients flow, and the process engine serves the updated weights after each
-    sync (and, replaying, returns every token's experts through its pipe)."""
+    in-process engine (with and without --routing-replay) and with the process engine
+    (replaying): the engine's KV-cached decoding through the experts gives the trainer's
+    log-probs to float rounding, gradients flow, and the process engine serves the updated
+    weights after each sync and returns every token's experts through its pipe."""
     model, ref = tiny_moe_models
     save = str(tmp_path / engine)
     args = train_args(model, arithmetic_jsonl, save, 3,
