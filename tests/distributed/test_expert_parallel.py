@@ -39,6 +39,23 @@ def _setup(path: str, cfg):
     return policy, tokens[rank * per:(rank + 1) * per]
 
 
+def _fixed_routes(policy, tokens: torch.Tensor) -> torch.Tensor:
+    """[b, s, M, 2] experts to replay, unlike the router's own choice: a function of each token
+    and its position only, so every layout gives every row the same routes."""
+    M = sum(policy.args.moe_layer_pattern)
+    first = tokens % 4
+    second = (first + 1 + torch.arange(tokens.shape[1]) % 3) % 4  # never equal to first
+    return torch.stack([first, second], -1)[:, :, None].expand(-1, -1, M, -1).to(torch.int16)
+
+
+def _replayed_loss(policy, tokens: torch.Tensor, loss_fn, for_scoring=False) -> torch.Tensor:
+    """This rank's share of the loss of one forward that replays _fixed_routes."""
+    metrics = policy.forward_backward(
+        [{"tokens": tokens, "routed_experts": _fixed_routes(policy, tokens)}], loss_fn,
+        forward_only=True, for_scoring=for_scoring)
+    return torch.tensor([float(sum(float(m["loss"]) for m in metrics))])
+
+
 def _worker(path: str, out: str, ep: int) -> None:
     """Under torchrun: a trainable Policy at --expert-model-parallel-size `ep` (the data-parallel
     ranks take ROWS / world rows each) loads the checkpoint, runs forward + backward of the mean
@@ -70,9 +87,12 @@ def _worker(path: str, out: str, ep: int) -> None:
     dist.all_gather_object(logits, metrics[0]["logits"], group=ps.get_data_parallel_group())
     grads = policy.full_grads(dst=0)
     state = policy.full_state_dict(dst=0)
+    replayed = _replayed_loss(policy, mine, loss_fn)
+    dist.all_reduce(replayed, group=ps.get_data_parallel_group())
     if dist.get_rank() == 0:
         torch.save({"logits": torch.cat(logits), "loss": float(loss), "grads": grads,
-                    "state": state}, os.path.join(out, f"ep{ep}.pt"))
+                    "state": state, "replayed_loss": float(replayed)},
+                   os.path.join(out, f"ep{ep}.pt"))
     destroy_distributed()
 
 
@@ -113,9 +133,11 @@ def _layout_worker(path: str, out: str, layout: str) -> None:
         ref = policy.last_token_logits(mine, ~allowed, pos)
         got = KVDecoder(policy, b, SEQ).forward(mine, pos, allowed)
         kv_error = float((ref - got).abs().max())
+    replayed = _replayed_loss(policy, mine, loss_fn, for_scoring=True)
+    dist.all_reduce(replayed)
     if dist.get_rank() == 0:
-        torch.save({"loss": float(loss) / tp, "grads": grads, "kv_error": kv_error},
-                   os.path.join(out, f"{layout}.pt"))
+        torch.save({"loss": float(loss) / tp, "grads": grads, "kv_error": kv_error,
+                    "replayed_loss": float(replayed) / tp}, os.path.join(out, f"{layout}.pt"))
     destroy_distributed()
 
 
@@ -320,8 +342,9 @@ def test_tp_pp_and_ep_layouts_match_a_single_process(moe_ckpt, single_process, t
                                                      torchrun, layout):
     """TP2 with sequence parallelism (2 ranks), TP2 x EP2 (4 ranks: two data-parallel replicas
     whose experts are split over the pair) and PP2 (2 ranks, sparse and dense layers on
-    different stages) give one process's loss and gradients; at TP2 the KV-cached decoder
-    through the TP-split experts gives megatron-core's logits."""
+    different stages) give one process's loss and gradients, and its loss when replaying given
+    routes; at TP2 the KV-cached decoder through the TP-split experts gives megatron-core's
+    logits."""
     tp, pp, ep = LAYOUTS[layout]
     worker = ["--ckpt", moe_ckpt, "--out", str(tmp_path)]
     torchrun(tp * pp * ep, [os.path.abspath(__file__), *worker, "--ep", "1", "--layout", layout],
@@ -329,6 +352,9 @@ def test_tp_pp_and_ep_layouts_match_a_single_process(moe_ckpt, single_process, t
     ref = single_process
     got = torch.load(os.path.join(tmp_path, f"{layout}.pt"))
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    # replaying given routes (sequence-sharded under SP, per stage under PP) as one process does
+    assert got["replayed_loss"] == pytest.approx(ref["replayed_loss"], rel=1e-5)
+    assert abs(ref["replayed_loss"] - ref["loss"]) > 1e-3  # the replay changed the routing
     assert set(got["grads"]) == set(ref["grads"])
     for k, g in ref["grads"].items():
         torch.testing.assert_close(got["grads"][k], g, rtol=1e-4, atol=1e-5,
