@@ -3,7 +3,6 @@ engine's KV-cached decoding through the experts samples tokens whose log-probs e
 trainer's recompute, returns each token's experts, and those are the experts megatron-core's own
 forward picks; replaying them in the recompute changes nothing, replaying others does. fp32."""
 import pytest
-import torch
 
 from gpu_helpers import single_gpu_rank
 
