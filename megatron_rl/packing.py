@@ -78,6 +78,13 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
 PAD_SEGMENT = 256  # longest padding segment of a packed row (tokens)
 
 
+def padding_segments(n: int) -> list[int]:
+    """The lengths of the segments `n` padding tokens of a packed row form: at most PAD_SEGMENT
+    each, since attention over one long padding segment (a short row padded to a long one)
+    would cost O(n^2)."""
+    return [min(PAD_SEGMENT, n - a) for a in range(0, n, PAD_SEGMENT)]
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -156,10 +163,7 @@ def packed_microbatches(tokens: torch.Tensor, seq_lengths: Sequence[int], rows: 
         lens = [lengths[i] for i in b]
         total = sum(lens)
         T = width if equal_shapes else _round_up(total, pad_multiple)
-        # the padding in segments of at most PAD_SEGMENT tokens: attention over one long
-        # padding segment (a short bin padded to the longest, under PP) would cost O(pad^2)
-        pad = [min(PAD_SEGMENT, T - total - a) for a in range(0, T - total, PAD_SEGMENT)]
-        seg = lens + pad
+        seg = lens + padding_segments(T - total)
         cu = torch.zeros(len(seg) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(seg), 0)
         rid = [rows[i] for i in b]

@@ -143,13 +143,13 @@ def _match_expert_peers(microbatches: list[dict], group) -> list[dict]:
     the output again (its "_shape" is the original), a packed row a padding segment (its outputs
     are read through its layout, so nothing to cut). Missing microbatches are padding only,
     marked "_dummy": loss 0, results dropped."""
-    from megatron_rl.packing import PAD_SEGMENT
+    from megatron_rl.packing import padding_segments
+    from megatron_rl.parallel import all_reduce
 
     packed = bool(microbatches) and "cu_seqlens" in microbatches[0]
     b = max((mb["tokens"].shape[0] for mb in microbatches), default=1)
     s = max((mb["tokens"].shape[1] for mb in microbatches), default=8)
-    stats = torch.tensor([len(microbatches), b, s, int(packed)], dtype=torch.long)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+    stats = all_reduce([len(microbatches), b, s, int(packed)], group, op=dist.ReduceOp.MAX)
     n, b, s, packed = (int(v) for v in stats.tolist())
     out = []
     for mb in microbatches:
@@ -159,9 +159,9 @@ def _match_expert_peers(microbatches: list[dict], group) -> list[dict]:
             out.append(mb)
             continue
         mb = cast("dict[str, Any]", {**mb, "_shape": (b0, s0)})
-        if "cu_seqlens" in mb:  # one more padding segment (segments of at most PAD_SEGMENT)
+        if "cu_seqlens" in mb:  # more padding segments
             extra = s - s0
-            segs = [min(PAD_SEGMENT, extra - a) for a in range(0, extra, PAD_SEGMENT)]
+            segs = padding_segments(extra)
             cu = mb["cu_seqlens"]
             ends = cu[-1] + torch.cumsum(torch.tensor(segs, dtype=cu.dtype), 0).to(cu.device)
             mb.update(tokens=torch.cat([tokens, tokens.new_zeros(1, extra)], dim=1),
@@ -193,7 +193,7 @@ def _match_expert_peers(microbatches: list[dict], group) -> list[dict]:
         tokens = torch.zeros(b, s, dtype=torch.long, device=dev)
         dummy: dict = {"tokens": tokens, "_dummy": True}
         if packed:
-            segs = [min(PAD_SEGMENT, s - a) for a in range(0, s, PAD_SEGMENT)]
+            segs = padding_segments(s)
             cu = torch.zeros(len(segs) + 1, dtype=torch.int32)
             cu[1:] = torch.cumsum(torch.tensor(segs), 0)
             dummy.update(position_ids=torch.cat([torch.arange(n_) for n_ in segs])[None].to(dev),
