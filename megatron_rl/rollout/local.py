@@ -177,29 +177,26 @@ class LocalEngine:
             v = valid[:, :s]
             if decoder is None or t == 0:  # the whole prefix: causal, pads hidden
                 allowed = (causal[:s, :s] & v[:, None, :]) | eye[:s, :s]
+            recorded: list | None = [] if routes is not None else None  # this step's experts
             if decoder is None:  # full recompute of the prefix
-                recorded: list | None = [] if routes is not None else None
                 logits = self.policy.last_token_logits(tokens[:, :s], ~allowed[:, None],
                                                        pos[:, :s], routes_out=recorded)
-                if routes is not None and recorded:  # the prompt at t == 0, then the new token
-                    first = 0 if t == 0 else s - 1
-                    routes[:, first:s] = recorded[0][:, first:s].to(routes.dtype)
             elif t == 0:  # prefill with each distinct prompt once, then one cache row per sample
-                recorded = [] if routes is not None else None
                 logits = decoder.forward(tokens[::n, :s], pos[::n, :s], allowed[::n, None],
                                          routes=recorded)
                 decoder.repeat_rows(n)
                 logits = logits.repeat_interleave(n, 0)
-                if routes is not None and recorded:
-                    routes[:, :s] = recorded[0].repeat_interleave(n, 0).to(routes.dtype)
             else:  # one new query (position s-1) over the s cached keys, pads hidden
                 allowed = v.clone()
                 allowed[:, s - 1] = True
-                recorded = [] if routes is not None else None
                 logits = decoder.forward(tokens[:, s - 1:s], pos[:, s - 1:s],
                                          allowed[:, None, None], routes=recorded)
-                if routes is not None and recorded:
-                    routes[:, s - 1] = recorded[0][:, 0].to(routes.dtype)
+            if routes is not None and recorded:  # the prompt at t == 0, then the new token
+                first = 0 if t == 0 else s - 1
+                got = recorded[0][:, -(s - first):]  # [rows, s - first, M, k]
+                if got.shape[0] != B:  # the prefill's one row per prompt
+                    got = got.repeat_interleave(n, 0)
+                routes[:, first:s] = got.to(routes.dtype)
             if self.policy.is_sampler:  # one rank decides, every rank of the group follows
                 nxt, lp = sample_tokens(logits, params, gen)
             else:
