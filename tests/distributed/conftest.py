@@ -24,3 +24,23 @@ def torchrun():
         return out
 
     return run
+
+
+@pytest.fixture(scope="session")
+def export_hf():
+    """export_hf(save, out) exports the latest checkpoint of the run in `save` to an HF
+    directory `out` from one process (`megatron_rl.convert megatron-to-hf`; dist_checkpointing
+    reshards whatever layout saved it) and returns the exported state dict; the test fails
+    with the converter's output when it exits non-zero."""
+    from megatron_rl.models import hf_mapping
+
+    def run(save: str, out: str) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "megatron_rl.convert", "megatron-to-hf",
+                               "--load", save, "--save", out], capture_output=True, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+        if proc.returncode != 0:
+            pytest.fail(f"megatron-to-hf --load {save} exited {proc.returncode}:\n"
+                        f"{proc.stderr[-4000:]}")
+        return hf_mapping.load_hf_state_dict(out)
+
+    return run

@@ -284,7 +284,7 @@ def test_ep2_with_unequal_ranks_and_replayed_routes(moe_ckpt, tmp_path, torchrun
 
 
 @pytest.mark.distributed
-def test_rl_training_under_ep2_with_routing_replay(tmp_path, torchrun):
+def test_rl_training_under_ep2_with_routing_replay(tmp_path, torchrun, export_hf):
     """`megatron_rl.train` on two ranks at --expert-model-parallel-size 2 with --routing-replay,
     the local engine and prompts of different lengths (so the ranks' batches differ in shape and
     their sequences stop at different steps): 3 steps, finite, every update applied, and the
@@ -319,15 +319,7 @@ def test_rl_training_under_ep2_with_routing_replay(tmp_path, torchrun):
         assert r["mismatch/abs_delta_max"] < 1e-4, r["mismatch/abs_delta_max"]
         assert r["routing/differ_tokens"] < 0.05, r["routing/differ_tokens"]
     # the checkpoint, each rank holding half of the experts, exports to HF from one process
-    import subprocess
-    import sys
-
-    hf = str(tmp_path / "hf")
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.convert", "megatron-to-hf",
-                           "--load", save, "--save", hf], capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    init, trained = hf_mapping.load_hf_state_dict(model), hf_mapping.load_hf_state_dict(hf)
+    init, trained = hf_mapping.load_hf_state_dict(model), export_hf(save, str(tmp_path / "hf"))
     assert set(trained) == set(init)
     experts = [k for k in init if ".mlp.experts." in k]
     assert len(experts) == 4 * 3  # 4 experts x (gate, up, down) of the one sparse layer

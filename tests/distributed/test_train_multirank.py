@@ -13,8 +13,6 @@ engine the whole batch is sampled once, in one child: DP2 and TP2 log DP1's metr
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -55,7 +53,7 @@ def arithmetic_jsonl(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_rank_train_runs_two_steps_and_saves(layout, char_model, char_ref, arithmetic_jsonl,
-                                                 tmp_path, torchrun):
+                                                 tmp_path, torchrun, export_hf):
     from megatron_rl.models import hf_mapping
 
     save = str(tmp_path / "run")
@@ -89,12 +87,8 @@ def test_two_rank_train_runs_two_steps_and_saves(layout, char_model, char_ref, a
         assert extra["step"] == 2
 
     # loadable: one process reads it back (resharded to TP1) and exports HF weights
-    hf = str(tmp_path / "hf")
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.convert", "megatron-to-hf",
-                           "--load", save, "--save", hf], capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    init, trained = hf_mapping.load_hf_state_dict(char_model), hf_mapping.load_hf_state_dict(hf)
+    init, trained = (hf_mapping.load_hf_state_dict(char_model),
+                     export_hf(save, str(tmp_path / "hf")))
     assert set(trained) == set(init)
     for k in init:
         assert trained[k].shape == init[k].shape and torch.isfinite(trained[k]).all(), k
