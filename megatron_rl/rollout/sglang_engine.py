@@ -83,8 +83,9 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
         self.config = config
         self.policy = policy
         self.model_path = os.path.abspath(model_path)
-        self.vocab_size = read_hf_config(model_path).get("vocab_size")
-        _check_servable(read_hf_config(model_path), model_path)
+        self.hf_config = read_hf_config(model_path)
+        self.vocab_size = self.hf_config.get("vocab_size")
+        _check_servable(self.hf_config, model_path)
         self.request_timeout = config.request_timeout
         self.weight_version = read_version(model_path) or 0
         self._use_weight_sync()
@@ -191,7 +192,7 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
         if self._sparse is None:
             from megatron_rl.models.config import ModelArgs
 
-            pattern = ModelArgs.from_hf_config(read_hf_config(self.model_path),
+            pattern = ModelArgs.from_hf_config(self.hf_config,
                                                source=self.model_path).moe_layer_pattern
             sparse = [i for i, is_moe in enumerate(pattern) if is_moe]
             if not sparse:
