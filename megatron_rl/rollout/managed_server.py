@@ -15,7 +15,11 @@ not the initial checkpoint). It
   so no vLLM EngineCore / SGLang scheduler child outlives the trainer.
 Or it attaches to a server someone else runs (`ManagedServer.attach(url)`): no restarts then.
 
-Only the standard library (and rollout/base.py and net.py, which use only it) is used.
+The server runs in child_env.inference_env(): the trainer's environment without what belongs
+to the trainer's own process (torchrun's variables, the allocator's settings).
+
+Only the standard library (and rollout/base.py, child_env.py and net.py, which use only it) is
+used.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, Callable, Sequence
 
 from megatron_rl.processes import set_parent_death_signal
 from megatron_rl.rollout.base import ServerError
+from megatron_rl.rollout.child_env import inference_env
 from megatron_rl.rollout.net import (HOST, TRANSPORT_ERRORS, ServerRequestError, advertised_host,
                                      free_port, http_json)
 
@@ -54,7 +59,8 @@ class ManagedServer:
     """One inference server process (see module docstring).
 
     build_argv(model_path, host, port) -> argv of the server command.
-    env: extra environment variables for the server (added to os.environ).
+    env: extra environment variables for the server, on top of child_env.inference_env()
+        (the trainer's environment without torchrun's and the allocator's variables).
     health_path: GET endpoint that answers 200 once the server serves requests.
     on_start(server): called after every (re)start once healthy, e.g. to restore state.
     """
@@ -137,7 +143,7 @@ class ManagedServer:
                 log.flush()
                 self.proc = subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env={**os.environ, **self.env}, start_new_session=True,
+                    env=inference_env(self.env), start_new_session=True,
                     preexec_fn=set_parent_death_signal)
             _LIVE.add(self)
             self._ready, self._launched_at = False, t0

@@ -42,14 +42,9 @@ import torch
 
 from megatron_rl.parallel import broadcast_from_rank0, dist_rank
 from megatron_rl.rollout.base import Completion, EngineConfig, SamplingParams, ServerError
+from megatron_rl.rollout.child_env import inference_env
 from megatron_rl.rollout.shm_weights import read_bucket
 from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
-
-# torchrun's variables: the child is a world of its own (TORCHELASTIC_USE_AGENT_STORE would make
-# its process group wait for torchrun's store)
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -237,9 +232,11 @@ class ProcessEngine:
 
 def _serve(conn, config: ProcessConfig) -> None:
     """The child's main: build the TP1 policy, answer requests until ("stop",)."""
-    for k in list(os.environ):
-        if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_"):
-            del os.environ[k]
+    # a spawned process starts with the trainer's environment: keep what a child inference
+    # process is given (its own world of one; before torch initialises CUDA or a process group)
+    env = inference_env()
+    for k in set(os.environ) - env.keys():
+        del os.environ[k]
     if config.gpu is not None:  # init_distributed takes the process's GPU from LOCAL_RANK
         os.environ["LOCAL_RANK"] = str(config.gpu)
     try:

@@ -13,8 +13,9 @@ Weight sync, three ways (`SGLangConfig.sync`, through weight_sync.WeightSync):
   torch's file_system shared-memory strategy and loaded with `/update_weights_from_tensor`,
   inside a `/begin_weight_update` ... `/end_weight_update` session;
 - "distributed" (NCCL, GPU only): rank 0 joins a process group with the server's TP workers
-  (`/init_weights_update_group`, once) and broadcasts each tensor while
-  `/update_weights_from_distributed` receives it. Not testable on CPU.
+  (`/init_weights_update_group`, once; rank 0 hosts its rendezvous store, see
+  `trainer_update_group`) and broadcasts each tensor while `/update_weights_from_distributed`
+  receives it. The NCCL transfer is not testable on CPU; the group's construction is (gloo).
 Every sync tags the server with `weight_version` and checks it through `/model_info`;
 `/flush_cache` drops KV computed with the old weights (the update endpoints also flush).
 
@@ -33,6 +34,7 @@ import itertools
 import os
 import threading
 import time
+from datetime import timedelta
 
 import torch
 
@@ -272,11 +274,6 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
         self.last_sync_seconds["load"] = time.perf_counter() - t0
 
     def _init_update_group(self):
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import (PrefixStore, _new_process_group_helper,
-                                                        _world)
-        from torch.distributed.rendezvous import rendezvous
-
         port = self.config.nccl_master_port or free_port("0.0.0.0")
         world = 1 + self.config.tp_size
         # a name of its own per group: several servers (a pool) and a restarted server each get
@@ -290,13 +287,7 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
             {"master_address": addr, "master_port": port, "rank_offset": 1,
              "world_size": world, "group_name": name, "backend": "nccl"})))
         thread.start()
-        # Same construction as the server side (sglang.srt.utils.common.init_custom_process_group):
-        # a TCP rendezvous hosted by this rank, keys under the group's prefix.
-        store, rank, world = next(rendezvous(f"tcp://{addr}:{port}", 0, world))
-        store = PrefixStore(name, store)
-        group, _ = _new_process_group_helper(world, 0, [], dist.Backend("nccl"), store,
-                                             group_name=name)
-        _world.pg_group_ranks[group] = {i: i for i in range(world)}
+        group = trainer_update_group(addr, port, world, name, "nccl")
         thread.join()
         _check_success(result.get("resp"), "init_weights_update_group")
         return group
@@ -337,6 +328,35 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
 
 
 _UPDATE_GROUP_IDS = itertools.count()
+
+
+def trainer_update_group(address: str, port: int, world_size: int, group_name: str,
+                         backend: str, timeout: timedelta | None = None):
+    """The trainer's side (rank 0) of a weight-update group with a server's workers (ranks
+    1..world_size-1), who join it through SGLang's `init_custom_process_group`: a TCP
+    rendezvous at address:port, keys under a PrefixStore named after the group.
+
+    This rank hosts the rendezvous store itself. `rendezvous("tcp://...")` would not: under
+    torchrun (TORCHELASTIC_USE_AGENT_STORE=True in every worker) it makes every rank a client
+    of a store it expects torchrun's agent to host, and nobody hosts this one. The store's
+    server is shared with any other group on the same port in this process (multi-tenant).
+    `timeout` bounds the store's waits (default: torch's 30 min, as on the server's side) and
+    the group's collectives (default: the backend's).
+    """
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore
+    from torch.distributed.constants import default_pg_timeout
+    from torch.distributed.distributed_c10d import (GroupName, PrefixStore,
+                                                    _new_process_group_helper, _world)
+
+    store = TCPStore(address, port, world_size, is_master=True,
+                     timeout=timeout or default_pg_timeout, wait_for_workers=False,
+                     multi_tenant=True)
+    group, _ = _new_process_group_helper(world_size, 0, [], dist.Backend(backend),
+                                         PrefixStore(group_name, store),
+                                         group_name=GroupName(group_name), timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
 
 
 def _check_servable(hf_config: dict, path: str) -> None:

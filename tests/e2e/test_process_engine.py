@@ -102,3 +102,23 @@ def test_failed_request_and_dead_child_are_reported(tiny_char_model, tmp_path):
             engine.generate([[5, 6, 7]], 2, params)
     finally:
         engine.shutdown()
+
+
+def test_child_is_a_world_of_its_own_under_torchrun(tiny_char_model, tmp_path, monkeypatch):
+    """Started from a torchrun worker (its variables in the environment), the child forms its
+    own world of one: with them it would join the trainer's world or wait for torchrun's store
+    (TORCHELASTIC_USE_AGENT_STORE) and never start."""
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.process import ProcessConfig, ProcessEngine
+
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", "TORCHELASTIC_RUN_ID": "none",
+                 "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(k, v)
+    engine = ProcessEngine(ProcessConfig(hf_checkpoint=tiny_char_model, startup_timeout=120,
+                                         work_dir=str(tmp_path / "w")))
+    try:
+        out = engine.generate([[5, 6, 7]], 2, SamplingParams(max_new_tokens=4, seed=1))
+        assert len(out) == 1 and len(out[0]) == 2 and all(c.token_ids for c in out[0])
+    finally:
+        engine.shutdown()
