@@ -131,15 +131,6 @@ def dist_barrier() -> None:
         dist.barrier()
 
 
-def broadcast_from_rank0(obj):
-    """Rank 0's picklable `obj` on every rank."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 class RankFailed(RuntimeError):
     """On the ranks that waited in `run_on_rank`: the work failed on the rank doing it (its
     exception is named here and raised there), or no word came from that rank in time."""
