@@ -22,7 +22,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from megatron_rl.parallel import dist_barrier, dist_rank, use_cuda
+from megatron_rl.parallel import dist_barrier, dist_rank, run_on_rank, use_cuda
 
 LATEST = "latest"
 
@@ -132,18 +132,13 @@ def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
 
     final = os.path.join(root, iter_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + iter_dir_name(step))
-    if dist_rank() == 0:
+
+    def prepare() -> None:  # removing a stale directory can take minutes on a shared FS
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist_barrier()
-    dist_checkpointing.save(_sharded_state_dict(policy, with_optimizer), tmp)
-    torch.save({"step": step, **(extra or {})}, os.path.join(tmp, f"extra_rank{dist_rank()}.pt"))
-    if hf_config is not None and dist_rank() == 0:
-        with open(os.path.join(tmp, "hf_config.json"), "w") as f:
-            json.dump(hf_config, f, indent=2)
-    dist_barrier()
-    if dist_rank() == 0:
+
+    def publish() -> None:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         latest_tmp = os.path.join(root, LATEST + ".tmp")
@@ -152,7 +147,16 @@ def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
             f.flush()
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(root, LATEST))
+
+    # rank 0's own steps: the others wait for them outside the collectives (run_on_rank)
+    run_on_rank(0, prepare, f"preparing checkpoint directory {tmp}")
+    dist_checkpointing.save(_sharded_state_dict(policy, with_optimizer), tmp)
+    torch.save({"step": step, **(extra or {})}, os.path.join(tmp, f"extra_rank{dist_rank()}.pt"))
+    if hf_config is not None and dist_rank() == 0:
+        with open(os.path.join(tmp, "hf_config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
     dist_barrier()
+    run_on_rank(0, publish, f"publishing checkpoint {final}")
     return final
 
 

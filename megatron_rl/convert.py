@@ -60,11 +60,11 @@ def resolve_checkpoint(path: str) -> str:
 def megatron_to_hf(load: str, hf_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None) -> None:
     """Export a Megatron checkpoint (root or iteration dir) to a HF directory. Collective."""
     import torch
-    import torch.distributed as dist
 
     from megatron_rl.checkpoint import load_checkpoint
     from megatron_rl.models import hf_mapping
     from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import run_on_rank
 
     _init(tp, pp)
     ckpt = resolve_checkpoint(load)
@@ -72,12 +72,14 @@ def megatron_to_hf(load: str, hf_dir: str, tp: int = 1, pp: int = 1, dtype: str 
     policy = Policy(args, trainable=False)
     load_checkpoint(ckpt, policy, with_optimizer=False)
     full = policy.full_state_dict(dst=0)
-    if dist.get_rank() == 0:
+
+    def write() -> None:
         hf = hf_mapping.megatron_to_hf(full, args, source=ckpt)
         extra = [f for f in (os.path.join(ckpt, n) for n in TOKENIZER_FILES) if os.path.exists(f)]
         hf_mapping.save_hf_checkpoint(hf, args, hf_dir, extra_files=tuple(extra),
                                       dtype=getattr(torch, dtype) if dtype else None)
-    dist.barrier()
+
+    run_on_rank(0, write, f"writing the HF checkpoint {hf_dir}")  # the others wait outside
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:

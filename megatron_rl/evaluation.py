@@ -78,7 +78,7 @@ def evaluate(run: Run, step: int) -> dict:
             return evaluate_engine(engine, records, run.codec.encode, run.codec.decode,
                                    run.scorer, k, run.sampling_params(seed=cfg.seed + 104729))
 
-        res = on_client(engine, on_the_client)
+        res = on_client(engine, on_the_client, f"evaluating at step {step}")
         return reduce_eval_results(res, sorted(res), group=None)
     # expert-parallel ranks exchange tokens inside every forward, so they must generate the
     # same number of batches: each evaluates the whole set (with one seed) instead of a share

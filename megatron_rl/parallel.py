@@ -2,18 +2,25 @@
 
 NCCL on GPUs, gloo on CPU. The world is laid out by megatron-core's parallel_state
 (TP innermost, then DP, then PP). On CPU the megatron-core compatibility shims are applied first.
+Work that one rank does while the others wait for its result (a rollout client's generation,
+a server's startup) goes through `run_on_rank`: the others wait outside the collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
+import time
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +49,30 @@ class ParallelConfig:
     use_distributed_optimizer: bool = dataclasses.field(default=False, metadata={
         "help": "megatron's distributed optimizer: fp32 main parameters and Adam state sharded "
         "over the data-parallel ranks (ZeRO-1); same updates, less memory per rank"})
+    distributed_timeout_minutes: float = dataclasses.field(default=30.0, metadata={
+        "help": "megatron's flag: how long a collective of the process groups (the default one "
+        "and megatron-core's) waits for the other ranks before the job fails (NCCL's watchdog "
+        "stops it); fractions allowed. Work one rank does alone (the rollout client's "
+        "generation, scoring and evaluation, a server's startup, a weight load) is waited for "
+        "outside the collectives (--rank-wait-timeout-minutes), so this bounds only how far "
+        "ranks drift apart in work they share (a checkpoint's slowest shard write, pipeline "
+        "stages, first-step compilation): 30, megatron-core's own default for its groups, "
+        "leaves room for a slow shared file system where Megatron-LM's 10 can be short"})
+    rank_wait_timeout_minutes: float = dataclasses.field(default=360.0, metadata={
+        "help": "how long the other ranks wait for work one rank does alone (the rollout "
+        "client's generation, scoring and evaluation, a server's startup, a weight load into "
+        "the engine, a checkpoint's last writes) before they stop with an error naming that "
+        "rank; fractions allowed. They wait outside the process groups' collectives, so "
+        "--distributed-timeout-minutes does not apply. A failure on that rank reaches them at "
+        "once, a dead process ends the job through torchrun: this bounds only a rank that "
+        "hangs. 6 hours: tens of minutes of generation and evaluation at 7B, many times over"})
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for an inconsistent layout."""
+        for flag, value in (("--distributed-timeout-minutes", self.distributed_timeout_minutes),
+                            ("--rank-wait-timeout-minutes", self.rank_wait_timeout_minutes)):
+            if not value > 0:
+                raise ValueError(f"{flag} {value}: must be > 0")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it "
                              "splits the sequence over the tensor-parallel ranks)")
@@ -103,12 +131,78 @@ def dist_barrier() -> None:
         dist.barrier()
 
 
-def broadcast_from_rank0(obj):
-    """Rank 0's picklable `obj` on every rank."""
+class RankFailed(RuntimeError):
+    """On the ranks that waited in `run_on_rank`: the work failed on the rank doing it (its
+    exception is named here and raised there), or no word came from that rank in time."""
+
+
+# --rank-wait-timeout-minutes (set by init_distributed), and the gloo group the waits happen in:
+# (the default group it was made in, the group), made at the first wait of each world
+_rank_wait_timeout = timedelta(minutes=ParallelConfig.rank_wait_timeout_minutes)
+_wait_group: tuple | None = None
+
+
+def _rank_wait_group():
+    global _wait_group
+    world = dist.group.WORLD
+    if _wait_group is None or _wait_group[0] is not world:
+        _wait_group = (world, dist.new_group(backend="gloo", timeout=_rank_wait_timeout))
+    return _wait_group[1]
+
+
+def run_on_rank(src: int, fn: Callable[[], T], what: str) -> T:
+    """Collective: `fn()` run on global rank `src` alone, its picklable result on every rank.
+    `what` names the work in the other ranks' errors ("generating step 3's batch").
+
+    The other ranks wait for `fn` outside the process groups' collectives, so that work of any
+    length (a step's generation and scoring through a vLLM/SGLang server, an evaluation, a
+    server's startup: minutes to hours at scale) never runs into --distributed-timeout-minutes,
+    after which NCCL's watchdog would kill the job. Two steps:
+
+    1. `src` runs `fn`, then broadcasts its outcome (None, or its exception's type and message)
+       over a gloo group of the whole world whose timeout is --rank-wait-timeout-minutes; the
+       others wait in that broadcast. A failure on `src` thus reaches every rank at once as
+       RankFailed naming `src` and its exception (`src` raises its own), instead of leaving the
+       others in a collective until it times out; a rank that dies ends the job through
+       torchrun (or breaks gloo's connections); one that hangs is given up on after the limit.
+    2. Everyone is there now: the result goes out over the default group (NCCL on GPUs:
+       a batch of tens of MB is one device broadcast, not a copy per rank over gloo's TCP).
+
+    A dedicated gloo group rather than polling a key in the default store: no polling interval
+    added to each wait, no keys to name per call and clean up in a store that outlives the
+    processes (torchrun's agent store), no private torch API, and a dead peer is noticed at once
+    by its closed connection (gloo: "Connection closed by peer"). It costs one more full mesh
+    of host connections, made at the first wait (a collective: every rank reaches its first
+    wait at the same point, as it reaches every collective). `fn` must not call collectives
+    itself (the other ranks are not there to join them).
+    """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
+        return fn()
+    group, rank = _rank_wait_group(), dist.get_rank()
+    status: list = [None]
+    if rank == src:
+        try:
+            result = fn()
+        except BaseException as e:
+            status[0] = f"{type(e).__name__}: {e}"
+            with contextlib.suppress(Exception):  # src raises its own exception regardless
+                dist.broadcast_object_list(status, src=src, group=group)
+            raise
+        dist.broadcast_object_list(status, src=src, group=group)
+    else:
+        t0 = time.monotonic()
+        try:
+            dist.broadcast_object_list(status, src=src, group=group)
+        except RuntimeError as e:  # gloo's timeout, or src's connections gone
+            raise RankFailed(
+                f"rank {rank}: no word from rank {src} ({what}) after "
+                f"{time.monotonic() - t0:.0f} s (--rank-wait-timeout-minutes "
+                f"{_rank_wait_timeout.total_seconds() / 60:g}): {e}") from e
+        if status[0] is not None:
+            raise RankFailed(f"rank {src} failed while {what}: {status[0]}")
+        result = None
+    box: list = [result]
+    dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -143,17 +237,21 @@ def set_seed(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600,
-                     deterministic: bool = False) -> int:
+def init_distributed(cfg: ParallelConfig, seed: int = 1234, deterministic: bool = False) -> int:
     """Initialise torch.distributed from torchrun's env vars and megatron's model-parallel groups.
 
     Works without torchrun too (a single process, world size 1). Returns the data-parallel size.
+    Every group's collectives time out after cfg.distributed_timeout_minutes; `run_on_rank`'s
+    waits after cfg.rank_wait_timeout_minutes.
     `deterministic` (--deterministic-mode): deterministic torch kernels (those without one warn
     and run anyway), cuBLAS with a fixed workspace and NCCL's ring algorithm, set before CUDA
     and NCCL start; the environment's own settings win.
     """
+    global _rank_wait_timeout
     from megatron.core import parallel_state
 
+    _rank_wait_timeout = timedelta(minutes=cfg.rank_wait_timeout_minutes)
+    timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         os.environ.setdefault("NCCL_ALGO", "Ring")
@@ -177,12 +275,13 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_s: int = 600
 
             init_method = f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(backend=process_group_backend(), init_method=init_method, rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s))
+                                world_size=world, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             expert_model_parallel_size=cfg.expert_model_parallel_size,
+            distributed_timeout_minutes=cfg.distributed_timeout_minutes,
         )
     set_seed(seed)
     return dp
@@ -193,10 +292,12 @@ def destroy_distributed() -> None:
     on a host tensor leaves its work object to gloo's thread, and if that thread releases it
     (dropping the tensor's Python object) while the interpreter exits, the process aborts
     ("terminate called without an active exception"); after the barrier it has been released."""
+    global _wait_group
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _wait_group = None
     if dist.is_initialized():
         if dist.get_world_size() > 1:
             dist.barrier()

@@ -104,8 +104,8 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
                 engine.release_memory()
             return (*_score(run, r.records, *generated), engine.stats())
 
-        prompt_ids, completions, rewards, reasons, engine_stats = on_client(engine,
-                                                                            generate_and_score)
+        prompt_ids, completions, rewards, reasons, engine_stats = on_client(
+            engine, generate_and_score, f"generating and scoring step {r.step}'s batch")
         prompt_ids, completions, rewards = _deal_groups(run, prompt_ids, completions, rewards)
         reasons = reasons if run.dp_rank == 0 else {}  # counted once in the global sum
     # the one host -> device boundary: from here on the batch lives where the model does
@@ -391,11 +391,13 @@ def train_loop(run: Run, threads: BackgroundThreads | None = None) -> dict:
             raise FloatingPointError(f"{nonfinite_in_row} consecutive non-finite updates at step "
                                      f"{step}: stopping (--max-nonfinite-steps)")
         t_train = time.perf_counter() - t1
-        # weights change between requests: what is in flight finishes with the old ones
+        # weights change between requests: what is in flight finishes with the old ones (the
+        # client's background generations; the other ranks wait for them outside the
+        # collectives of the weight update)
         t2 = time.perf_counter()
-        for r in pending:
-            if r.future is not None:
-                r.future.result()
+        if threads is not None and pending:
+            on_client(engine, lambda: _finish_generations(pending), "generating the batches "
+                      f"of steps {', '.join(str(r.step) for r in pending)} ahead")
         t3 = time.perf_counter()
         if cfg.rollout.rollout_release_memory:
             engine.resume_memory()
@@ -415,6 +417,14 @@ def train_loop(run: Run, threads: BackgroundThreads | None = None) -> dict:
             # resume re-generates the pending (async) batches: record the data position before them
             run.save(step + 1, data_state=pending[0].data_state if pending else None)
     return last
+
+
+def _finish_generations(pending) -> None:
+    """Wait for the background generations of the Rollouts `pending` (the client rank's); a
+    failed one raises its exception."""
+    for r in pending:
+        if r.future is not None:
+            r.future.result()
 
 
 def main(argv=None) -> None:

@@ -151,18 +151,16 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def on_client(engine: RolloutEngine, fn: Callable[[], T]) -> T:
+def on_client(engine: RolloutEngine, fn: Callable[[], T], what: str) -> T:
     """Collective: `fn()` run on the engine's client rank, its picklable result on every rank
-    (the batch a one-client engine generated, scored there, shared with the trainer's ranks)."""
-    import torch.distributed as dist
+    (the batch a one-client engine generated, scored there, shared with the trainer's ranks).
+    The other ranks wait outside the collectives, however long it takes, and a failure there
+    reaches them as parallel.RankFailed (parallel.run_on_rank); `what` names the work in it."""
+    from megatron_rl.parallel import run_on_rank
 
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return fn()
     src = engine.client_rank
     assert src is not None, "on_client needs an engine with a client rank"
-    box: list = [fn() if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    return run_on_rank(src, fn, what)
 
 
 def check_completions(out, num_prompts: int, n: int, vocab_size: int | None,

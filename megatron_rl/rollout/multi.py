@@ -57,7 +57,7 @@ from collections import deque
 from typing import Any, Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.parallel import broadcast_from_rank0, dist_barrier, dist_rank
+from megatron_rl.parallel import dist_rank, run_on_rank
 from megatron_rl.rollout.base import ServerError
 from megatron_rl.rollout.net import ServerRequestError, TRANSPORT_ERRORS
 from megatron_rl.rollout.server_engine import ServerBackedEngine
@@ -267,19 +267,14 @@ class ServerPool:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         """Boot every managed server at once, wait for each (collective when distributed: every
-        rank learns every URL and which servers came up). A server that fails to boot is out of
-        the rotation with a warning; none booting is an error."""
+        rank learns every URL and which servers came up; the others wait for rank 0 outside the
+        collectives, parallel.run_on_rank). A server that fails to boot is out of the rotation
+        with a warning; none booting is an error."""
         for m in self.members:
             m.engine.start(wait=False)
         for m in self.members:
-            e, status = m.engine, None
-            if e.server is not None:
-                try:
-                    e.server.start()
-                    status = ("ok", e.server.url)
-                except ServerError as exc:
-                    status = ("failed", f"{type(exc).__name__}: {exc}")
-            status = broadcast_from_rank0(status)
+            e = m.engine
+            status = run_on_rank(0, lambda: _boot(e), f"starting {self.name(m)}")
             if status is None:  # no server object on any rank (not a server engine)
                 continue
             if status[0] == "ok":
@@ -424,41 +419,44 @@ class ServerPool:
         t0 = time.perf_counter()
         payload = self.sync.prepare(self.policy, version)
         self.last_sync_seconds.update(self.sync.last_seconds)
-        if self.rank == 0:
-            assert payload is not None
-            t1 = time.perf_counter()
-            with self._cond:  # between generate calls (see __init__)
-                self._cond.wait_for(lambda: not self._loading)
-                self._loading = True
-                self._cond.wait_for(lambda: self._active_calls == 0)
-            try:
-                back = self._rejoin_candidates()
-                members = self.live_members() + back
-                if payload.kind == "distributed":  # one NCCL broadcast at a time
-                    outcomes = [self._load_into(m, payload) for m in members]
-                else:
-                    futures = [m.executor.submit(self._load_into, m, payload) for m in members]
-                    outcomes = [f.result() for f in futures]
-                for m, exc in zip(members, outcomes):
-                    if m in back:
-                        self._readmit(m, exc, version)
-                    elif exc is not None:
-                        if not is_server_failure(exc):
-                            raise exc
-                        self._take_out(m, exc)
-                if not self.live_members():
-                    raise self._no_server_left(f"weight update {version}")
-                self._set_version(version)
-                self._start_rejoins()
-            finally:
-                with self._cond:
-                    self._loading = False
-                    self._cond.notify_all()
-            self.sync.prune(payload)
-            self.last_sync_seconds["load"] = time.perf_counter() - t1
-            self.last_sync_seconds["total"] = time.perf_counter() - t0
-        dist_barrier()
+        run_on_rank(0, lambda: self._load_all(payload, version, t0),
+                    f"loading weights version {version} into the servers")
         self._set_version(version)
+
+    def _load_all(self, payload: Payload | None, version: int, t0: float) -> None:
+        """Rank 0: `payload` into every live server and into those coming back, in parallel."""
+        assert payload is not None
+        t1 = time.perf_counter()
+        with self._cond:  # between generate calls (see __init__)
+            self._cond.wait_for(lambda: not self._loading)
+            self._loading = True
+            self._cond.wait_for(lambda: self._active_calls == 0)
+        try:
+            back = self._rejoin_candidates()
+            members = self.live_members() + back
+            if payload.kind == "distributed":  # one NCCL broadcast at a time
+                outcomes = [self._load_into(m, payload) for m in members]
+            else:
+                futures = [m.executor.submit(self._load_into, m, payload) for m in members]
+                outcomes = [f.result() for f in futures]
+            for m, exc in zip(members, outcomes):
+                if m in back:
+                    self._readmit(m, exc, version)
+                elif exc is not None:
+                    if not is_server_failure(exc):
+                        raise exc
+                    self._take_out(m, exc)
+            if not self.live_members():
+                raise self._no_server_left(f"weight update {version}")
+            self._set_version(version)
+            self._start_rejoins()
+        finally:
+            with self._cond:
+                self._loading = False
+                self._cond.notify_all()
+        self.sync.prune(payload)
+        self.last_sync_seconds["load"] = time.perf_counter() - t1
+        self.last_sync_seconds["total"] = time.perf_counter() - t0
 
     def _readmit(self, member: _Member, exc: BaseException | None, version: int) -> None:
         """A server that came back up got the weights of `version`: back in the rotation, or
@@ -521,6 +519,18 @@ class ServerPool:
     def server_weight_versions(self) -> dict[str, int | None]:
         """Each live server's reported weight version, by name."""
         return {self.name(m): m.engine.server_weight_version() for m in self.live_members()}
+
+
+def _boot(engine) -> tuple[str, str] | None:
+    """Rank 0: wait for a launched server (ServerBackedEngine.start(wait=False)) to come up:
+    ("ok", its URL), ("failed", why), or None for an engine without a server process."""
+    if engine.server is None:
+        return None
+    try:
+        engine.server.start()
+        return ("ok", engine.server.url)
+    except ServerError as exc:
+        return ("failed", f"{type(exc).__name__}: {exc}")
 
 
 def _quiet_shutdown(engine) -> None:

@@ -40,7 +40,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from megatron_rl.parallel import broadcast_from_rank0, dist_rank
+from megatron_rl.parallel import dist_rank, run_on_rank
 from megatron_rl.rollout.base import Completion, EngineConfig, SamplingParams, ServerError
 from megatron_rl.rollout.child_env import inference_env
 from megatron_rl.rollout.shm_weights import read_bucket
@@ -89,17 +89,19 @@ class ProcessEngine:
                                bucket_bytes=config.bucket_bytes, shared_memory=True)
         self.last_sync_seconds = self.sync.last_seconds
         # rank 0 starts the child; every rank learns whether it came up (no rank may go on to
-        # the next collective while rank 0 raises)
-        error = None
-        if self.rank == 0:
-            try:
-                self._start()
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                self.shutdown()
-                error = f"{type(e).__name__}: {e}"
-        error = broadcast_from_rank0(error)
+        # the next collective while rank 0 raises), waiting for it outside the collectives
+        error = run_on_rank(0, self._start_or_error, "starting the rollout process")
         if error is not None:
             raise ServerError(f"the rollout process did not start: {error}")
+
+    def _start_or_error(self) -> str | None:
+        """Rank 0: start the child; None, or why it did not start (then it is shut down)."""
+        try:
+            self._start()
+        except Exception as e:  # noqa: BLE001 - raised on every rank by __init__
+            self.shutdown()
+            return f"{type(e).__name__}: {e}"
+        return None
 
     # -- the child -------------------------------------------------------------------------------
     def _start(self) -> None:

@@ -11,7 +11,7 @@ import os
 import urllib.error
 from typing import Any, Generic, Sequence, TypeVar
 
-from megatron_rl.parallel import broadcast_from_rank0
+from megatron_rl.parallel import run_on_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
                                       ServerError, check_completions)
 from megatron_rl.rollout.managed_server import ManagedServer
@@ -154,15 +154,22 @@ class ServerBackedEngine(Generic[C]):
 
     def start(self, wait: bool = True) -> None:
         """Start the server (rank 0) and share its URL with every rank (collective when
-        distributed). wait=False only launches the process (to boot several servers at once);
-        call start() again to wait for it (wait=False is not collective: no rank broadcasts)."""
-        if self.server is not None:
-            self.server.start(wait=wait)
+        distributed; the other ranks wait for the startup outside the collectives, and a failed
+        one raises on every rank: parallel.run_on_rank). wait=False only launches the process
+        (to boot several servers at once); call start() again to wait for it (wait=False is not
+        collective: no rank waits)."""
         if not wait:
+            if self.server is not None:
+                self.server.start(wait=False)
             return
-        if self.server is not None:
-            self.url = self.server.url
-        self.url = broadcast_from_rank0(self.url)
+
+        def boot() -> str | None:
+            if self.server is None:
+                return self.url
+            self.server.start()
+            return self.server.url
+
+        self.url = run_on_rank(self.client_rank, boot, f"starting the {self.NAME} server")
 
     def _post(self, path: str, payload, timeout: float = 600.0):
         """POST to the server: through the ManagedServer on rank 0 (restart and retry on a dead

@@ -245,16 +245,19 @@ def load_payload(target: WeightTarget, payload: Payload) -> None:
 
 def sync_engine(sync: WeightSync, policy, target: WeightTarget, version: int) -> None:
     """An engine's `update_weights`: collective over the training ranks. The weights are
-    prepared once and loaded into `target` on global rank 0; every rank waits for the load."""
-    from megatron_rl.parallel import dist_barrier, dist_rank
+    prepared once and loaded into `target` on global rank 0; every rank waits for the load
+    (parallel.run_on_rank: outside the collectives, a failed load raised on every rank)."""
+    from megatron_rl.parallel import run_on_rank
 
     if policy is None:
         raise ValueError(f"update_weights needs the policy: {type(target).__name__}(..., "
                          "policy=policy)")
     t0 = time.perf_counter()
     payload = sync.prepare(policy, version)
-    if dist_rank() == 0:
+
+    def load() -> None:
         assert payload is not None
         sync.load(target, payload)
         sync.last_seconds["total"] = time.perf_counter() - t0
-    dist_barrier()
+
+    run_on_rank(0, load, f"loading weights version {version} into {type(target).__name__}")
