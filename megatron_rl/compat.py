@@ -3,8 +3,10 @@
 Every patch here covers hard-coded CUDA use in megatron-core 0.16.1 (the pinned version) and is
 applied only when CUDA is absent (`apply_cpu_compat()` is a no-op on GPU machines). Each entry
 names the upstream file:line it covers, so that a version bump can re-check them one by one.
-One more, `apply_without_te_compat()`, covers a name megatron-core leaves undefined when
-TransformerEngine is absent, on any machine.
+Two more apply on any machine: `apply_without_te_compat()` covers a name megatron-core leaves
+undefined when TransformerEngine is absent, and `apply_rope_thd_compat()` replaces the unfused
+RoPE of packed sequences by one that reads nothing back to the host (it synchronised with the
+device four times per layer).
 
 Mechanism: for modules that create tensors with `device="cuda"` literals or call
 `torch.cuda.current_device()` / `torch.cuda.synchronize()`, the module-global name `torch` is
@@ -257,6 +259,64 @@ def apply_without_te_compat() -> bool:
     if getattr(moe_utils, "HAVE_TE", False) or hasattr(moe_utils, "te_general_gemm"):
         return False
     setattr(moe_utils, "te_general_gemm", None)
+    return True
+
+
+def _rope_thd_without_host_sync(upstream):
+    """megatron-core's unfused RoPE of a packed (THD) row, rope_utils.py:178-251
+    (`_apply_rotary_pos_emb_thd`), without reading cu_seqlens on the host.
+
+    Upstream reads the segment lengths with `.tolist()` (rope_utils.py:204) and compares
+    `freqs.size(0) == cu_seqlens[-1]` in an `if` (rope_utils.py:211): two host
+    synchronisations for the query and two for the key, in every layer. Here each token's
+    position within its segment comes from cu_seqlens on the device,
+
+        segment(i) = max{j : cu[j] <= i},   position(i) = i - cu[segment(i)],
+
+    (searchsorted), and freqs[position] is the table upstream concatenates slice by slice
+    (rows 0..len-1 for every segment), so the rotation is the same arithmetic on the same
+    values. Upstream's other case, a table exactly as long as the row (each token reads
+    freqs[cu[j] + offset] = freqs[i]), is recognised by freqs.size(0) == t.size(0): the row
+    length, which is cu_seqlens[-1] whenever upstream's split of t by the segment lengths
+    succeeds. Context parallelism (each rank holds two chunks of every segment) keeps
+    upstream's code. A segment longer than the table (max_seqlen below the longest segment),
+    which upstream reports as a shape mismatch, is an index error here."""
+
+    @functools.wraps(upstream)
+    def apply(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
+              mscale=1.0, cp_group=None):
+        if cp_group is None or cp_group.size() > 1:
+            return upstream(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale,
+                            cp_group=cp_group)
+        from megatron.core.models.common.embeddings import rope_utils
+
+        n = t.shape[0]
+        if freqs.size(0) == n:  # absolute positions across the row
+            freqs_packed = freqs
+        else:
+            token = torch.arange(n, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+            start = cu_seqlens[torch.searchsorted(cu_seqlens, token, right=True) - 1]
+            freqs_packed = freqs[(token - start).long()]
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs_packed, rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+
+    setattr(apply, "upstream", upstream)  # what apply_rope_thd_compat recognises
+    return apply
+
+
+def apply_rope_thd_compat() -> bool:
+    """Replace megatron-core's unfused THD RoPE by `_rope_thd_without_host_sync`, on any
+    machine (the host synchronisations it removes cost most on a GPU). Idempotent; returns
+    True when it patched. apply_rotary_pos_emb (rope_utils.py:303) looks the function up in its
+    module at every call, so the module attribute is the one to replace."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    current = rope_utils._apply_rotary_pos_emb_thd
+    if hasattr(current, "upstream"):
+        return False
+    rope_utils._apply_rotary_pos_emb_thd = _rope_thd_without_host_sync(current)
     return True
 
 

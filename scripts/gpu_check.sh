@@ -91,6 +91,7 @@ else
 fi
 # CPU-tier tests that run again on the device (see cpu-tier-on-gpu above)
 CPU_TIER_ON_GPU=(tests/unit/rollout/test_local_engine.py tests/unit/models/test_decode.py
+                 tests/unit/test_hostsync_budgets.py tests/unit/test_compat.py
                  tests/e2e/test_train.py)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64
            manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)

@@ -3,7 +3,9 @@
 Markers: `distributed` (spawns processes / torch.distributed over gloo), `gpu` (needs CUDA;
 skipped with a reason where it is absent), `slow` (deselect with -m "not slow"), `network`
 (needs PyPI; skipped unless `--run-network` or MEGATRON_RL_NETWORK_TESTS=1), `server` (starts
-real vLLM / SGLang server processes from their own venvs; skipped with a reason when absent).
+real vLLM / SGLang server processes from their own venvs; skipped with a reason when absent),
+`hostsync` (counts host synchronisations of hot loops against budgets, megatron_rl.hostsync;
+runs by default).
 """
 import os
 
@@ -23,6 +25,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "network: needs PyPI; skipped unless --run-network")
     config.addinivalue_line("markers", "server: starts real rollout server processes (vLLM / SGLang "
                             "venvs); skipped with a reason when a venv is absent")
+    config.addinivalue_line("markers", "hostsync: host synchronisations of a hot loop, counted "
+                            "against its budget (megatron_rl.hostsync)")
 
 
 def pytest_collection_modifyitems(config, items):

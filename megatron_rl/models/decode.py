@@ -156,7 +156,22 @@ class KVDecoder:
 
     def _experts(self, h: torch.Tensor, w: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """A mixture-of-experts MLP on h [B, s, H]: (this TP rank's partial output [B, s, H],
-        the chosen experts [B, s, k]), as megatron-core's softmax top-k router and experts."""
+        the chosen experts [B, s, k]), as megatron-core's softmax top-k router and experts.
+
+        Each token's output is sum_j g_j expert_{e_j}(h), accumulated over the experts in id
+        order, computed one of two ways with the same per-token arithmetic:
+        - a decode step (s == 1): every expert runs on every token, and tokens an expert was
+          not chosen for add 0. Nothing is read back to the host, where selecting each
+          expert's tokens takes one host synchronisation per expert and layer at every step
+          (the host waits for the device E times a layer). The price: E/k times the expert
+          FLOPs, while a step of B single tokens reads the weights of every expert they chose
+          (up to B * k of E: most of them in a rollout batch) either way; a step large enough
+          to be bound by those FLOPs would want a grouped GEMM over device-side offsets.
+        - several positions per row (the prefill, once per generation): each expert runs on
+          its own tokens only, gathered by a stable sort of the (token, choice) pairs by expert
+          (tokens ascending within an expert); the per-expert token counts are read to the host
+          once per layer.
+        """
         z = F.linear(h, w["mlp.router.weight"])  # [B, s, E]
         if self.pre_softmax:
             gates, idx = torch.softmax(z, dim=-1, dtype=torch.float32).type_as(z).topk(self.topk)
@@ -166,14 +181,26 @@ class KVDecoder:
         flat_h, flat_idx, flat_g = h.reshape(-1, h.shape[-1]), idx.reshape(-1, self.topk), \
             gates.reshape(-1, self.topk)
         out = torch.zeros_like(flat_h)
-        for e, (fc1, fc2) in enumerate(w["experts"]):
-            hit = flat_idx == e  # [tokens, k]
-            rows = hit.any(-1).nonzero()[:, 0]
+        if h.shape[1] == 1:
+            for e, (fc1, fc2) in enumerate(w["experts"]):
+                hit = flat_idx == e  # [tokens, k]
+                gate, up = F.linear(flat_h, fc1).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, fc2)
+                weight = (flat_g * hit).sum(-1, keepdim=True)  # g of expert e, 0 if not chosen
+                out += torch.where(hit.any(-1, keepdim=True), y * weight, 0.0)
+            return out.view_as(h), idx
+        pairs = flat_idx.reshape(-1)  # [tokens * k], token-major
+        order = torch.sort(pairs, stable=True).indices
+        counts = torch.zeros(len(w["experts"]), dtype=torch.long, device=pairs.device)
+        counts = counts.scatter_add_(0, pairs, torch.ones_like(pairs)).tolist()  # the one sync
+        tokens_by_expert = (order // self.topk).split(counts)
+        gates_by_expert = flat_g.reshape(-1)[order].split(counts)
+        for (fc1, fc2), rows, g in zip(w["experts"], tokens_by_expert, gates_by_expert):
             if rows.numel() == 0:
                 continue
             gate, up = F.linear(flat_h[rows], fc1).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, fc2)
-            out.index_add_(0, rows, y * (flat_g[rows] * hit[rows]).sum(-1, keepdim=True))
+            out.index_add_(0, rows, y * g[:, None])
         return out.view_as(h), idx
 
     # -- the forward -----------------------------------------------------------------------------

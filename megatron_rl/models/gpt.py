@@ -55,28 +55,52 @@ def make_packed_seq_params(seq_lens: Sequence[int], total_len: int,
         raise ValueError(f"the sequences take {sum(lens)} tokens, more than total_len={total_len}")
     if total_len > sum(lens):
         lens.append(total_len - sum(lens))
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
-    return thd_params(cu, max(lens), rank_device() if device is None else device)
+    bounds = [0, *itertools.accumulate(lens)]
+    return thd_params(torch.tensor(bounds, dtype=torch.int32), max(lens),
+                      rank_device() if device is None else device, bounds=bounds)
 
 
-def thd_params(cu_seqlens: torch.Tensor, max_seqlen: int, device):
+def thd_params(cu_seqlens: torch.Tensor, max_seqlen: int, device,
+               bounds: Sequence[int] | None = None):
     """PackedSeqParams (qkv_format "thd") for self-attention over the segments `cu_seqlens`
-    (int32 on `device`), whose longest is `max_seqlen` tokens (see make_packed_seq_params)."""
+    (int32 on `device`), whose longest is `max_seqlen` tokens (see make_packed_seq_params).
+    bounds: the values of cu_seqlens, when the caller has them on the host; SDPAttention then
+    reads nothing back from the device (else it reads cu_seqlens once per forward, see
+    `packed_segment_bounds`)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     m = int(max_seqlen)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
-                           max_seqlen_kv=m)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=m, max_seqlen_kv=m)
+    if bounds is not None:
+        _host_values(params, cu, [int(b) for b in bounds])
+    return params
+
+
+def _host_values(params, cu: torch.Tensor, known: list[int] | None = None) -> list[int]:
+    """The values of `cu` (a cu_seqlens tensor of `params`) on the host, read from the device
+    at most once per params object: every layer's attention in a forward gets the same
+    PackedSeqParams, so the read (a host synchronisation on a GPU) happens in the first layer
+    only. Kept on the object itself with the tensor's version counter, so an in-place change of
+    the tensor is read again. `known`: the values, from a caller that has them on the host."""
+    cache = params.__dict__.setdefault("_megatron_rl_host_values", {})
+    hit = cache.get(id(cu))
+    if known is None and hit is not None and hit[0] is cu and hit[1] == cu._version:
+        return hit[2]
+    values = known if known is not None else [int(b) for b in cu.tolist()]
+    cache[id(cu)] = (cu, cu._version, values)
+    return values
 
 
 def packed_segment_bounds(params, num_tokens: int, *, check_rope: bool = True) -> list[int]:
     """Segment boundaries of a THD row of `num_tokens` tokens: cu_seqlens_q_padded where set,
     else cu_seqlens_q, the same boundaries megatron's RoPE restarts positions at
-    (attention.py:1081-1089). Raises ValueError for boundaries that do not cover the row and,
-    with `check_rope`, for a max_seqlen equal to the row length with several segments (megatron's
-    unfused RoPE then continues positions across them, rope_utils.py:211); NotImplementedError
-    for key boundaries other than the query's (cross-attention)."""
+    (attention.py:1081-1089), read to the host once per `params` (`_host_values`). Raises
+    ValueError for boundaries that do not cover the row and, with `check_rope`, for a max_seqlen
+    equal to the row length with several segments (megatron's unfused RoPE then continues
+    positions across them, rope_utils.py:211); NotImplementedError for key boundaries other than
+    the query's (cross-attention)."""
     def chosen(padded, plain):
         return padded if padded is not None else plain
 
@@ -84,8 +108,8 @@ def packed_segment_bounds(params, num_tokens: int, *, check_rope: bool = True) -
     cu_kv = chosen(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)
     if cu_q is None:
         raise ValueError("packed_seq_params.cu_seqlens_q is required for the thd format")
-    bounds = [int(b) for b in cu_q.tolist()]
-    if cu_kv is not None and cu_kv is not cu_q and [int(b) for b in cu_kv.tolist()] != bounds:
+    bounds = list(_host_values(params, cu_q))
+    if cu_kv is not None and cu_kv is not cu_q and _host_values(params, cu_kv) != bounds:
         raise NotImplementedError("SDPAttention packs self-attention only: cu_seqlens_kv must "
                                   "equal cu_seqlens_q")
     if (len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != num_tokens
@@ -300,9 +324,10 @@ def build_gpt_model(args: ModelArgs, *, tensor_parallel: int = 1, pipeline_paral
 
     if use_te is None:  # mixture-of-experts models: the local spec (see layer_spec)
         use_te = use_transformer_engine(options) and not args.num_experts
-    if args.num_experts:  # megatron-core's router without TransformerEngine
-        from megatron_rl.compat import apply_without_te_compat
+    from megatron_rl.compat import apply_rope_thd_compat, apply_without_te_compat
 
+    apply_rope_thd_compat()  # packed rows' RoPE without host synchronisations
+    if args.num_experts:  # megatron-core's router without TransformerEngine
         apply_without_te_compat()
     config = transformer_config(args, tensor_parallel=tensor_parallel,
                                 pipeline_parallel=pipeline_parallel, params_dtype=params_dtype,
