@@ -238,6 +238,7 @@ class AlgorithmConfig:
         "gradient)"))
 
     def validate(self) -> None:
+        self.loss.validate()
         if self.max_tokens_per_microbatch < 0:
             raise ValueError(f"--max-tokens-per-microbatch {self.max_tokens_per_microbatch}: "
                              "must be >= 0 (0: --micro-batch-size x the batch's longest "
