@@ -370,10 +370,13 @@ class TrainConfig:
             if self.model.options.recompute_granularity:
                 raise ValueError("--routing-replay with --recompute-granularity: the recomputed "
                                  "forward would route the tokens again; turn one off")
-            if engine == "local" and self.parallel.pipeline_model_parallel_size > 1:
-                raise ValueError("--routing-replay with the local engine needs "
-                                 "--pipeline-model-parallel-size 1 (each stage records only its "
-                                 "own layers); use --rollout-engine process")
+            if (not ENGINES[engine].routed_experts_pipelined
+                    and self.parallel.pipeline_model_parallel_size > 1):
+                pipelined = ", ".join(n for n, e in ENGINES.items() if e.routed_experts_pipelined)
+                raise ValueError(f"--routing-replay with --rollout-engine {engine} needs "
+                                 "--pipeline-model-parallel-size 1 (it generates in the "
+                                 "trainer's layout, where each stage records only its own "
+                                 f"layers); use --rollout-engine {pipelined}")
         if self.rollout.rollout_release_memory:
             if self.algorithm.async_level:
                 raise ValueError("--rollout-release-memory needs --async-level 0: under async "

@@ -24,6 +24,8 @@ class EngineSpec:
         its log-probs are the trainer's up to float rounding (--old-logprobs auto uses them).
     routed_experts: it returns the experts a mixture-of-experts model routed each token to
         (SamplingParams.return_routed_experts, for --routing-replay).
+    routed_experts_pipelined: it returns them also when the trainer is pipeline-parallel (an
+        engine that generates in the trainer's layout sees, on each stage, only its own layers).
     """
 
     name: str
@@ -33,18 +35,23 @@ class EngineSpec:
     release_memory: bool
     trainer_numerics: bool
     routed_experts: bool
+    routed_experts_pipelined: bool
 
 
 ENGINES: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("local", holds_own_weights=False, weight_syncs=("auto",), servers=False,
-               release_memory=False, trainer_numerics=True, routed_experts=True),
+               release_memory=False, trainer_numerics=True, routed_experts=True,
+               routed_experts_pipelined=False),
     EngineSpec("process", holds_own_weights=True, weight_syncs=("auto", "disk", "tensor"),
-               servers=False, release_memory=False, trainer_numerics=True, routed_experts=True),
+               servers=False, release_memory=False, trainer_numerics=True, routed_experts=True,
+               routed_experts_pipelined=True),
     EngineSpec("vllm", holds_own_weights=True, weight_syncs=("auto", "disk", "tensor"),
-               servers=True, release_memory=True, trainer_numerics=False, routed_experts=False),
+               servers=True, release_memory=True, trainer_numerics=False, routed_experts=False,
+               routed_experts_pipelined=False),
     EngineSpec("sglang", holds_own_weights=True,
                weight_syncs=("auto", "disk", "tensor", "distributed"), servers=True,
-               release_memory=True, trainer_numerics=False, routed_experts=True),
+               release_memory=True, trainer_numerics=False, routed_experts=True,
+               routed_experts_pipelined=True),
 )}
 
 

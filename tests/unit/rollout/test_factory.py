@@ -30,6 +30,7 @@ def test_engine_table_matches_the_engine(name):
     cls, config = _engine_class(name)
     assert cls.holds_own_weights is spec.holds_own_weights
     assert (cls.client_rank is None) is (not spec.holds_own_weights)
+    assert spec.routed_experts or not spec.routed_experts_pipelined
     if config is not None:  # the modes its config accepts are the ones the table lists
         assert set(config.SYNCS) == set(spec.weight_syncs) - {"auto"}
     for method in ("generate", "update_weights", "stats", "release_memory", "resume_memory",
@@ -47,21 +48,96 @@ def test_engine_config_rejects_a_sync_mode_it_does_not_take(tmp_path):
         ProcessConfig(work_dir=str(tmp_path), hf_checkpoint=str(tmp_path), sync="disc")
 
 
-def test_no_engine_name_decides_behaviour_outside_rollout():
-    """A comparison or membership test against an engine's name ("local", "vllm", ...) outside
-    rollout/ is behaviour keyed on the name: it belongs in the engine table or the engine."""
+def engine_name_comparisons(source: str) -> list[str]:
+    """Comparisons (==, !=, in, not in) of a value that comes from --rollout-engine (an
+    expression reading `rollout_engine`, or a name assigned from one, in the same function)
+    with an engine's name ("local", "vllm", ...), as "line: code"."""
     names = set(ENGINES)
+
+    def engine_name(node) -> bool:
+        return (isinstance(node, ast.Constant) and node.value in names
+                or isinstance(node, (ast.Tuple, ast.List, ast.Set))
+                and any(engine_name(e) for e in node.elts))
+
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+    def own_nodes(scope):
+        """The scope's nodes, not those of the functions defined inside it."""
+        todo = list(ast.iter_child_nodes(scope))
+        while todo:
+            node = todo.pop()
+            yield node
+            if not isinstance(node, functions):
+                todo += ast.iter_child_nodes(node)
+
+    found = set()
+
+    def visit(scope, inherited: frozenset) -> None:
+        """Comparisons in `scope`, with the names tainted in the scopes around it (closures)."""
+        tainted = set(inherited)
+
+        def from_engine(node) -> bool:
+            return any(isinstance(n, ast.Attribute) and n.attr == "rollout_engine"
+                       or isinstance(n, ast.Name) and n.id in tainted for n in ast.walk(node))
+
+        pairs = []  # (target, value) of every assignment in the scope, tuples element-wise
+        for node in own_nodes(scope):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    if (isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                            and len(t.elts) == len(node.value.elts)):
+                        pairs += zip(t.elts, node.value.elts)
+                    else:
+                        pairs.append((t, node.value))
+        while True:  # names assigned from the engine's name, and from those names
+            new = {n.id for t, v in pairs if from_engine(v) for n in ast.walk(t)
+                   if isinstance(n, ast.Name)} - tainted
+            if not new:
+                break
+            tainted |= new
+        for node in own_nodes(scope):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(map(engine_name, operands)) and any(
+                        from_engine(o) for o in operands if not engine_name(o)):
+                    found.add(f"{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, functions):
+                visit(node, frozenset(tainted))
+
+    visit(ast.parse(source), frozenset())
+    return sorted(found)
+
+
+def test_engine_name_comparisons_are_found_through_local_names():
+    """The check below sees a comparison made through a local variable, or a tuple of names,
+    and not one of another setting's value that happens to equal an engine's name."""
+    src = ("def f(self):\n"
+           "    engine = self.rollout.rollout_engine\n"
+           "    e2 = engine\n"
+           "    r, kind = self.rollout, self.rollout.rollout_engine\n"
+           "    if engine == 'local' and e2 in ('vllm', 'sglang') or kind != 'process':\n"
+           "        pass\n"
+           "    if cfg.rollout.rollout_engine == 'vllm':\n"
+           "        pass\n"
+           "    def inner():\n"
+           "        return e2 == 'vllm'\n"
+           "def g(options):\n"
+           "    backend = options.attention_backend\n"
+           "    engine = 'local'\n"
+           "    return backend == 'local' or engine == 'local'\n")
+    assert [f.split(":")[0] for f in engine_name_comparisons(src)] == ["10", "5", "5", "5", "7"]
+
+
+def test_no_engine_name_decides_behaviour_outside_rollout():
+    """A comparison or membership test of --rollout-engine's value against an engine's name
+    ("local", "vllm", ...) outside rollout/ is behaviour keyed on the name: it belongs in the
+    engine table or the engine."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel.startswith(("rollout/", "experiments/")):
+        if rel.startswith("rollout/"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare) and any(
-                    isinstance(c, ast.Constant) and c.value in names
-                    or isinstance(c, (ast.Tuple, ast.List, ast.Set)) and any(
-                        isinstance(e, ast.Constant) and e.value in names for e in c.elts)
-                    for c in [node.left, *node.comparators]):
-                if "rollout_engine" in ast.unparse(node):
-                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+        found += [f"{rel}:{f}" for f in engine_name_comparisons(path.read_text())]
     assert not found, "engine names decide behaviour outside rollout/:\n" + "\n".join(found)
+
