@@ -76,8 +76,12 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
     """RolloutEngine backed by an SGLang server (see module docstring)."""
 
     NAME = "SGLang"
-    RELEASE = ("/release_memory_occupation", {})
-    RESUME = ("/resume_memory_occupation", {})
+    # SGLang's memory-saver regions (sglang.srt.constants GPU_MEMORY_TYPE_*), named: without
+    # tags a release covers what that version counts as "all" (weights and KV cache only in
+    # some), and the resume must take back the same set
+    MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+    RELEASE = ("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
+    RESUME = ("/resume_memory_occupation", {"tags": list(MEMORY_TAGS)})
 
     def __init__(self, model_path: str, config: SGLangConfig, policy=None, start: bool = True):
         self.config = config

@@ -1,7 +1,10 @@
 """How the vLLM and SGLang engines launch their servers, without a server: the command line a
-launch on GPUs uses."""
+launch on GPUs uses, and the memory-release requests an SGLang server receives (answered by a
+small HTTP server that records them)."""
+import http.server
 import json
 import sys
+import threading
 
 import pytest
 
@@ -32,3 +35,51 @@ def test_vllm_uses_cuda_graphs_on_gpus_and_eager_mode_on_the_cpu(model_dir, tmp_
     eager = VLLMEngine(model_dir, VLLMConfig(work_dir=str(tmp_path / "e"), python=sys.executable,
                                              enforce_eager=True), start=False)
     assert "--enforce-eager" in eager._argv(model_dir, "127.0.0.1", 8000, cuda=True)
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """Answers every request with {} (GET /health included) and records each POST."""
+
+    posts: list = []
+
+    def _answer(self):
+        body = b"{}"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._answer()
+
+    def do_POST(self):
+        length = int(self.headers.get("Content-Length", 0))
+        self.posts.append((self.path, json.loads(self.rfile.read(length) or b"null")))
+        self._answer()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_sglang_releases_and_resumes_every_memory_region_by_name(model_dir, tmp_path):
+    """/release_memory_occupation and /resume_memory_occupation name the regions: weights, KV
+    cache and CUDA graphs, the same set both ways (without tags, what a release covers depends
+    on the SGLang version)."""
+    from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
+
+    _Recorder.posts = []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        engine = SGLangEngine(model_dir, SGLangConfig(work_dir=str(tmp_path / "w"), url=url))
+        engine.release_memory()
+        engine.resume_memory()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    tags = ["weights", "kv_cache", "cuda_graph"]
+    assert _Recorder.posts == [("/release_memory_occupation", {"tags": tags}),
+                               ("/resume_memory_occupation", {"tags": tags})]
