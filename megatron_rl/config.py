@@ -138,9 +138,20 @@ class RolloutConfig:
         "process engine on GPUs only: CUDA device index its child generates on (e.g. a GPU "
         "no trainer rank uses); unset: global rank 0's own GPU (its LOCAL_RANK)"))
     rollout_gpu_memory_utilization: float | None = _opt(None, help=(
-        "vllm/sglang on GPUs only: share of GPU memory a started server takes (vLLM's "
-        "--gpu-memory-utilization, SGLang's --mem-fraction-static); unset: the server's "
-        "default"))
+        "vllm/sglang on GPUs only: share of its GPU's total memory a started server takes in "
+        "all: weights, KV cache, activations, CUDA graphs. vLLM: its --gpu-memory-utilization. "
+        "SGLang, whose --mem-fraction-static counts weights and KV cache only, as a share of "
+        "the memory free when it starts: the KV cache this share leaves after the weights and "
+        "a reserve (rollout/memory.py) becomes its --max-total-tokens, and weights + KV cache "
+        "over the share its --mem-fraction-static. A share whose KV cache cannot hold one "
+        "request of --rollout-max-context-len tokens is refused at startup; unset: the "
+        "server's default"))
+    rollout_max_context_len: int = _opt(0, min=0, help=(
+        "vllm/sglang servers started here: tokens of one sequence, prompt and response, a "
+        "server takes (vLLM's --max-model-len, SGLang's --context-length), which sizes the KV "
+        "cache one request needs; 0: the longest prompt the run sends (--train-data, and "
+        "--eval-data where evaluated) in tokens + --max-new-tokens. A longer prompt, or a "
+        "length beyond the model's max_position_embeddings, is refused at startup"))
     rollout_release_memory: bool = _opt(False, help=(
         "vllm/sglang on the trainer's GPUs, --async-level 0 only: the server frees its GPU "
         "memory while the trainer trains (weights to host memory, KV cache dropped: vLLM's "

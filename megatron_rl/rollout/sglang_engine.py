@@ -64,6 +64,7 @@ class SGLangConfig(ServerConfig):
     context_length: int = 4096
     tp_size: int = 1
     mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None  # the KV pool's tokens at most (None: as the memory allows)
     memory_saver: bool = False          # --enable-memory-saver: release_memory / resume_memory
     # --enable-return-routed-experts: requests may ask for each token's experts (routing replay)
     routed_experts: bool = False
@@ -117,24 +118,31 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
             self.start()
 
     # -- process ---------------------------------------------------------------------------------
-    def _device(self) -> str | None:
+    def _device(self, cuda: bool | None = None) -> str | None:
+        """config.device, else "cpu" without CUDA (`cuda`; None: whether this process has it)
+        and None (sglang's default) with it."""
         if self.config.device is not None:
             return self.config.device
         from megatron_rl.parallel import use_cuda
 
-        return None if use_cuda() else "cpu"
+        return None if (use_cuda() if cuda is None else cuda) else "cpu"
 
-    def _argv(self, model_path: str, host: str, port: int) -> list[str]:
+    def _argv(self, model_path: str, host: str, port: int,
+              cuda: bool | None = None) -> list[str]:
+        """The server's command line; `cuda`: whether it runs on GPUs (None: whether this
+        process has CUDA, where the server runs)."""
         c = self.config
         argv = [self.python, "-m", "sglang.launch_server", "--model-path", model_path,
                 "--host", host, "--port", str(port), "--skip-tokenizer-init",
                 "--dtype", c.dtype, "--context-length", str(c.context_length),
                 "--random-seed", str(c.seed), "--tp-size", str(c.tp_size)]
-        if self._device() == "cpu":
+        if self._device(cuda) == "cpu":
             argv += ["--device", "cpu", "--attention-backend", "torch_native",
                      "--disable-cuda-graph"]
         if c.mem_fraction_static is not None:
             argv += ["--mem-fraction-static", str(c.mem_fraction_static)]
+        if c.max_total_tokens is not None:
+            argv += ["--max-total-tokens", str(c.max_total_tokens)]
         if c.memory_saver:
             argv.append("--enable-memory-saver")
         if c.routed_experts:

@@ -141,3 +141,88 @@ def test_no_engine_name_decides_behaviour_outside_rollout():
         found += [f"{rel}:{f}" for f in engine_name_comparisons(path.read_text())]
     assert not found, "engine names decide behaviour outside rollout/:\n" + "\n".join(found)
 
+
+# -- servers started by the trainer: their context length, devices and memory share ----------
+
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072}
+GIB = 1 << 30
+
+
+def _cfg(tmp_path, *flags):
+    from megatron_rl.config import parse_config
+
+    return parse_config(["--hf-checkpoint", "m", "--train-data", "d.jsonl", "--bf16",
+                         "--save", str(tmp_path / "run"), "--max-new-tokens", "1024", *flags])
+
+
+def test_context_length_is_the_runs_not_the_models(tmp_path):
+    """A started server takes the longest prompt + --max-new-tokens (not the model's 131072
+    positions, whose KV cache no recipe's share holds), or --rollout-max-context-len; a prompt
+    it cannot hold, or a length beyond the model's positions, is refused up front."""
+    from megatron_rl.rollout.factory import server_context_len
+
+    r = _cfg(tmp_path, "--rollout-engine", "vllm").rollout
+    assert server_context_len(r, 700, 131072) == 1724
+    r = _cfg(tmp_path, "--rollout-engine", "vllm", "--rollout-max-context-len", "3072").rollout
+    assert server_context_len(r, 700, 131072) == 3072
+    with pytest.raises(ValueError, match="--rollout-max-context-len 3072 holds prompts of up to "
+                                         "2048 tokens .* the longest prompt .* has 2100"):
+        server_context_len(r, 2100, 131072)
+    with pytest.raises(ValueError, match="--rollout-max-context-len 3072 exceeds the model's "
+                                         "max_position_embeddings .2048."):
+        server_context_len(r, 700, 2048)
+    r = _cfg(tmp_path, "--rollout-engine", "vllm").rollout
+    with pytest.raises(ValueError, match=r"the longest prompt \(1500 tokens\) \+ --max-new-tokens "
+                                         r"\(1024\) = 2524 exceeds"):
+        server_context_len(r, 1500, 2048)
+
+
+def test_servers_on_gpus_get_their_context_and_share(tmp_path):
+    """Pretending a CUDA run: the run's context length, vLLM the share as is, SGLang the share
+    in its own terms."""
+    from megatron_rl.models import ModelArgs
+    from megatron_rl.rollout.factory import server_configs, server_memory_plan
+
+    args = ModelArgs.from_hf_config(LLAMA_8B)
+    cfg = _cfg(tmp_path, "--rollout-engine", "vllm", "--rollout-num-servers", "2",
+               "--rollout-gpu-memory-utilization", "0.25")
+    vllm = server_configs(cfg, args, 500, cuda=True, gpu_bytes=79 * GIB)
+    assert [(c.max_model_len, c.gpu_memory_utilization, c.kv_cache_memory_bytes)
+            for c in vllm] == [(1524, 0.25, None)] * 2
+    assert vllm[0].work_dir != vllm[1].work_dir
+    cpu = server_configs(cfg, args, 500, cuda=False)  # the CPU: no GPU share
+    assert [c.gpu_memory_utilization for c in cpu] == [None] * 2
+
+    cfg = _cfg(tmp_path, "--rollout-engine", "sglang", "--rollout-num-servers", "2",
+               "--rollout-gpu-memory-utilization", "0.25")
+    sglang = server_configs(cfg, args, 500, cuda=True, gpu_bytes=79 * GIB)
+    fraction, tokens = server_memory_plan(cfg, args, 1524, 79 * GIB).sglang_args()
+    assert [(c.context_length, c.mem_fraction_static, c.max_total_tokens)
+            for c in sglang] == [(1524, fraction, tokens)] * 2
+
+    attached = _cfg(tmp_path, "--rollout-engine", "sglang", "--rollout-url", "http://a:1",
+                    "--rollout-gpu-memory-utilization", "0.25")
+    [c] = server_configs(attached, args, None, cuda=True)  # runs as it runs
+    assert (c.url, c.max_total_tokens) == ("http://a:1", None)
+
+
+def test_a_share_that_cannot_hold_one_request_is_refused_up_front(tmp_path, caplog):
+    """Llama-3.1-8B at 0.25 of an 80 GB GPU: its own 131072 positions need 16 GiB of KV cache,
+    the share leaves 4.8 GiB after the weights: refused before any server starts. A length
+    that only the reserve's estimate makes short is let through with a warning."""
+    from megatron_rl.models import ModelArgs
+    from megatron_rl.rollout.factory import server_configs
+
+    args = ModelArgs.from_hf_config(LLAMA_8B)
+    cfg = _cfg(tmp_path, "--rollout-engine", "vllm", "--rollout-gpu-memory-utilization", "0.25",
+               "--rollout-max-context-len", "131072")
+    with pytest.raises(ValueError, match=r"--rollout-gpu-memory-utilization 0.25: one request of "
+                                         r"131072 tokens .* needs 16.00 GiB of KV cache"):
+        server_configs(cfg, args, 500, cuda=True, gpu_bytes=79 * GIB)
+    cfg = _cfg(tmp_path, "--rollout-engine", "vllm", "--rollout-gpu-memory-utilization", "0.25",
+               "--rollout-max-context-len", "20000")  # 2.4 GiB: fits without the reserve only
+    with caplog.at_level("WARNING"):
+        server_configs(cfg, args, 500, cuda=True, gpu_bytes=79 * GIB)
+    assert "may not start" in caplog.text

@@ -1,5 +1,5 @@
 """How the vLLM and SGLang engines launch their servers, without a server: the command line a
-launch on GPUs uses, and the memory-release requests an SGLang server receives (answered by a
+launch on GPUs uses (CUDA graphs, the memory budget), and the memory-release requests an SGLang server receives (answered by a
 small HTTP server that records them)."""
 import http.server
 import json
@@ -35,6 +35,21 @@ def test_vllm_uses_cuda_graphs_on_gpus_and_eager_mode_on_the_cpu(model_dir, tmp_
     eager = VLLMEngine(model_dir, VLLMConfig(work_dir=str(tmp_path / "e"), python=sys.executable,
                                              enforce_eager=True), start=False)
     assert "--enforce-eager" in eager._argv(model_dir, "127.0.0.1", 8000, cuda=True)
+
+
+def test_sglang_on_gpus_gets_its_memory_budget_and_cuda_graphs(model_dir, tmp_path):
+    from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
+
+    config = SGLangConfig(work_dir=str(tmp_path / "w"), python=sys.executable,
+                          context_length=3072, mem_fraction_static=0.8481,
+                          max_total_tokens=14683)
+    engine = SGLangEngine(model_dir, config, start=False)
+    gpu = engine._argv(model_dir, "127.0.0.1", 8000, cuda=True)
+    assert "--disable-cuda-graph" not in gpu and "--device" not in gpu
+    assert _value(gpu, "--context-length") == "3072"
+    assert _value(gpu, "--mem-fraction-static") == "0.8481"
+    assert _value(gpu, "--max-total-tokens") == "14683"
+    assert "--disable-cuda-graph" in engine._argv(model_dir, "127.0.0.1", 8000, cuda=False)
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
