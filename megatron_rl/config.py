@@ -137,6 +137,12 @@ class RolloutConfig:
     rollout_process_gpu: int | None = _opt(None, min=0, help=(
         "process engine on GPUs only: CUDA device index its child generates on (e.g. a GPU "
         "no trainer rank uses); unset: global rank 0's own GPU (its LOCAL_RANK)"))
+    rollout_gpus: list[int] = _opt(factory=list, help=(
+        "vllm/sglang servers started here, on GPUs: the CUDA device of each of the "
+        "--rollout-num-servers servers, in order (indices among the devices global rank 0 "
+        "sees); unset: server i on device i, beside training rank i of rank 0's node. "
+        "--weight-sync distributed needs devices other than 0: training rank 0 is on device 0 "
+        "and NCCL refuses two members of one group on one GPU"))
     rollout_gpu_memory_utilization: float | None = _opt(None, help=(
         "vllm/sglang on GPUs only: share of its GPU's total memory a started server takes in "
         "all: weights, KV cache, activations, CUDA graphs. vLLM: its --gpu-memory-utilization. "
@@ -193,6 +199,32 @@ class RolloutConfig:
             freeing = " or ".join(name for name, s in ENGINES.items() if s.release_memory)
             raise ValueError(f"--rollout-release-memory frees a {freeing} server's GPU memory; "
                              f"--rollout-engine is {engine}")
+        u = self.rollout_gpu_memory_utilization
+        if u is not None and not 0 < u <= 1:
+            raise ValueError(f"--rollout-gpu-memory-utilization {u}: a share of the GPU's "
+                             "memory, in (0, 1]")
+        gpus = self.rollout_gpus
+        if gpus:
+            if not spec.servers or self.rollout_url:
+                raise ValueError(f"--rollout-gpus places servers started here (--rollout-engine "
+                                 f"{servers}, no --rollout-url)")
+            if (len(gpus) != self.rollout_num_servers or len(set(gpus)) != len(gpus)
+                    or min(gpus) < 0):
+                raise ValueError(f"--rollout-gpus {' '.join(map(str, gpus))}: one device index "
+                                 f"(>= 0) per server, a different one each; "
+                                 f"--rollout-num-servers is {self.rollout_num_servers}")
+        if (sync == "distributed" and spec.servers and not self.rollout_url
+                and 0 in self.server_gpus()):
+            raise ValueError("--weight-sync distributed broadcasts from training rank 0, on "
+                             "device 0, to the servers over NCCL, which refuses two members of "
+                             "one group on one GPU; a server started here runs on device 0 ("
+                             f"--rollout-gpus {' '.join(map(str, self.server_gpus()))}): give "
+                             "--rollout-gpus devices other than 0, or --weight-sync tensor")
+
+    def server_gpus(self) -> list[int]:
+        """The CUDA device of each server started here (on GPUs): --rollout-gpus, else server i
+        on device i."""
+        return list(self.rollout_gpus) or list(range(self.rollout_num_servers))
 
 
 @dataclasses.dataclass

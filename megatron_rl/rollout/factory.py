@@ -90,7 +90,7 @@ def build_engine(cfg, policy, pad_id: int, longest_prompt: Callable[[], int]):
     longest = gpu_bytes = None
     if not r.rollout_url:  # servers started here: their context length and memory budget
         longest = broadcast_from_rank0(longest_prompt() if dist_rank() == 0 else None)
-        gpu_bytes = _gpu_total_bytes() if cuda else None
+        gpu_bytes = _gpu_total_bytes(r.server_gpus()) if cuda else None
     configs = server_configs(cfg, policy.args, longest, cuda, gpu_bytes)
     hf = cfg.model.hf_checkpoint
     engines: list
@@ -118,8 +118,8 @@ def server_configs(cfg, args, longest_prompt: int | None, cuda: bool,
     vllm or sglang) serving the model `args` (models.ModelArgs): one per --rollout-url, or per
     server started here (--rollout-num-servers). For started servers: `longest_prompt`, the
     run's longest prompt in tokens, sets their context length (server_context_len); `cuda`, that
-    they run on GPUs, within their memory share of a GPU of `gpu_bytes` (checked up front:
-    check_server_memory; for SGLang converted to its terms)."""
+    they run on GPUs: each on its device (--rollout-gpus), within its memory share of a GPU of
+    `gpu_bytes` (checked up front: check_server_memory; for SGLang converted to its terms)."""
     r, engine = cfg.rollout, cfg.rollout.rollout_engine
     dtype = "bfloat16" if cfg.model.bf16 else "float32"
     work_dir = os.path.join(cfg.checkpoint.save, engine)
@@ -129,15 +129,18 @@ def server_configs(cfg, args, longest_prompt: int | None, cuda: bool,
     urls = list(r.rollout_url) or [None] * r.rollout_num_servers
     dirs = [work_dir] if len(urls) == 1 else [os.path.join(work_dir, f"server{i}")
                                                for i in range(len(urls))]
+    gpus: list[tuple[int, ...]] = [()] * len(urls)
     plan: ServerMemory | None = None
     context_len: int | None = None  # attached servers: theirs
     if not r.rollout_url:
         assert longest_prompt is not None, "started servers need the longest prompt"
         context_len = server_context_len(r, longest_prompt, args.max_position_embeddings)
-        if mem is not None:
-            assert gpu_bytes is not None, "a memory share needs the GPU's size"
-            plan = server_memory_plan(cfg, args, context_len, gpu_bytes)
-            check_server_memory(plan, r)
+        if cuda:
+            gpus = [(g,) for g in r.server_gpus()]
+            if mem is not None:
+                assert gpu_bytes is not None, "a memory share needs the GPU's size"
+                plan = server_memory_plan(cfg, args, context_len, gpu_bytes)
+                check_server_memory(plan, r)
     common = dict(dtype=dtype, seed=cfg.seed, host=r.rollout_host,
                   bucket_bytes=r.weight_sync_bucket_mb << 20)
     if engine == "vllm":
@@ -151,8 +154,8 @@ def server_configs(cfg, args, longest_prompt: int | None, cuda: bool,
         # auto = disk, the faster of the two on the CPU machines measured (benchmarks/RESULTS.md,
         # "Weight sync"; tensor needs a server on this host)
         sync = "disk" if r.weight_sync == "auto" else r.weight_sync
-        return [VLLMConfig(work_dir=d, url=url, sync=sync, **common, **launch)
-                for d, url in zip(dirs, urls)]
+        return [VLLMConfig(work_dir=d, url=url, gpus=g, sync=sync, **common, **launch)
+                for d, url, g in zip(dirs, urls, gpus)]
     assert engine == "sglang", engine  # TrainConfig.validate checked --rollout-engine
     from megatron_rl.rollout.sglang_engine import SGLangConfig
 
@@ -168,8 +171,8 @@ def server_configs(cfg, args, longest_prompt: int | None, cuda: bool,
     # auto: disk on CPU (measured the faster, benchmarks/RESULTS.md "Weight sync"); on GPUs
     # update_weights_from_tensor, SGLang's colocated path (not measured here)
     sync = r.weight_sync if r.weight_sync != "auto" else ("tensor" if cuda else "disk")
-    return [SGLangConfig(work_dir=d, url=url, sync=sync, **common, **launch)
-            for d, url in zip(dirs, urls)]
+    return [SGLangConfig(work_dir=d, url=url, gpus=g, sync=sync, **common, **launch)
+            for d, url, g in zip(dirs, urls, gpus)]
 
 
 def server_context_len(r, longest_prompt: int, max_position_embeddings: int) -> int:
@@ -220,8 +223,12 @@ def check_server_memory(plan: ServerMemory, r) -> None:
     log.warning("%s: the server may not start (the reserve is an estimate)", what)
 
 
-def _gpu_total_bytes() -> int:
-    """The total memory of the first CUDA device, where a started server runs."""
+def _gpu_total_bytes(gpus: list[int]) -> int:
+    """The total memory of the smallest of the CUDA devices `gpus`, which must exist here."""
     import torch
 
-    return torch.cuda.get_device_properties(0).total_memory
+    count = torch.cuda.device_count()
+    if max(gpus) >= count:
+        raise ValueError(f"--rollout-gpus {' '.join(map(str, gpus))}: this node shows {count} "
+                         "CUDA devices")
+    return min(torch.cuda.get_device_properties(g).total_memory for g in gpus)

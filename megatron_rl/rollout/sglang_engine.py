@@ -149,8 +149,10 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
             argv.append("--enable-return-routed-experts")
         return argv + list(c.extra_args)
 
-    def _env(self) -> dict[str, str]:
-        return {"SGLANG_USE_CPU_ENGINE": "1"} if self._device() == "cpu" else {}
+    def _env(self, cuda: bool | None = None) -> dict[str, str]:
+        """The launch environment's additions (`cuda` as in _argv)."""
+        return ({"SGLANG_USE_CPU_ENGINE": "1"} if self._device(cuda) == "cpu"
+                else self._device_env())
 
     def _on_start(self, server: ManagedServer) -> None:
         if server.num_restarts and self._nccl_group is not None:

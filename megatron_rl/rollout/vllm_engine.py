@@ -147,7 +147,7 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
         pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
         # The extension module must import in the server's workers; dev mode opens
         # /collective_rpc and /reset_prefix_cache.
-        return {"PYTHONPATH": pythonpath, "VLLM_SERVER_DEV_MODE": "1"}
+        return {"PYTHONPATH": pythonpath, "VLLM_SERVER_DEV_MODE": "1", **self._device_env()}
 
     def _on_start(self, server: ManagedServer) -> None:
         """After every (re)start: the worker's version tag is that of the directory it loaded.

@@ -179,9 +179,9 @@ def test_context_length_is_the_runs_not_the_models(tmp_path):
         server_context_len(r, 1500, 2048)
 
 
-def test_servers_on_gpus_get_their_context_and_share(tmp_path):
-    """Pretending a CUDA run: the run's context length, vLLM the share as is, SGLang the share
-    in its own terms."""
+def test_servers_on_gpus_get_their_device_context_and_share(tmp_path):
+    """Pretending a CUDA run: server i on device i (or --rollout-gpus), the run's context
+    length, vLLM the share as is, SGLang the share in its own terms."""
     from megatron_rl.models import ModelArgs
     from megatron_rl.rollout.factory import server_configs, server_memory_plan
 
@@ -189,23 +189,24 @@ def test_servers_on_gpus_get_their_context_and_share(tmp_path):
     cfg = _cfg(tmp_path, "--rollout-engine", "vllm", "--rollout-num-servers", "2",
                "--rollout-gpu-memory-utilization", "0.25")
     vllm = server_configs(cfg, args, 500, cuda=True, gpu_bytes=79 * GIB)
+    assert [c.gpus for c in vllm] == [(0,), (1,)]
     assert [(c.max_model_len, c.gpu_memory_utilization, c.kv_cache_memory_bytes)
             for c in vllm] == [(1524, 0.25, None)] * 2
     assert vllm[0].work_dir != vllm[1].work_dir
-    cpu = server_configs(cfg, args, 500, cuda=False)  # the CPU: no GPU share
-    assert [c.gpu_memory_utilization for c in cpu] == [None] * 2
+    cpu = server_configs(cfg, args, 500, cuda=False)  # the CPU: no devices, no GPU share
+    assert [(c.gpus, c.gpu_memory_utilization) for c in cpu] == [((), None)] * 2
 
     cfg = _cfg(tmp_path, "--rollout-engine", "sglang", "--rollout-num-servers", "2",
-               "--rollout-gpu-memory-utilization", "0.25")
+               "--rollout-gpus", "2", "3", "--rollout-gpu-memory-utilization", "0.25")
     sglang = server_configs(cfg, args, 500, cuda=True, gpu_bytes=79 * GIB)
     fraction, tokens = server_memory_plan(cfg, args, 1524, 79 * GIB).sglang_args()
-    assert [(c.context_length, c.mem_fraction_static, c.max_total_tokens)
-            for c in sglang] == [(1524, fraction, tokens)] * 2
+    assert [(c.gpus, c.context_length, c.mem_fraction_static, c.max_total_tokens)
+            for c in sglang] == [((2,), 1524, fraction, tokens), ((3,), 1524, fraction, tokens)]
 
     attached = _cfg(tmp_path, "--rollout-engine", "sglang", "--rollout-url", "http://a:1",
                     "--rollout-gpu-memory-utilization", "0.25")
-    [c] = server_configs(attached, args, None, cuda=True)  # runs as it runs
-    assert (c.url, c.max_total_tokens) == ("http://a:1", None)
+    [c] = server_configs(attached, args, None, cuda=True)  # runs where and as it runs
+    assert (c.url, c.gpus, c.max_total_tokens) == ("http://a:1", (), None)
 
 
 def test_a_share_that_cannot_hold_one_request_is_refused_up_front(tmp_path, caplog):
