@@ -137,10 +137,27 @@ class RolloutConfig:
     rollout_process_gpu: int | None = _opt(None, min=0, help=(
         "process engine on GPUs only: CUDA device index its child generates on (e.g. a GPU "
         "no trainer rank uses); unset: global rank 0's own GPU (its LOCAL_RANK)"))
+    rollout_gpus: list[int] = _opt(factory=list, help=(
+        "vllm/sglang servers started here, on GPUs: the CUDA device of each of the "
+        "--rollout-num-servers servers, in order (indices among the devices global rank 0 "
+        "sees); unset: server i on device i, beside training rank i of rank 0's node. "
+        "--weight-sync distributed needs devices other than 0: training rank 0 is on device 0 "
+        "and NCCL refuses two members of one group on one GPU"))
     rollout_gpu_memory_utilization: float | None = _opt(None, help=(
-        "vllm/sglang on GPUs only: share of GPU memory a started server takes (vLLM's "
-        "--gpu-memory-utilization, SGLang's --mem-fraction-static); unset: the server's "
-        "default"))
+        "vllm/sglang on GPUs only: share of its GPU's total memory a started server takes in "
+        "all: weights, KV cache, activations, CUDA graphs. vLLM: its --gpu-memory-utilization. "
+        "SGLang, whose --mem-fraction-static counts weights and KV cache only, as a share of "
+        "the memory free when it starts: the KV cache this share leaves after the weights and "
+        "a reserve (rollout/memory.py) becomes its --max-total-tokens, and weights + KV cache "
+        "over the share its --mem-fraction-static. A share whose KV cache cannot hold one "
+        "request of --rollout-max-context-len tokens is refused at startup; unset: the "
+        "server's default"))
+    rollout_max_context_len: int = _opt(0, min=0, help=(
+        "vllm/sglang servers started here: tokens of one sequence, prompt and response, a "
+        "server takes (vLLM's --max-model-len, SGLang's --context-length), which sizes the KV "
+        "cache one request needs; 0: the longest prompt the run sends (--train-data, and "
+        "--eval-data where evaluated) in tokens + --max-new-tokens. A longer prompt, or a "
+        "length beyond the model's max_position_embeddings, is refused at startup"))
     rollout_release_memory: bool = _opt(False, help=(
         "vllm/sglang on the trainer's GPUs, --async-level 0 only: the server frees its GPU "
         "memory while the trainer trains (weights to host memory, KV cache dropped: vLLM's "
@@ -182,6 +199,32 @@ class RolloutConfig:
             freeing = " or ".join(name for name, s in ENGINES.items() if s.release_memory)
             raise ValueError(f"--rollout-release-memory frees a {freeing} server's GPU memory; "
                              f"--rollout-engine is {engine}")
+        u = self.rollout_gpu_memory_utilization
+        if u is not None and not 0 < u <= 1:
+            raise ValueError(f"--rollout-gpu-memory-utilization {u}: a share of the GPU's "
+                             "memory, in (0, 1]")
+        gpus = self.rollout_gpus
+        if gpus:
+            if not spec.servers or self.rollout_url:
+                raise ValueError(f"--rollout-gpus places servers started here (--rollout-engine "
+                                 f"{servers}, no --rollout-url)")
+            if (len(gpus) != self.rollout_num_servers or len(set(gpus)) != len(gpus)
+                    or min(gpus) < 0):
+                raise ValueError(f"--rollout-gpus {' '.join(map(str, gpus))}: one device index "
+                                 f"(>= 0) per server, a different one each; "
+                                 f"--rollout-num-servers is {self.rollout_num_servers}")
+        if (sync == "distributed" and spec.servers and not self.rollout_url
+                and 0 in self.server_gpus()):
+            raise ValueError("--weight-sync distributed broadcasts from training rank 0, on "
+                             "device 0, to the servers over NCCL, which refuses two members of "
+                             "one group on one GPU; a server started here runs on device 0 ("
+                             f"--rollout-gpus {' '.join(map(str, self.server_gpus()))}): give "
+                             "--rollout-gpus devices other than 0, or --weight-sync tensor")
+
+    def server_gpus(self) -> list[int]:
+        """The CUDA device of each server started here (on GPUs): --rollout-gpus, else server i
+        on device i."""
+        return list(self.rollout_gpus) or list(range(self.rollout_num_servers))
 
 
 @dataclasses.dataclass
@@ -238,6 +281,7 @@ class AlgorithmConfig:
         "gradient)"))
 
     def validate(self) -> None:
+        self.loss.validate()
         if self.max_tokens_per_microbatch < 0:
             raise ValueError(f"--max-tokens-per-microbatch {self.max_tokens_per_microbatch}: "
                              "must be >= 0 (0: --micro-batch-size x the batch's longest "
@@ -369,10 +413,13 @@ class TrainConfig:
             if self.model.options.recompute_granularity:
                 raise ValueError("--routing-replay with --recompute-granularity: the recomputed "
                                  "forward would route the tokens again; turn one off")
-            if engine == "local" and self.parallel.pipeline_model_parallel_size > 1:
-                raise ValueError("--routing-replay with the local engine needs "
-                                 "--pipeline-model-parallel-size 1 (each stage records only its "
-                                 "own layers); use --rollout-engine process")
+            if (not ENGINES[engine].routed_experts_pipelined
+                    and self.parallel.pipeline_model_parallel_size > 1):
+                pipelined = ", ".join(n for n, e in ENGINES.items() if e.routed_experts_pipelined)
+                raise ValueError(f"--routing-replay with --rollout-engine {engine} needs "
+                                 "--pipeline-model-parallel-size 1 (it generates in the "
+                                 "trainer's layout, where each stage records only its own "
+                                 f"layers); use --rollout-engine {pipelined}")
         if self.rollout.rollout_release_memory:
             if self.algorithm.async_level:
                 raise ValueError("--rollout-release-memory needs --async-level 0: under async "

@@ -61,10 +61,8 @@ class RolloutCorrectionConfig:
         "upper bound of --rollout-correction's weights (tis: truncation; seq-mis, icepop: "
         "mask); unset: the correction's default")})
 
-    def __post_init__(self) -> None:
-        if self.mode not in CORRECTIONS:
-            raise ValueError(f"--rollout-correction {self.mode!r}; valid: "
-                             + ", ".join(CORRECTIONS))
+    def validate(self) -> None:
+        """The bounds (the mode's choices are checked by the trainer's TrainConfig.validate)."""
         if self.mode != "none":
             low, high = self.bounds()
             if not 0 <= low < high:

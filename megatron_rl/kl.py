@@ -263,7 +263,7 @@ class KLConfig(Placement):
         "return (stop-gradient; it reaches the policy through the advantage); loss = "
         "--kl-coef x K_t added to each token's loss (differentiated path-wise); reward+loss = "
         "both; none = no KL term (the KL is still logged)")})
-    coef: float = field(default=0.05, metadata={"help": (
+    coef: float = field(default=0.05, metadata={"min": 0.0, "help": (
         "beta: the weight of the KL term")})
     reward_to_go: bool = field(default=False, metadata={"help": (
         "reward placement: credit token t with the KL of positions s >= t only instead of the "
@@ -292,22 +292,12 @@ class KLConfig(Placement):
             "rollout makes seq-is unbiased when the engine's numerics or weights differ from "
             "pi_old (kl.py's three-distribution derivation)")})
 
-    def __post_init__(self):
-        if self.estimator not in ESTIMATOR_NAMES:
-            raise ValueError(f"unknown KL estimator {self.estimator!r}; valid: "
-                             f"{list(ESTIMATOR_NAMES)}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"unknown KL placement {self.placement!r}; valid: {list(PLACEMENTS)}")
-        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
-            raise ValueError(f"unknown off_policy_correction {self.off_policy_correction!r}; "
-                             f"valid: {list(OFF_POLICY_CORRECTIONS)}")
-        if self.coef < 0:
-            raise ValueError(f"KL coef must be >= 0, got {self.coef}")
-        if self.is_proposal not in IS_PROPOSALS:
-            raise ValueError(f"unknown is_proposal {self.is_proposal!r}; valid: "
-                             f"{list(IS_PROPOSALS)}")
+    def validate(self) -> None:
+        """The rules beyond each field's declared choices and minimum (which the trainer's
+        TrainConfig.validate checks)."""
         if self.is_truncation is not None and self.is_truncation <= 0:
-            raise ValueError(f"is_truncation must be > 0 or None, got {self.is_truncation}")
+            raise ValueError(f"--kl-is-truncation {self.is_truncation}: must be > 0 (unset: no "
+                             "truncation)")
 
     @property
     def exact(self) -> bool:

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_rl.advantages import (ADVANTAGE_ESTIMATORS, compute_advantages,
-                                    get_advantage_estimator)
+from megatron_rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.kl import (KLConfig, k1, k3, kl_loss_term, kl_reward_is_surrogate,
                             kl_reward_penalty, kl_reward_to_go_penalty)
@@ -104,13 +103,15 @@ class LossConfig:
         "group mean (the last two include the response itself: gradient scaled by 1 - "
         "1/group_size); reinforce = no baseline")})
 
-    def __post_init__(self):
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"unknown loss aggregation {self.aggregation!r}; valid: {sorted(AGGREGATIONS)}")
-        get_advantage_estimator(self.advantage_estimator)
+    def validate(self) -> None:
+        """The rules beyond each field's declared choices and minimum (which the trainer's
+        TrainConfig.validate checks), the KL's and the rollout correction's included."""
         # clip_low = 1 and clip_high = inf disable clipping (ratios are positive).
         if not (0 <= self.clip_low <= 1) or self.clip_high < 0:
-            raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+            raise ValueError(f"need 0 <= --clip-low <= 1 and --clip-high >= 0, got "
+                             f"{self.clip_low}, {self.clip_high}")
+        self.kl.validate()
+        self.rollout_correction.validate()
 
 
 def compute_rewards_with_kl(rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,

@@ -136,7 +136,10 @@ def setup_run(cfg: TrainConfig) -> Run:
         start_step = int(extra["step"])
         checkpoint.set_rng_state(extra["rng"])
         train_data.load_state_dict(extra["data"])
-    engine = build_engine(cfg, policy, codec.pad_id)
+    evaluated = eval_data if cfg.eval.eval_interval else None  # its first --eval-max-prompts
+    engine = build_engine(cfg, policy, codec.pad_id, longest_prompt=lambda: max(
+        train_data.max_prompt_tokens(codec.encode),
+        evaluated.max_prompt_tokens(codec.encode, cfg.eval.eval_max_prompts) if evaluated else 0))
     if resume is not None or weights is not None or not engine.holds_own_weights:
         engine.update_weights(start_step)  # an engine must serve the loaded weights
     is_logger = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1

@@ -152,6 +152,12 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.examples)
 
+    def max_prompt_tokens(self, encode, first: int = 0) -> int:
+        """The longest rendered prompt of the data set (of its `first` rows in file order; 0:
+        all), in tokens of `encode` (text -> ids)."""
+        rows = self.examples[:first] if first else self.examples
+        return max(len(encode(self.builder(ex))) for ex in rows)
+
     def order(self, epoch: int) -> list[int]:
         if self._order_epoch != epoch:
             order = list(range(len(self.examples)))

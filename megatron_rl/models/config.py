@@ -280,12 +280,6 @@ class ModelOptions:
     def validate(self, layers_per_stage: int | None = None) -> None:
         """Raise ValueError naming the flag for an inconsistent choice."""
         g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        if g is not None and g not in RECOMPUTE_GRANULARITIES:
-            raise ValueError("--recompute-granularity must be one of "
-                             f"{list(RECOMPUTE_GRANULARITIES)}, got {g!r}")
-        if m is not None and m not in RECOMPUTE_METHODS:
-            raise ValueError(f"--recompute-method must be one of {list(RECOMPUTE_METHODS)}, "
-                             f"got {m!r}")
         if m is not None and g != "full":
             raise ValueError("--recompute-method needs --recompute-granularity full "
                              f"(got --recompute-granularity {g})")
@@ -298,9 +292,6 @@ class ModelOptions:
         if n is not None and (n < 1 or (layers_per_stage is not None and n > layers_per_stage)):
             hi = "" if layers_per_stage is None else f" and the {layers_per_stage} layers per stage"
             raise ValueError(f"--recompute-num-layers must be between 1{hi}, got {n}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"--attention-backend must be one of {list(ATTENTION_BACKENDS)}, "
-                             f"got {self.attention_backend!r}")
         for name in ("bias_swiglu_fusion", "rope_fusion", "gradient_accumulation_fusion"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"ModelOptions.{name} must be None (auto), True or False")

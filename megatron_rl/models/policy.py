@@ -75,9 +75,6 @@ class OptimConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for an inconsistent schedule."""
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style must be one of {list(LR_DECAY_STYLES)}, "
-                             f"got {self.lr_decay_style!r}")
         if self.lr < 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if not 0 <= self.lr_warmup_init <= self.lr:

@@ -58,6 +58,8 @@ class ServerConfig(EngineConfig):
     url: attach to a server someone else runs instead of launching one.
     host: the bind address of a launched server (127.0.0.1; 0.0.0.0 to serve other nodes).
     python: the server environment's interpreter (default: the engine's own venv lookup).
+    gpus: the CUDA devices a launched server runs on, as indices among the devices this process
+        sees (its CUDA_VISIBLE_DEVICES is set to them); (): the devices this process sees.
     max_restarts: how often a launched server that died is started again.
     extra_args: appended to the server's command line.
     """
@@ -65,6 +67,7 @@ class ServerConfig(EngineConfig):
     url: str | None = None
     host: str = "127.0.0.1"
     python: str | None = None
+    gpus: tuple[int, ...] = ()
     max_restarts: int = 3
     extra_args: tuple[str, ...] = ()
 

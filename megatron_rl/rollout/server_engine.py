@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import urllib.error
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Generic, Mapping, Sequence, TypeVar
 
 from megatron_rl.parallel import run_on_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
@@ -37,6 +37,20 @@ def read_hf_config(model_path: str) -> dict:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+def visible_devices(gpus: Sequence[int], environ: Mapping[str, str] = os.environ) -> str:
+    """CUDA_VISIBLE_DEVICES for a child process that should run on `gpus`, indices among the
+    devices this process sees: through this process's own CUDA_VISIBLE_DEVICES (in `environ`)
+    where it restricts them."""
+    shown = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not shown:
+        return ",".join(str(g) for g in gpus)
+    beyond = [g for g in gpus if not 0 <= g < len(shown)]
+    if beyond:
+        raise ValueError(f"CUDA device {beyond[0]}: this process sees {len(shown)} "
+                         f"(CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']})")
+    return ",".join(shown[g] for g in gpus)
 
 
 C = TypeVar("C", bound=ServerConfig)
@@ -105,6 +119,11 @@ class ServerBackedEngine(Generic[C]):
                             failures[-1], what)
         raise BadAnswer(f"{self.NAME} server {self.url}: {what}: {len(failures)} bad answer(s): "
                         + "; ".join(failures))
+
+    def _device_env(self) -> dict[str, str]:
+        """The launch environment's device part: CUDA_VISIBLE_DEVICES for config.gpus."""
+        gpus = self.config.gpus
+        return {"CUDA_VISIBLE_DEVICES": visible_devices(gpus)} if gpus else {}
 
     def _use_weight_sync(self) -> None:
         """The weight sync that `config` (sync, bucket_bytes, dtype, work_dir) describes."""

@@ -66,6 +66,7 @@ class SGLangConfig(ServerConfig):
     context_length: int = 4096
     tp_size: int = 1
     mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None  # the KV pool's tokens at most (None: as the memory allows)
     memory_saver: bool = False          # --enable-memory-saver: release_memory / resume_memory
     # --enable-return-routed-experts: requests may ask for each token's experts (routing replay)
     routed_experts: bool = False
@@ -78,8 +79,12 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
     """RolloutEngine backed by an SGLang server (see module docstring)."""
 
     NAME = "SGLang"
-    RELEASE = ("/release_memory_occupation", {})
-    RESUME = ("/resume_memory_occupation", {})
+    # SGLang's memory-saver regions (sglang.srt.constants GPU_MEMORY_TYPE_*), named: without
+    # tags a release covers what that version counts as "all" (weights and KV cache only in
+    # some), and the resume must take back the same set
+    MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+    RELEASE = ("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
+    RESUME = ("/resume_memory_occupation", {"tags": list(MEMORY_TAGS)})
 
     def __init__(self, model_path: str, config: SGLangConfig, policy=None, start: bool = True):
         self.config = config
@@ -115,32 +120,41 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
             self.start()
 
     # -- process ---------------------------------------------------------------------------------
-    def _device(self) -> str | None:
+    def _device(self, cuda: bool | None = None) -> str | None:
+        """config.device, else "cpu" without CUDA (`cuda`; None: whether this process has it)
+        and None (sglang's default) with it."""
         if self.config.device is not None:
             return self.config.device
         from megatron_rl.parallel import use_cuda
 
-        return None if use_cuda() else "cpu"
+        return None if (use_cuda() if cuda is None else cuda) else "cpu"
 
-    def _argv(self, model_path: str, host: str, port: int) -> list[str]:
+    def _argv(self, model_path: str, host: str, port: int,
+              cuda: bool | None = None) -> list[str]:
+        """The server's command line; `cuda`: whether it runs on GPUs (None: whether this
+        process has CUDA, where the server runs)."""
         c = self.config
         argv = [self.python, "-m", "sglang.launch_server", "--model-path", model_path,
                 "--host", host, "--port", str(port), "--skip-tokenizer-init",
                 "--dtype", c.dtype, "--context-length", str(c.context_length),
                 "--random-seed", str(c.seed), "--tp-size", str(c.tp_size)]
-        if self._device() == "cpu":
+        if self._device(cuda) == "cpu":
             argv += ["--device", "cpu", "--attention-backend", "torch_native",
                      "--disable-cuda-graph"]
         if c.mem_fraction_static is not None:
             argv += ["--mem-fraction-static", str(c.mem_fraction_static)]
+        if c.max_total_tokens is not None:
+            argv += ["--max-total-tokens", str(c.max_total_tokens)]
         if c.memory_saver:
             argv.append("--enable-memory-saver")
         if c.routed_experts:
             argv.append("--enable-return-routed-experts")
         return argv + list(c.extra_args)
 
-    def _env(self) -> dict[str, str]:
-        return {"SGLANG_USE_CPU_ENGINE": "1"} if self._device() == "cpu" else {}
+    def _env(self, cuda: bool | None = None) -> dict[str, str]:
+        """The launch environment's additions (`cuda` as in _argv)."""
+        return ({"SGLANG_USE_CPU_ENGINE": "1"} if self._device(cuda) == "cpu"
+                else self._device_env())
 
     def _on_start(self, server: ManagedServer) -> None:
         if server.num_restarts and self._nccl_group is not None:

@@ -64,7 +64,9 @@ class VLLMConfig(ServerConfig):
     SYNCS: ClassVar[tuple[str, ...]] = ("disk", "tensor")
 
     max_model_len: int = 4096
-    enforce_eager: bool = True          # no torch.compile / CUDA graphs: fast start, needed on CPU
+    # --enforce-eager (no torch.compile, no CUDA graphs: a faster start, slower decoding); None:
+    # on the CPU, which has no CUDA graphs, and not on GPUs
+    enforce_eager: bool | None = None
     kv_cache_memory_bytes: int | None = None   # CPU: bytes of KV cache (None: vLLM's default)
     gpu_memory_utilization: float | None = None
     tensor_parallel_size: int = 1
@@ -116,8 +118,14 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
             self.start()
 
     # -- process ---------------------------------------------------------------------------------
-    def _argv(self, model_path: str, host: str, port: int) -> list[str]:
+    def _argv(self, model_path: str, host: str, port: int,
+              cuda: bool | None = None) -> list[str]:
+        """The server's command line; `cuda`: whether it runs on GPUs (None: whether this
+        process has CUDA, where the server runs)."""
+        from megatron_rl.parallel import use_cuda
+
         c = self.config
+        cuda = use_cuda() if cuda is None else cuda
         argv = [self.python, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", model_path, "--served-model-name", SERVED_MODEL_NAME,
                 "--host", host, "--port", str(port), "--skip-tokenizer-init",
@@ -125,7 +133,7 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
                 "--seed", str(c.seed), "--logprobs-mode", "processed_logprobs",
                 "--tensor-parallel-size", str(c.tensor_parallel_size),
                 "--worker-extension-cls", WORKER_EXTENSION]
-        if c.enforce_eager:
+        if c.enforce_eager if c.enforce_eager is not None else not cuda:
             argv.append("--enforce-eager")
         if c.sleep_mode:
             argv.append("--enable-sleep-mode")
@@ -139,7 +147,7 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
         pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
         # The extension module must import in the server's workers; dev mode opens
         # /collective_rpc and /reset_prefix_cache.
-        return {"PYTHONPATH": pythonpath, "VLLM_SERVER_DEV_MODE": "1"}
+        return {"PYTHONPATH": pythonpath, "VLLM_SERVER_DEV_MODE": "1", **self._device_env()}
 
     def _on_start(self, server: ManagedServer) -> None:
         """After every (re)start: the worker's version tag is that of the directory it loaded.

@@ -99,8 +99,8 @@ def test_bad_configuration_names_the_valid_choices(tiny_char_model, arithmetic_j
     with pytest.raises(ValueError, match=r"cfg.yaml: unknown keys \['kl_placment'\]"):
         parse_config(base + ["--config", str(yaml_path)])
     yaml_path.write_text("kl_placement: everywhere\n")
-    with pytest.raises(ValueError, match=r"unknown KL placement 'everywhere'; valid: \['reward', "
-                                         r"'loss', 'reward\+loss', 'none'\]"):
+    with pytest.raises(ValueError, match=r"--kl-placement 'everywhere'; valid: reward, loss, "
+                                         r"reward\+loss, none"):
         parse_config(base + ["--config", str(yaml_path)])
 
 

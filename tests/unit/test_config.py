@@ -25,8 +25,8 @@ def test_unknown_choice_is_refused():
 
 
 def test_weight_sync_modes_are_checked_against_the_engine():
-    assert parse_config(BASE + ["--rollout-engine", "sglang", "--weight-sync",
-                                "distributed"]).rollout.weight_sync == "distributed"
+    assert parse_config(BASE + ["--rollout-engine", "sglang", "--weight-sync", "distributed",
+                                "--rollout-gpus", "1"]).rollout.weight_sync == "distributed"
     assert parse_config(BASE + ["--rollout-engine", "vllm", "--weight-sync",
                                 "tensor"]).rollout.weight_sync == "tensor"
     with pytest.raises(ValueError, match="--weight-sync distributed: --rollout-engine vllm takes auto, disk, tensor"):
@@ -37,6 +37,31 @@ def test_weight_sync_modes_are_checked_against_the_engine():
         parse_config(BASE + ["--rollout-engine", "process", "--rollout-url", "http://x:1"])
     assert parse_config(BASE + ["--rollout-process-cores", "1", "2"]
                         ).rollout.rollout_process_cores == [1, 2]
+
+
+def test_server_devices_are_checked():
+    """--rollout-gpus: one device per started server, each its own; --weight-sync distributed
+    (NCCL from training rank 0, on device 0) never with a server on device 0."""
+    sglang = BASE + ["--rollout-engine", "sglang"]
+    assert parse_config(sglang + ["--rollout-num-servers", "3"]).rollout.server_gpus() == [0, 1, 2]
+    assert parse_config(sglang + ["--rollout-num-servers", "2", "--rollout-gpus", "5", "4"]
+                        ).rollout.server_gpus() == [5, 4]
+    for gpus in (["1"], ["1", "1"], ["1", "-1"]):
+        with pytest.raises(ValueError, match="one device index .* per server, a different one"):
+            parse_config(sglang + ["--rollout-num-servers", "2", "--rollout-gpus", *gpus])
+    with pytest.raises(ValueError, match="--rollout-gpus places servers started here"):
+        parse_config(BASE + ["--rollout-engine", "process", "--rollout-gpus", "1"])
+    with pytest.raises(ValueError, match="--rollout-gpus places servers started here"):
+        parse_config(sglang + ["--rollout-url", "http://x:1", "--rollout-gpus", "1"])
+    with pytest.raises(ValueError, match="NCCL, which refuses two members of one group on one "
+                                         "GPU; a server started here runs on device 0"):
+        parse_config(sglang + ["--weight-sync", "distributed"])
+    with pytest.raises(ValueError, match=r"runs on device 0 \(--rollout-gpus 1 0\)"):
+        parse_config(sglang + ["--weight-sync", "distributed", "--rollout-num-servers", "2",
+                               "--rollout-gpus", "1", "0"])
+    parse_config(sglang + ["--weight-sync", "distributed", "--rollout-url", "http://x:1"])
+    with pytest.raises(ValueError, match="--rollout-gpu-memory-utilization 1.5: a share"):
+        parse_config(sglang + ["--rollout-gpu-memory-utilization", "1.5"])
 
 
 def test_grouped_config_keeps_flat_flags():

@@ -110,11 +110,18 @@ def test_weights_scale_the_policy_gradient_term_only():
     torch.testing.assert_close(weighted_kl_grad, base_grad * w + kl_grad)
 
 
-def test_bounds_are_checked():
-    with pytest.raises(ValueError, match="--rollout-correction 'is'"):
-        RolloutCorrectionConfig("is")
+def test_bounds_are_checked(tmp_path):
+    from megatron_rl.config import parse_config
+
+    yaml_path = tmp_path / "cfg.yaml"  # YAML values bypass argparse's choices
+    yaml_path.write_text("rollout_correction: is\n")
+    with pytest.raises(ValueError, match="--rollout-correction 'is'; valid: none, tis"):
+        parse_config(["--config", str(yaml_path), "--hf-checkpoint", "m", "--train-data", "d"])
     with pytest.raises(ValueError, match="need 0 <= low < high"):
-        RolloutCorrectionConfig("icepop", is_low=6.0)
+        RolloutCorrectionConfig("icepop", is_low=6.0).validate()
+    with pytest.raises(ValueError, match="--rollout-is-low 6.0 / --rollout-is-high 5.0"):
+        parse_config(["--hf-checkpoint", "m", "--train-data", "d", "--rollout-correction",
+                      "icepop", "--rollout-is-low", "6", "--old-logprobs", "recompute"])
 
 
 def test_kl_importance_weights_divide_by_the_proposal_asked_for():

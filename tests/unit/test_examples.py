@@ -68,6 +68,56 @@ def test_unknown_key_fails(tmp_path):
         parse_config(["--config", str(bad), *REQUIRED])
 
 
+# The config.json (the fields the trainer reads) of each model a recipe names, by the name of its
+# --hf-checkpoint directory: the checkpoints are not here, their architecture is.
+HF_CONFIGS = {
+    "Qwen3-4B-Instruct-2507": {
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 2560,
+        "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 5000000,
+        "max_position_embeddings": 262144, "tie_word_embeddings": True, "attention_bias": False},
+    "Qwen2.5-7B": {
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "use_sliding_window": False},
+    "Llama-3.1-8B-Instruct": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+}
+# What an 80 GB H100 reports (the recipes' target), rounded down.
+H100_BYTES = 79 << 30
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_recipe_server_holds_a_full_length_request(path):
+    """A recipe that starts a vLLM/SGLang server gives it a context length within the model's
+    positions and a GPU memory share whose KV cache, after the weights and the reserve
+    (rollout/memory.py), holds one request of that length on an 80 GB H100: the server starts."""
+    from megatron_rl.models import ModelArgs
+    from megatron_rl.rollout.factory import ENGINES, server_context_len, server_memory_plan
+
+    cfg = parse_config(["--config", path])
+    r = cfg.rollout
+    if not ENGINES[r.rollout_engine].servers or r.rollout_url:
+        assert r.rollout_gpu_memory_utilization is None  # nothing started here to budget
+        return
+    args = ModelArgs.from_hf_config(HF_CONFIGS[os.path.basename(cfg.model.hf_checkpoint)])
+    # the length is the recipe's own (known before the data is), the prompts are checked by it
+    assert r.rollout_max_context_len > r.max_new_tokens
+    context_len = server_context_len(r, r.rollout_max_context_len - r.max_new_tokens,
+                                     args.max_position_embeddings)
+    assert r.rollout_gpu_memory_utilization is not None
+    plan = server_memory_plan(cfg, args, context_len, H100_BYTES)
+    assert plan.fits, plan.describe()
+
+
 def test_qwen3_recipe_model_is_supported_at_its_layout():
     """Qwen3-4B-Instruct-2507's config.json (the recipe's model) parses, fits the recipe's TP and
     maps to the known parameter count (4.02 B, tied embeddings)."""
@@ -75,12 +125,7 @@ def test_qwen3_recipe_model_is_supported_at_its_layout():
 
     cfg = parse_config(["--config", os.path.join(REPO, "examples",
                                                   "qwen3-4b-instruct_countdown_async10.yaml")])
-    qwen3_4b = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 2560,
-                "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
-                "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
-                "rope_theta": 5000000, "max_position_embeddings": 262144,
-                "tie_word_embeddings": True, "attention_bias": False}
-    args = ModelArgs.from_hf_config(qwen3_4b)
+    args = ModelArgs.from_hf_config(HF_CONFIGS["Qwen3-4B-Instruct-2507"])
     assert args.qk_norm and not args.qkv_bias and args.head_dim == 128
     tp = cfg.parallel.tensor_model_parallel_size
     assert args.num_key_value_heads % tp == 0 and args.vocab_size % tp == 0

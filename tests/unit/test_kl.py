@@ -57,15 +57,23 @@ def test_clamping_only_in_low_var_kl():
         assert abs(ESTIMATORS[name](logprobs, ref)[0].item()) >= 30.0
 
 
-def test_unknown_names_list_valid_ones():
+def test_unknown_names_list_valid_ones(tmp_path):
+    from megatron_rl.config import parse_config
+
     with pytest.raises(ValueError, match=r"k1.*k2.*k3.*low_var_kl"):
         get_estimator("k4")
-    with pytest.raises(ValueError, match=r"reward.*loss.*reward\+loss.*none"):
-        KLConfig(placement="advantage")
-    with pytest.raises(ValueError, match=r"none.*seq-is.*token-is"):
-        KLConfig(off_policy_correction="tis")
-    with pytest.raises(ValueError, match="low_var_kl"):
-        KLConfig(estimator="kl")
+    path = tmp_path / "cfg.yaml"  # YAML values bypass argparse's choices: TrainConfig.validate
+    for key, value, valid in (("kl_placement", "advantage", r"reward, loss, reward\+loss, none"),
+                              ("kl_off_policy_correction", "tis", "none, seq-is, token-is"),
+                              ("kl_estimator", "kl", "k1, k2, k3, low_var_kl, exact")):
+        path.write_text(f"{key}: {value}\n")
+        flag = "--" + key.replace("_", "-")
+        with pytest.raises(ValueError, match=f"{flag} '{value}'; valid: {valid}"):
+            parse_config(["--config", str(path), "--hf-checkpoint", "m", "--train-data", "d"])
+    with pytest.raises(ValueError, match="--kl-coef -1.0: must be >= 0"):
+        parse_config(["--kl-coef", "-1", "--hf-checkpoint", "m", "--train-data", "d"])
+    with pytest.raises(ValueError, match="--kl-is-truncation 0.0: must be > 0"):
+        KLConfig(is_truncation=0.0).validate()
 
 
 def test_reward_penalty_sums_and_is_detached():

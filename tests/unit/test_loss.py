@@ -71,8 +71,13 @@ def test_aggregation_values_by_hand():
     with pytest.raises(ValueError, match=r"seq-mean-token-mean.*seq-mean-token-sum.*token-mean"
                                          r".*token-sum-over-batch-tokens"):
         aggregate_loss(per_token, mask, "sum")
-    with pytest.raises(ValueError, match="token-sum-over-batch-tokens"):
-        LossConfig(aggregation="mean")
+    from megatron_rl.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.model.hf_checkpoint, cfg.data.train_data = "m", ["d.jsonl"]
+    cfg.algorithm.loss = LossConfig(aggregation="mean")  # checked once, by TrainConfig.validate
+    with pytest.raises(ValueError, match="--loss-aggregation 'mean'; valid: .*token-sum-over-"):
+        cfg.validate()
 
 
 def test_ppo_clip_by_hand():
@@ -149,9 +154,13 @@ def test_kl_needs_ref_logprobs():
     assert loss.item() == 0.0 and "kl_k1" not in metrics
 
 
-def test_loss_config_validation():
-    with pytest.raises(ValueError, match="rloo"):
-        LossConfig(advantage_estimator="gae")
-    with pytest.raises(ValueError, match="clip"):
-        LossConfig(clip_low=-0.1)
+def test_loss_config_validation(tmp_path):
+    from megatron_rl.config import parse_config
+
+    path = tmp_path / "cfg.yaml"  # YAML values bypass argparse's choices
+    path.write_text("advantage_estimator: gae\n")
+    with pytest.raises(ValueError, match="--advantage-estimator 'gae'; valid: .*rloo"):
+        parse_config(["--config", str(path), "--hf-checkpoint", "m", "--train-data", "d"])
+    with pytest.raises(ValueError, match="--clip-low"):
+        LossConfig(clip_low=-0.1).validate()
     assert LossConfig(clip_low=1.0, clip_high=math.inf).clip_high == math.inf

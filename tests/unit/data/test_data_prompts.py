@@ -74,3 +74,16 @@ def test_dataset_is_deterministic_and_resumable(tmp_path):
     assert [r.uid for r in PromptDataset(rows, shuffle=False, name="d").next_batch(3)] == ["d:0", "d:1", "d:2"]
     with pytest.raises(ValueError, match="checkpoint"):
         PromptDataset(rows[:5], seed=3).load_state_dict(state)
+
+
+def test_longest_prompt_is_counted_as_rendered():
+    """max_prompt_tokens: the longest prompt as the engine gets it (template and task
+    instruction included), in the given encoder's tokens."""
+    rows = [TaskExample("a b", "1", "arithmetic"), TaskExample("a b c d e", "1", "arithmetic")]
+    words = lambda text: text.split()  # noqa: E731
+    bare = PromptDataset(rows, PromptBuilder(template="Q: {prompt} A:", task_instruction=False))
+    assert bare.max_prompt_tokens(words) == 7  # "Q:" + 5 words + "A:"
+    assert bare.max_prompt_tokens(words, first=1) == 4  # the rows evaluation reads
+    full = PromptDataset(rows, PromptBuilder(template="{prompt}"))
+    assert full.max_prompt_tokens(words) == 5 + len(PromptBuilder().user_message(
+        TaskExample("", "1", "arithmetic")).split())

@@ -94,7 +94,15 @@ def test_recompute_gives_the_gradients_of_no_recompute(dist_env):
                                        msg=lambda m: f"{granularity}/{method}/{n} {k}: {m}")
 
 
-def test_recompute_options_are_validated_with_the_flag_names():
+def _parse_yaml(tmp_path, text: str):
+    from megatron_rl.config import parse_config
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return parse_config(["--config", str(path), "--hf-checkpoint", "m", "--train-data", "d"])
+
+
+def test_recompute_options_are_validated_with_the_flag_names(tmp_path):
     with pytest.raises(ValueError, match="--recompute-method needs --recompute-granularity full"):
         ModelOptions(recompute_method="uniform").validate()
     with pytest.raises(ValueError, match="--recompute-method needs --recompute-granularity full"):
@@ -106,10 +114,11 @@ def test_recompute_options_are_validated_with_the_flag_names():
     with pytest.raises(ValueError, match="--recompute-num-layers must be between 1 and the 2"):
         ModelOptions(recompute_granularity="full", recompute_method="block",
                      recompute_num_layers=3).validate(layers_per_stage=2)
-    with pytest.raises(ValueError, match="--recompute-granularity must be one of"):
-        ModelOptions(recompute_granularity="all").validate()
-    with pytest.raises(ValueError, match="--attention-backend must be one of"):
-        ModelOptions(attention_backend="sdpa").validate()
+    # the choices are the flags' (argparse; TrainConfig.validate for YAML values)
+    with pytest.raises(ValueError, match="--recompute-granularity 'all'; valid: full, selective"):
+        _parse_yaml(tmp_path, "recompute_granularity: all\n")
+    with pytest.raises(ValueError, match="--attention-backend 'sdpa'; valid: auto, local"):
+        _parse_yaml(tmp_path, "attention_backend: sdpa\n")
     ModelOptions(recompute_granularity="full", recompute_method="uniform",
                  recompute_num_layers=1).validate(layers_per_stage=4)
 
@@ -154,9 +163,9 @@ def test_lr_schedule_follows_the_closed_forms(dist_env, style):
         assert seen[10] == pytest.approx(1e-4) and seen[11] == pytest.approx(1e-4)
 
 
-def test_lr_schedule_is_validated_with_the_flag_names():
-    with pytest.raises(ValueError, match="--lr-decay-style must be one of"):
-        OptimConfig(lr_decay_style="WSD").validate()
+def test_lr_schedule_is_validated_with_the_flag_names(tmp_path):
+    with pytest.raises(ValueError, match="--lr-decay-style 'WSD'; valid: constant"):
+        _parse_yaml(tmp_path, "lr_decay_style: WSD\n")
     with pytest.raises(ValueError, match="--lr-decay-style cosine needs --lr-decay-iters"):
         OptimConfig(lr_decay_style="cosine").validate()
     with pytest.raises(ValueError, match="--lr-decay-iters .5. must be larger than "
