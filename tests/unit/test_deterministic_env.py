@@ -57,7 +57,8 @@ _serve(multiprocessing.Pipe()[0], ProcessConfig(hf_checkpoint="/nonexistent", wo
 
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
 def test_environment_set_before_megatron_core_is_imported(entry):
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-c", HOOK + ENTRY_POINTS[entry]], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
