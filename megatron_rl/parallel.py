@@ -237,26 +237,40 @@ def set_seed(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+# --deterministic-mode's environment: cuBLAS with a fixed workspace, NCCL's ring algorithm and
+# TransformerEngine's deterministic kernels. cuBLAS and NCCL read theirs when they start;
+# TransformerEngine reads its variable when it is imported, and megatron-core imports it (where
+# installed) when megatron.core is imported: so these are set before the first such import.
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring",
+                     "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+
+
+def deterministic_env(deterministic: bool) -> None:
+    """With `deterministic` (--deterministic-mode): DETERMINISTIC_ENV into os.environ (the
+    environment's own settings win) and torch's deterministic kernels (those without one warn
+    and run anyway). Call before anything imports megatron.core (init_distributed does, and
+    the entry points that import megatron-core before it call this first)."""
+    if deterministic:
+        for key, value in DETERMINISTIC_ENV.items():
+            os.environ.setdefault(key, value)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def init_distributed(cfg: ParallelConfig, seed: int = 1234, deterministic: bool = False) -> int:
     """Initialise torch.distributed from torchrun's env vars and megatron's model-parallel groups.
 
     Works without torchrun too (a single process, world size 1). Returns the data-parallel size.
     Every group's collectives time out after cfg.distributed_timeout_minutes; `run_on_rank`'s
     waits after cfg.rank_wait_timeout_minutes.
-    `deterministic` (--deterministic-mode): deterministic torch kernels (those without one warn
-    and run anyway), cuBLAS with a fixed workspace and NCCL's ring algorithm, set before CUDA
-    and NCCL start; the environment's own settings win.
+    `deterministic` (--deterministic-mode): `deterministic_env`, before megatron.core is
+    imported here, CUDA and NCCL start.
     """
     global _rank_wait_timeout
+    deterministic_env(deterministic)
     from megatron.core import parallel_state
 
     _rank_wait_timeout = timedelta(minutes=cfg.rank_wait_timeout_minutes)
     timeout = timedelta(minutes=cfg.distributed_timeout_minutes)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        os.environ.setdefault("NCCL_ALGO", "Ring")
-        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # TransformerEngine
-        torch.use_deterministic_algorithms(True, warn_only=True)
 
     if not use_cuda():
         from megatron_rl.compat import apply_cpu_compat

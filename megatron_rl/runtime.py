@@ -95,6 +95,9 @@ def setup_run(cfg: TrainConfig) -> Run:
     """Initialise torch.distributed and megatron's parallel state, build the policy and the
     reference, load their weights (resume, --load, or --hf-checkpoint), build the rollout engine
     and sync it to the loaded weights, and open the logs."""
+    from megatron_rl.parallel import deterministic_env
+
+    deterministic_env(cfg.deterministic_mode)  # before megatron.core (and TransformerEngine)
     from megatron.core import parallel_state as ps
 
     from megatron_rl.data.prompts import PromptBuilder, PromptDataset, load_tokenizer

@@ -5,10 +5,15 @@
 #
 #   bash scripts/gather_gpu_wheels.sh [DIR]      # DIR defaults to .whl (git-ignored)
 #
-# Carried: megatron-core and TRL with the pure-Python packages they need that the GPU machine
-# lacks, one version each, 64 MiB at most in all (checked: the script fails when over, when a
-# package has two versions, or when a wheel needs a package that is neither carried nor on the
-# GPU machine: tools/gpu_summary.py check-wheels).
+# Carried: the pins of scripts/gpu_wheels.txt, megatron-core and TRL with the pure-Python
+# packages they need that the GPU machine lacks, one version each, 64 MiB at most in all
+# (tools/gpu_summary.py check-wheels --pins: the script fails when over, when the folder is not
+# exactly the pins, or when a wheel's Requires-Python or a requirement is not met by a carried
+# wheel or by the GPU machine's own packages, scripts/gpu_machine_packages.txt; requirements on
+# machine packages whose version is not recorded there are listed, and the kit's install step
+# checks them on the machine). The wheels' declared requirements are written to
+# scripts/gpu_wheels_metadata.json, which the CPU tests check offline
+# (tests/scripts/test_gpu_wheels.py): commit it when it changes.
 # Decisions:
 # - datasets 4.8.5, not the 5.2.0 of the CPU TRL venv: TRL's GRPOTrainer imports `datasets` at
 #   module level, so it must travel (0.5 MB, with dill and multiprocess); 5.x needs
@@ -23,12 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR="${1:-.whl}"
 PYTHON="${PYTHON:-python3}"
-WHEELS=(
-    megatron-core==0.16.1
-    trl==1.16.0
-    datasets==4.8.5 dill==0.4.0 multiprocess==0.70.18
-    math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
-)
+mapfile -t WHEELS < <("$PYTHON" tools/gpu_summary.py pins)   # scripts/gpu_wheels.txt
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64
            manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
@@ -42,13 +42,17 @@ mkdir -p "$DIR"
 rm -f "$DIR"/*.whl            # exactly the listed versions: two versions stop the install
 mv "$tmp"/*.whl "$DIR"/
 echo "wheels in $DIR:"
-"$PYTHON" tools/gpu_summary.py check-wheels "$DIR"
-# What travels to a lent GPU machine is the working tree plus the carried folder, 64 MiB at most.
+"$PYTHON" tools/gpu_summary.py check-wheels "$DIR" --pins --write-metadata
+# What travels to a lent GPU machine is the working tree plus the carried paths (the wheels, and
+# the CUDA extension a first call built: scripts/gpu_check.sh's header), 64 MiB at most.
 if git rev-parse --git-dir >/dev/null 2>&1; then
     tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
     wheels=$(du -cb "$DIR"/*.whl | tail -1 | cut -f1)
-    echo "working tree ${tree} B + wheels ${wheels} B = $(( (tree + wheels) / 1048576 )) MiB"
-    if (( tree + wheels > 64 * 1048576 )); then
+    ext=$(du -cb megatron_rl/_C.cpython-312-*.so 2>/dev/null | tail -1 | cut -f1)
+    ext=${ext:-0}
+    echo "working tree ${tree} B + wheels ${wheels} B + cp312 extension ${ext} B" \
+         "= $(( (tree + wheels + ext) / 1048576 )) MiB"
+    if (( tree + wheels + ext > 64 * 1048576 )); then
         echo "WARNING: over 64 MiB: the device tool would refuse to carry it" >&2
     fi
 fi

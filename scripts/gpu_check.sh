@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# The one-command GPU verification kit: on a bare single-GPU Linux machine with a CUDA
-# PyTorch, nvcc and no network, install the carried wheels, build the CUDA extension, run the
-# gpu test tier and the CPU-tier tests that matter on the device, run the GPU benchmarks, and
-# write OUT_DIR/summary.json and OUT_DIR/summary.md. Aims at < 20 min on one H100.
+# The one-command GPU verification kit: on a bare single-GPU Linux machine with a CUDA PyTorch,
+# nvcc and no network, install the carried wheels, build the CUDA extension, run the gpu test
+# tier and the CPU-tier tests that matter on the device, run the GPU benchmarks, and write
+# OUT_DIR/summary.json and OUT_DIR/summary.md. Aims at < 20 min for all steps on one H100.
 #
 #   bash scripts/gather_gpu_wheels.sh                 # here, with PyPI: wheels into .whl/
-#   bash scripts/gpu_check.sh OUT_DIR [--wheels DIR] [--skip-bench] [--only STEP,...] [--dry-run]
+#   bash scripts/gpu_check.sh OUT_DIR [--wheels DIR] [--only STEP,...] [--skip-bench]
+#       [--pack DEST] [--step NAME=COMMAND]... [--no-setup] [--dry-run]
 #
-# Steps (each with its own timeout; pytest with 4 workers and 300 s per test where pytest-xdist
-# and pytest-timeout are installed; a failed step does not stop the later ones; steps that would
-# start after GPU_CHECK_BUDGET s, default 1500, are skipped; the exit status is 0 only when every
-# step passed, no test failed and CUDA was available):
+# Steps (a failed step does not stop the later ones; the exit status is 0 only when every step
+# passed, no test failed and CUDA was available):
 #   install          pip install --no-index --no-deps --target $SITE DIR/*.whl (the machine's
-#                    torch, transformers... are untouched; $SITE goes on PYTHONPATH)
+#                    torch, transformers... are untouched; $SITE goes on PYTHONPATH), then
+#                    tools/gpu_summary.py check-installed: every carried wheel's requirements
+#                    against the versions installed there (scripts/gpu_machine_packages.txt
+#                    records what is known of them beforehand)
 #   build            python setup.py build_ext --inplace: megatron_rl/_C with the CUDA kernels
 #                    (the build that `pip install --no-build-isolation -e .` runs, without
-#                    writing into the machine's site-packages); fails unless "cuda" is built
+#                    writing into the machine's site-packages); fails unless "cuda" is built;
+#                    seconds when megatron_rl/_C already has the CUDA kernels (a carried .so)
 #   env              OUT_DIR/env.json: device, driver, torch / CUDA / nvcc, package versions
 #   gpu-tests        pytest -m gpu tests (tests/gpu and the gpu-marked tests elsewhere)
 #   cpu-tier-on-gpu  CPU-tier test files that run the package's own device choice, run again
@@ -30,60 +33,109 @@
 #                    N = 16384 and 65536, with the exact KL
 #   bench-train-phase  tools/bench_train_phase.py: one RL step's training phase, packed + fused
 #                    LM head vs padded + logits, Qwen2.5-0.5B (24 layers, bf16), responses up
-#                    to 4096 tokens
+#                    to 4096 tokens, each worker allowed all of the GPU's memory
 #   bench-rl         tools/bench_vs_trl.py --device cuda: Qwen2.5-0.5B-shaped RL steps vs TRL
 #   bench-weight-sync  tools/bench_weight_sync.py --engines process: s/GB of a 1 GB model's sync
-#   summary          tools/gpu_summary.py write OUT_DIR
-# --only runs install, build, env and the listed steps (for machines that limit one command's
-# time: keep OUT_DIR outside any folder that is emptied between commands; records accumulate).
-# build takes seconds when megatron_rl/_C already has the CUDA kernels (e.g. a carried .so).
-# Environment: GPU_CHECK_MAX_STEP caps every step's time limit (s), GPU_CHECK_TEST_TIMEOUT is
-# pytest's per-test limit (default 300), TORCH_CUDA_ARCH_LIST defaults to this GPU's arch.
-# Through a device tool that limits a command to 10 minutes and returns few files (e.g. the
-# lent H100: device README): carry .whl/, one heavy step per call, OUT_DIR outside $OUT and
-# tarred there. The first call builds (~2 min with one arch):
-#   GPU_CHECK_MAX_STEP=400 bash scripts/gpu_check.sh /tmp/gc --only gpu-tests; \
-#   tar czf $OUT/gc.tgz -C /tmp gc; tar czf $OUT/so.tgz megatron_rl/_C*.so
-# unpack so.tgz here and carry the .so too: later calls skip the build (GPU_CHECK_MAX_STEP=520),
-# --only cpu-tier-on-gpu, then bench-kernel,bench-exact-kl, then bench-rl, bench-weight-sync.
-# --dry-run (any machine, no CUDA call): wheels present, one version each, dependencies covered
-# and installable into a temporary target for CPython 3.12; the extension's sources and
-# setup.py; pytest collects the gpu tier and the CPU-tier files; the benchmarks import and
-# parse their arguments (the kernel benchmark runs one tiny CPU case); the summary is written.
+#   summary          tools/gpu_summary.py write OUT_DIR (also when the kit is stopped: below)
+# --only STEP,...: install, build, env and the listed steps (--no-setup: not the first three,
+# for a later command on the same machine, where $SITE and the built extension still are);
+# records accumulate in OUT_DIR (without --only it starts afresh). --step NAME=COMMAND: one
+# more step after the others, COMMAND run by bash with the kit's environment ($PYTHON, the
+# carried packages on PYTHONPATH), e.g. --only none --step 'lm-head=$PYTHON -m pytest -x
+# tests/gpu/test_gpu_lm_head.py'. --dry-run (any machine, no CUDA call): wheels present, one
+# version each, requirements met (scripts/gpu_machine_packages.txt) and installable into a
+# temporary target for CPython 3.12; the extension's sources and setup.py; pytest collects the
+# gpu tier and the CPU-tier files; the benchmarks import and parse their arguments; --only
+# selects among these dry-* steps as among the real ones.
+#
+# Time (a lent machine stops a command at 10 minutes): the whole command ends within
+# GPU_CHECK_TIME_LIMIT s (default 600; 0: no limit). Every step is cut at that limit minus
+# GPU_CHECK_RESERVE s (default 45: the summary, the archive and the 15 s a step that ignores
+# its interrupt gets before it is killed); a step is interrupted (SIGINT: pytest still writes
+# its junit report) at its own limit, and one with less than 5 s left is not started. pytest
+# steps get a per-test timeout of min(GPU_CHECK_TEST_TIMEOUT (300), a third of the step's
+# limit) and a session timeout that ends them before the step's limit (pytest-timeout's
+# --timeout and --session-timeout, where installed; 4 xdist workers where pytest-xdist is).
+# If the kit itself gets SIGTERM or SIGINT (a machine's own limit), it records the running step
+# as interrupted and the steps not reached as skipped, writes the summary and packs, then
+# stops the running step.
+#
+# --pack DEST (e.g. the device tool's $OUT, which returns at most 8 files, 16 MiB each): at
+# the end, or when the kit is stopped, DEST/gpu_check.tgz (all of OUT_DIR, logs cut to their
+# last 2 MiB if needed), DEST/summary.md, DEST/summary.json and, when this command built the
+# extension, DEST/extension.tgz (megatron_rl/_C.cpython-312-x86_64-linux-gnu.so, stripped).
+#
+# Recipe for the lent H100 / H200 (device README: one command <= 600 s, 30 min of device time a
+# session counting each fresh machine's ~1-2 min start and 30 s idle after each call, 64 MiB
+# carried; the machine is given back when idle, so each call installs again). Three calls of
+# 540 + 480 + 300 s of commands, ~1.5 min to start each: 28 min at most. Carry .whl, and from
+# the second call on the extension the first one built:
+#   1 timeout_s 600: GPU_CHECK_TIME_LIMIT=540 bash scripts/gpu_check.sh /tmp/gc --pack $OUT \
+#        --only gpu-tests                        # install ~20 s, build ~2 min, env, the gpu tier
+#     here: tar xzf <files_at>/extension.tgz; carry megatron_rl/_C.cpython-312-x86_64-linux-gnu.so
+#   2 timeout_s 540: GPU_CHECK_TIME_LIMIT=480 ... --only cpu-tier-on-gpu,bench-kernel,bench-exact-kl
+#   3 timeout_s 360: GPU_CHECK_TIME_LIMIT=300 ... --only bench-lm-head,bench-train-phase,bench-weight-sync
+#   here: python tools/gpu_summary.py merge gpu_results <call 1, 2, 3>/gpu_check.tgz
+# A step its call's time limit cut or skipped says so in the summary; run it in a later
+# session's call (--only NAME) and merge that archive too. bench-rl (RL steps vs TRL, minutes)
+# needs a call of its own. Without a per-command limit: GPU_CHECK_TIME_LIMIT=0 runs everything.
+# Environment: GPU_CHECK_TIME_LIMIT, GPU_CHECK_RESERVE, GPU_CHECK_TEST_TIMEOUT (above),
+# GPU_CHECK_SITE / GPU_CHECK_WORK (the carried packages / benchmark scratch, under /tmp),
+# PYTHON (default python3, the interpreter with torch), TORCH_CUDA_ARCH_LIST (default: this
+# GPU's architecture).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 
-usage() { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-OUT="" WHEELS="$REPO/.whl" DRY=0 SKIP_BENCH=0 ONLY=""
+usage() { awk 'NR > 1 { if (!/^#/) exit; sub(/^# ?/, ""); print }' "$0"; exit 2; }
+OUT="" WHEELS="$REPO/.whl" DRY=0 SKIP_BENCH=0 ONLY="" PACK="" SETUP=1 EXTRA=()
 while (($#)); do
+    case "$1" in
+        --wheels|--only|--pack|--step) [ $# -ge 2 ] || { echo "$1 needs a value" >&2; usage; } ;;
+    esac
     case "$1" in
         --wheels) WHEELS="$2"; shift 2 ;;
         --dry-run) DRY=1; shift ;;
         --skip-bench) SKIP_BENCH=1; shift ;;
         --only) ONLY=",$2,"; shift 2 ;;
+        --pack) PACK="$2"; shift 2 ;;
+        --no-setup) SETUP=0; shift ;;
+        --step)
+            if [[ ! "$2" =~ ^[A-Za-z0-9_.-]+=. ]]; then
+                echo "--step needs NAME=COMMAND, NAME of letters, digits, '.', '_', '-': $2" >&2
+                usage
+            fi
+            EXTRA+=("$2"); shift 2 ;;
         -h|--help) usage ;;
         -*) echo "unknown option $1" >&2; usage ;;
         *) [ -z "$OUT" ] || usage; OUT="$1"; shift ;;
     esac
 done
 [ -n "$OUT" ] || usage
+T0=$(date +%s)
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 WHEELS="$(cd "$WHEELS" 2>/dev/null && pwd || echo "$WHEELS")"
+if [ -n "$PACK" ]; then
+    mkdir -p "$PACK" && PACK="$(cd "$PACK" && pwd)"
+    if [[ "$OUT/" == "$PACK/"* ]]; then  # the archive would hold itself, DEST too many files
+        echo "--pack $PACK: OUT_DIR $OUT must lie outside it (e.g. /tmp/gc)" >&2; exit 2
+    fi
+fi
 SITE="${GPU_CHECK_SITE:-/tmp/megatron_rl_gpu_site}"   # the carried packages
 WORK="${GPU_CHECK_WORK:-/tmp/megatron_rl_gpu_work}"   # large scratch (benchmark models)
 PYTHON="${PYTHON:-python3}"
-BUDGET="${GPU_CHECK_BUDGET:-1500}"
 if ! "$PYTHON" -c "import torch" 2>/dev/null && [ -x "$REPO/.venv/bin/python" ]; then
     PYTHON="$REPO/.venv/bin/python"                   # a development checkout without torch
 fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+TIME_LIMIT="${GPU_CHECK_TIME_LIMIT:-600}"
+RESERVE="${GPU_CHECK_RESERVE:-45}"
+TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-300}"
+export PYTHON PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 # one compile worker per process (every training subprocess compiles megatron's fusions), and
 # the CPU oracles of 4 pytest workers sharing the machine's cores
 export TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
-MAX_STEP="${GPU_CHECK_MAX_STEP:-}"
 if ((DRY)); then
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
@@ -95,40 +147,140 @@ CPU_TIER_ON_GPU=(tests/unit/rollout/test_local_engine.py tests/unit/models/test_
                  tests/e2e/test_train.py)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64
            manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
-T0=$(date +%s)
-if [ -z "$ONLY" ]; then  # a fresh report (--only adds to the one in OUT_DIR)
-    rm -f "$OUT"/steps.jsonl "$OUT"/env.json "$OUT"/junit_*.xml "$OUT"/bench_*.json "$OUT"/*.log
+SETUP_STEPS=",install,build,env,dry-wheels,dry-extension,dry-env,"
+if ((DRY)); then
+    PLAN=(dry-wheels dry-extension dry-gpu-tests dry-cpu-tier-on-gpu dry-bench-kernel
+          dry-bench-lm-head dry-bench-train-phase dry-bench-rl dry-bench-weight-sync dry-env)
+else
+    PLAN=(install build env gpu-tests cpu-tier-on-gpu bench-kernel bench-exact-kl bench-lm-head
+          bench-train-phase bench-rl bench-weight-sync)
 fi
+for e in "${EXTRA[@]}"; do PLAN+=("${e%%=*}"); done
+if [ -z "$ONLY" ]; then  # a fresh report (--only adds to the one in OUT_DIR)
+    rm -f "$OUT"/steps.jsonl "$OUT"/env.json "$OUT"/junit_*.xml "$OUT"/bench_*.json \
+        "$OUT"/weight_sync.json "$OUT"/*.log "$OUT"/summary.json "$OUT"/summary.md
+fi
+TMP="$(mktemp -d)"
+touch "$TMP/started"   # the extension packed is one this command built (newer than this)
 
-selected() {  # selected NAME: whether --only (if given) asks for this step
-    case "$1" in install|build|env|dry-*) return 0 ;; esac
-    [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]]
+selected() {  # selected NAME: whether this run does step NAME
+    if [[ "$SETUP_STEPS" == *",$1,"* ]]; then return $((1 - SETUP)); fi
+    local e
+    for e in "${EXTRA[@]}"; do [ "${e%%=*}" != "$1" ] || return 0; done
+    [ -z "$ONLY" ] || [[ "$ONLY" == *",${1#dry-},"* ]]
 }
-# step NAME TIMEOUT_S CMD...: run CMD under a timeout, log to OUT/NAME.log, record the outcome
-step() {
-    local name="$1" limit="$2"; shift 2
-    selected "$name" || return 0
-    if [ -n "$MAX_STEP" ] && (( limit > MAX_STEP )); then limit="$MAX_STEP"; fi
-    local log="$OUT/$name.log" start end rc
-    if (( $(date +%s) - T0 >= BUDGET )); then
-        skip "$name" "not started: ${BUDGET} s budget spent (GPU_CHECK_BUDGET)"; return 0
-    fi
-    echo "== [$name] (limit ${limit}s, $(( $(date +%s) - T0 ))s elapsed): $*"
-    start=$(date +%s.%N)
-    timeout -k 15 "$limit" "$@" >"$log" 2>&1
-    rc=$?
-    end=$(date +%s.%N)
-    tail -n 4 "$log" | sed 's/^/   | /'
-    "$PYTHON" tools/gpu_summary.py record "$OUT" --name "$name" --rc "$rc" --timeout "$limit" \
-        --seconds "$(awk "BEGIN {print $end - $start}")" --log "$log"
+record() {  # record NAME RC SECONDS LIMIT LOG NOTE
+    "$PYTHON" tools/gpu_summary.py record "$OUT" --name "$1" --rc="$2" --seconds "$3" \
+        --timeout "$4" --log "$5" --note="$6"
 }
 skip() {  # skip NAME REASON
     selected "$1" || return 0
-    "$PYTHON" tools/gpu_summary.py record "$OUT" --name "$1" --rc=-1 --seconds 0 --note="$2"
+    record "$1" -1 0 0 "" "$2"
+    DONE+="$1,"
+}
+CURRENT="" CURRENT_START=0 STEP_PID="" DONE="," NOMINAL=0 LIMIT=0 TEST_TO=0 SESSION_TO=0
+plan() {  # plan NAME NOMINAL_S: LIMIT, TEST_TO, SESSION_TO for the step, or a skip record
+    local elapsed=$(( $(date +%s) - T0 ))
+    NOMINAL="$2" LIMIT=0 TEST_TO=0 SESSION_TO=0
+    read -r LIMIT TEST_TO SESSION_TO < <("$PYTHON" tools/gpu_summary.py plan-step "$2" \
+        --elapsed "$elapsed" --time-limit "$TIME_LIMIT" --reserve "$RESERVE" \
+        --test-timeout "$TEST_TIMEOUT")
+    if [ "${LIMIT:-0}" -gt 0 ] 2>/dev/null; then return 0; fi
+    skip "$1" "not started: ${elapsed} s of the command's ${TIME_LIMIT} s gone, ${RESERVE} s kept \
+for the summary (GPU_CHECK_TIME_LIMIT, GPU_CHECK_RESERVE)"
+    return 1
+}
+# run NAME CMD...: CMD under `timeout` (SIGINT at LIMIT, SIGKILL 15 s later), in the background
+# so that a signal to the kit is handled at once; logged to OUT/NAME.log and recorded
+run() {
+    local name="$1"; shift
+    local log="$OUT/$name.log" rc end note=""
+    echo "== [$name] (limit ${LIMIT}s, $(( $(date +%s) - T0 ))s elapsed): $*"
+    CURRENT="$name" CURRENT_START=$(date +%s.%N)
+    timeout -s INT -k 15 "$LIMIT" "$@" >"$log" 2>&1 </dev/null &
+    STEP_PID=$!
+    wait "$STEP_PID"
+    rc=$?
+    end=$(date +%s.%N)
+    CURRENT="" STEP_PID=""
+    tail -n 4 "$log" | sed 's/^/   | /'
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        note="cut at its limit of ${LIMIT} s"
+        if [ "$LIMIT" -lt "$NOMINAL" ]; then
+            note+=" (its own is ${NOMINAL} s: the command's time limit, GPU_CHECK_TIME_LIMIT)"
+        fi
+    fi
+    record "$name" "$rc" "$(awk "BEGIN {print $end - $CURRENT_START}")" "$LIMIT" "$log" "$note"
+    DONE+="$name,"
+}
+step() {  # step NAME NOMINAL_S CMD...
+    local name="$1" nominal="$2"; shift 2
+    selected "$name" || return 0
+    plan "$name" "$nominal" || return 0
+    run "$name" "$@"
+}
+HAVE_TIMEOUT=0 HAVE_SESSION_TIMEOUT=0 HAVE_XDIST=0
+if ! ((DRY)); then  # the plugins are on the lent H100 / H200 image
+    "$PYTHON" -c "import pytest_timeout" 2>/dev/null && HAVE_TIMEOUT=1
+    "$PYTHON" -c "import pytest_timeout as p; assert hasattr(p, 'SESSION_TIMEOUT_KEY')" \
+        2>/dev/null && HAVE_SESSION_TIMEOUT=1
+    "$PYTHON" -c "import xdist" 2>/dev/null && HAVE_XDIST=1
+fi
+pytest_step() {  # pytest_step NAME NOMINAL_S PYTEST_ARGS...: with the per-test and session limits
+    local name="$1" nominal="$2"; shift 2
+    selected "$name" || return 0
+    plan "$name" "$nominal" || return 0
+    local opts=()
+    ((HAVE_TIMEOUT)) && opts+=(--timeout "$TEST_TO")
+    ((HAVE_SESSION_TIMEOUT)) && opts+=(--session-timeout "$SESSION_TO")
+    ((HAVE_XDIST)) && opts+=(-n 4)
+    run "$name" "$PYTHON" -m pytest -p no:cacheprovider -q -rs "${opts[@]}" "$@"
 }
 
+FINISHED=0
+finish() {  # the summary, and the archive with --pack
+    "$PYTHON" tools/gpu_summary.py write "$OUT"
+    [ -n "$PACK" ] || return 0
+    local so ext=()
+    so=$(find "$REPO/megatron_rl" -maxdepth 1 -name "_C.cpython-*.so" -newer "$TMP/started" \
+        2>/dev/null | head -n 1)
+    [ -z "$so" ] || ext=(--extension "$so")
+    "$PYTHON" tools/gpu_summary.py pack "$OUT" "$PACK" "${ext[@]}"
+}
+on_signal() {  # on_signal SIG CODE: the kit was told to stop
+    local sig="$1" code="$2" name
+    trap '' TERM INT
+    echo "== stopped by SIG$sig after $(( $(date +%s) - T0 )) s"
+    if [ -n "$CURRENT" ]; then
+        record "$CURRENT" "$code" "$(awk "BEGIN {print $(date +%s.%N) - $CURRENT_START}")" \
+            "$LIMIT" "$OUT/$CURRENT.log" "the kit was stopped by SIG$sig during this step \
+($(( $(date +%s) - T0 )) s into the command)"
+        DONE+="$CURRENT,"
+    fi
+    for name in "${PLAN[@]}"; do
+        if selected "$name" && [[ "$DONE" != *",$name,"* ]]; then
+            record "$name" -1 0 0 "" "not reached: the kit was stopped by SIG$sig"
+        fi
+    done
+    finish   # first, while the machine may still be waiting to kill us
+    FINISHED=1
+    if [ -n "$STEP_PID" ]; then  # then the step: interrupted, so that pytest writes its report
+        kill -INT "$STEP_PID" 2>/dev/null
+        for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$STEP_PID" 2>/dev/null || break; sleep 0.5; done
+        kill -KILL -- "-$STEP_PID" 2>/dev/null
+        finish   # again, with what the interrupted step wrote
+    fi
+    exit "$code"
+}
+on_exit() {
+    ((FINISHED)) || finish
+    rm -rf "$TMP"
+}
+trap 'on_signal TERM 143' TERM
+trap 'on_signal INT 130' INT
+trap on_exit EXIT
+
 if ((DRY)); then
-    tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
     platform_args=(); for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
     echo "dry run with $PYTHON; a real run does, in order:"
     echo "  install: $PYTHON -m pip install --no-index --no-deps --target $SITE $WHEELS/*.whl"
@@ -137,17 +289,17 @@ if ((DRY)); then
     echo "  cpu-tier-on-gpu: $PYTHON -m pytest ${CPU_TIER_ON_GPU[*]}"
     echo "  bench-kernel, bench-exact-kl, bench-rl, summary (OUT_DIR $OUT, scratch $WORK)"
     step dry-wheels 300 bash -c "ls '$WHEELS'/*.whl >/dev/null && \
-        '$PYTHON' tools/gpu_summary.py check-wheels '$WHEELS' && \
-        '$PYTHON' -m pip install -q --no-index --no-deps --no-compile --target '$tmp/site' \
+        '$PYTHON' tools/gpu_summary.py check-wheels '$WHEELS' --pins && \
+        '$PYTHON' -m pip install -q --no-index --no-deps --no-compile --target '$TMP/site' \
             --python-version 3.12 --implementation cp --only-binary=:all: ${platform_args[*]} \
-            '$WHEELS'/*.whl && echo installed into a temporary target: \$(ls '$tmp/site')"
+            '$WHEELS'/*.whl && echo installed into a temporary target: \$(ls '$TMP/site')"
     step dry-extension 120 bash -c "ls csrc/*.cu csrc/*.cpp && '$PYTHON' setup.py --name && \
         '$PYTHON' -c 'import shutil, torch; print(\"nvcc:\", shutil.which(\"nvcc\"), \
 \"| torch CUDA:\", torch.version.cuda, \"| a real run needs both to build the CUDA kernels\")'"
     step dry-gpu-tests 600 bash -c "'$PYTHON' -m pytest --collect-only -q -m gpu tests \
-        -p no:cacheprovider | tee '$tmp/collected' | tail -n 3 && \
-        grep -q '^tests/gpu/' '$tmp/collected' && \
-        echo gpu tests under tests/gpu: \$(grep -c '^tests/gpu/' '$tmp/collected')"
+        -p no:cacheprovider | tee '$TMP/collected' | tail -n 3 && \
+        grep -q '^tests/gpu/' '$TMP/collected' && \
+        echo gpu tests under tests/gpu: \$(grep -c '^tests/gpu/' '$TMP/collected')"
     step dry-cpu-tier-on-gpu 300 "$PYTHON" -m pytest --collect-only -q -p no:cacheprovider \
         -m "not server and not network" "${CPU_TIER_ON_GPU[@]}"
     step dry-bench-kernel 300 "$PYTHON" tools/bench_logprob_kl.py --shapes 64x1000 --reps 1 \
@@ -162,18 +314,13 @@ if ((DRY)); then
         --target-gb 0.02 --repeats 1 --json "$OUT/weight_sync.json"
     step dry-env 60 "$PYTHON" tools/gpu_summary.py env "$OUT"
 else
-    # where the plugins are installed (they are on the lent H100/H200 image): 300 s per test, so
-    # that one hang does not cost the step's junit report; 4 pytest workers sharing the GPU
-    PYTEST_OPTS=()
-    "$PYTHON" -c "import pytest_timeout" 2>/dev/null && \
-        PYTEST_OPTS+=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-300}")
-    "$PYTHON" -c "import xdist" 2>/dev/null && PYTEST_OPTS+=(-n 4)
-    step install 120 bash -c "ls '$WHEELS'/*.whl >/dev/null && mkdir -p '$SITE' && \
+    step install 180 bash -c "ls '$WHEELS'/*.whl >/dev/null && mkdir -p '$SITE' && \
         '$PYTHON' -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target '$SITE' '$WHEELS'/*.whl && \
         '$PYTHON' -c 'import megatron.core, trl, datasets, math_verify, torch; \
 print(\"megatron-core\", megatron.core.__version__, \"trl\", trl.__version__, \
-\"torch\", torch.__version__, \"cuda\", torch.cuda.is_available())'"
+\"torch\", torch.__version__, \"cuda\", torch.cuda.is_available())' && \
+        '$PYTHON' tools/gpu_summary.py check-installed '$WHEELS'"
     # this GPU's architecture only, unless TORCH_CUDA_ARCH_LIST says otherwise
     : "${TORCH_CUDA_ARCH_LIST:=$("$PYTHON" -c 'import torch; print("%d.%d" % \
 torch.cuda.get_device_capability())' 2>/dev/null)}"
@@ -186,17 +333,15 @@ assert 'cuda' in b, 'megatron_rl._C was built without the CUDA kernels'"
         command -v nvcc && echo TORCH_CUDA_ARCH_LIST=\$TORCH_CUDA_ARCH_LIST && \
         '$PYTHON' setup.py build_ext --inplace && '$PYTHON' -c 'import torch, megatron_rl._C' && \
         '$PYTHON' -c \"$has_cuda_kernels\"; fi"
-    step env 60 "$PYTHON" tools/gpu_summary.py env "$OUT" --require-cuda
-    step gpu-tests 720 "$PYTHON" -m pytest -m gpu tests -p no:cacheprovider -q -rs \
-        "${PYTEST_OPTS[@]}" --junitxml "$OUT/junit_gpu.xml"
-    step cpu-tier-on-gpu 480 "$PYTHON" -m pytest -p no:cacheprovider -q -rs "${PYTEST_OPTS[@]}" \
-        -m "not server and not network" --junitxml "$OUT/junit_cpu_tier_on_gpu.xml" \
-        "${CPU_TIER_ON_GPU[@]}"
+    step env 60 "$PYTHON" tools/gpu_summary.py env "$OUT" --require-cuda --wheels "$WHEELS"
+    pytest_step gpu-tests 720 -m gpu --junitxml "$OUT/junit_gpu.xml" tests
+    pytest_step cpu-tier-on-gpu 480 -m "not server and not network" \
+        --junitxml "$OUT/junit_cpu_tier_on_gpu.xml" "${CPU_TIER_ON_GPU[@]}"
     if ((SKIP_BENCH)); then
-        skip bench-kernel "--skip-bench"; skip bench-exact-kl "--skip-bench"
-        skip bench-lm-head "--skip-bench"; skip bench-train-phase "--skip-bench"
-        skip bench-rl "--skip-bench"
-        skip bench-weight-sync "--skip-bench"
+        for b in bench-kernel bench-exact-kl bench-lm-head bench-train-phase bench-rl \
+                 bench-weight-sync; do
+            skip "$b" "--skip-bench"
+        done
     else
         step bench-kernel 300 "$PYTHON" tools/bench_logprob_kl.py --device cuda \
             --shapes 32768x152064 4096x32000 --json "$OUT/bench_logprob_kl.json"
@@ -206,17 +351,20 @@ assert 'cuda' in b, 'megatron_rl._C was built without the CUDA kernels'"
             --tokens 16384 65536 --dtypes bf16 --exact --json "$OUT/bench_lm_head.json"
         step bench-train-phase 600 "$PYTHON" tools/bench_train_phase.py --bf16 --num-layers 24 \
             --max-response 1024 4096 --num-sequences 64 --micro-batch-size 2 \
-            --kl k3:loss exact:reward+loss --json "$OUT/bench_train_phase.json"
+            --kl k3:loss exact:reward+loss --workdir "$WORK/bench_train_phase" \
+            --json "$OUT/bench_train_phase.json"
         step bench-rl 600 "$PYTHON" tools/bench_vs_trl.py --device cuda \
             --out "$WORK/bench_vs_trl" --json "$OUT/bench_vs_trl.json"
         step bench-weight-sync 300 "$PYTHON" tools/bench_weight_sync.py --engines process \
             --target-gb 1 --repeats 3 --work "$WORK/weight_sync" --json "$OUT/weight_sync.json"
     fi
 fi
-"$PYTHON" tools/gpu_summary.py write "$OUT"
-rc=$?
-echo "== done in $(( $(date +%s) - T0 )) s (goal for a real run: < 1200 s on one H100)"
+for e in "${EXTRA[@]}"; do
+    step "${e%%=*}" 600 bash -c "${e#*=}"
+done
+finish
+FINISHED=1
+echo "== done in $(( $(date +%s) - T0 )) s"
 cat "$OUT/summary.md"
-"$PYTHON" -c "import json, sys; sys.exit(0 if json.load(open('$OUT/summary.json'))['ok'] else 1)" \
-    && exit "$rc"
-exit 1
+"$PYTHON" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["ok"] else 1)' \
+    "$OUT/summary.json"

@@ -51,7 +51,7 @@ included), one thread count for all. Ratio: packed+fused / padded+logits tokens/
 equal), goal >= 1.8x marked met / not met.
 
 --find-max-tokens: per path, the largest microbatch one forward+backward fits in
---mem-limit-gib (default 24), the whole process counted (policy + main grads + Adam state,
+--mem-limit-gib (default: the GPU's memory where one is used, else 24), the whole process counted (policy + main grads + Adam state,
 materialised by one optimizer step on zero gradients first, + reference + the microbatch's
 activations): microbatches of L x 2^k tokens (L: prompt + --max-response, the padded width;
 padded: 2^k sequences of that length; packed: synthesised sequences first-fit into one row of at
@@ -113,6 +113,7 @@ PHASES = ("old_lp", "ref_lp", "fwd_bwd", "optim", "other")
 GOAL_RATIO = 1.8  # packed+fused / padded+logits training tokens/s
 EXIT_OVER_LIMIT = 75  # the watchdog's exit status
 GIB = 1 << 30
+CPU_DEFAULT_LIMIT_GIB = 24.0  # --mem-limit-gib on a CPU (on a GPU: all of its memory)
 PAD_ID = 0
 FIRST_TOKEN = 3  # token ids drawn from [3, vocab): 0-2 are the character tokenizer's specials
 
@@ -308,20 +309,34 @@ def mem_available_bytes() -> int | None:
     return None
 
 
-def effective_limit(gib: float) -> tuple[int, str]:
-    """(bytes, note): --mem-limit-gib, capped at the available memory - 1 GiB (on a GPU: at
-    its total memory)."""
+def memory_limit(gib: float | None, gpu_total: int | None,
+                 available: int | None) -> tuple[int, str]:
+    """(bytes, note) of every worker's memory limit. On a GPU (`gpu_total` bytes):
+    --mem-limit-gib capped at the GPU's memory, by default all of it (an H100's 80 GB or an
+    H200's 141 GB: the sizes the kit runs need more than a fixed share). On the CPU:
+    --mem-limit-gib, by default CPU_DEFAULT_LIMIT_GIB, capped at the `available` memory - 1 GiB
+    (so a run cannot take the machine down)."""
+    if gpu_total is not None:
+        if gib is None:
+            return gpu_total, f"{gpu_total / GIB:.1f} GiB, all of the GPU's memory"
+        want = min(int(gib * GIB), gpu_total)
+        return want, f"{want / GIB:.1f} GiB of GPU memory"
+    gib = CPU_DEFAULT_LIMIT_GIB if gib is None else gib
+    want = int(gib * GIB)
+    if available is not None and available - GIB < want:
+        return available - GIB, (f"--mem-limit-gib {gib:g} capped at {(available - GIB) / GIB:.1f}"
+                                 f" GiB (this machine: {available / GIB:.1f} GiB available at "
+                                 "start, - 1 GiB)")
+    return want, f"{gib:g} GiB"
+
+
+def effective_limit(gib: float | None) -> tuple[int, str]:
+    """memory_limit for this machine: its GPU's total memory where CUDA is available."""
     import torch
 
-    want = int(gib * GIB)
     if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        return min(want, total), f"{min(want, total) / GIB:.1f} GiB of GPU memory"
-    avail = mem_available_bytes()
-    if avail is not None and avail - GIB < want:
-        return avail - GIB, (f"--mem-limit-gib {gib:g} capped at {(avail - GIB) / GIB:.1f} GiB "
-                             f"(this machine: {avail / GIB:.1f} GiB available at start, - 1 GiB)")
-    return want, f"{gib:g} GiB"
+        return memory_limit(gib, torch.cuda.get_device_properties(0).total_memory, None)
+    return memory_limit(gib, None, mem_available_bytes())
 
 
 def start_memory_guard(limit: int, result_file: str, context: dict) -> None:
@@ -804,7 +819,7 @@ def markdown(summary: dict, a) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--max-response", type=int, nargs="+", default=[1024],
                    help="max response tokens; several: one benchmark each (e.g. 1024 4096)")
@@ -839,8 +854,10 @@ def main(argv=None) -> int:
     p.add_argument("--find-max-tokens", action="store_true",
                    help="per path, the largest microbatch that fits in --mem-limit-gib (uses the "
                    "first --max-response and --kl)")
-    p.add_argument("--mem-limit-gib", type=float, default=24.0,
-                   help="memory limit of every worker (capped at the available memory - 1 GiB)")
+    p.add_argument("--mem-limit-gib", type=float, default=None,
+                   help="memory limit of every worker; default: all of the GPU's memory where "
+                   f"one is used, else {CPU_DEFAULT_LIMIT_GIB:g} (on a CPU capped at the "
+                   "available memory - 1 GiB)")
     p.add_argument("--find-cap-tokens", type=int, default=1 << 17,
                    help="--find-max-tokens stops doubling here")
     p.add_argument("--dry-run", action="store_true",
@@ -855,7 +872,11 @@ def main(argv=None) -> int:
     p.add_argument("--combo", choices=sorted(COMBOS), help=argparse.SUPPRESS)
     p.add_argument("--fit-tokens", type=int, help=argparse.SUPPRESS)
     p.add_argument("--limit-bytes", type=int, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     # user errors raise ValueError here, before any worker starts
     model_config(a)
     for spec in a.kl:

@@ -18,7 +18,8 @@ This op computes them a block at a time and keeps only O(N) statistics:
   Blocking the vocabulary here, not the tokens, avoids adding a [V, H] product into the weight
   gradient once per token chunk, which costs more than the matmuls on a CPU.
 Peak extra memory: one block of logits and its gradient (128 MiB each on CPU, 512 MiB on
-GPUs, in the hidden dtype), the fp32 [N, H] hidden gradient and the weight gradient itself.
+GPUs, in the hidden dtype; with the exact KL the reference's block too), the fp32 [N, H] hidden
+gradient and the weight gradient itself: `lm_head_peak_bytes` computes it.
 
 The cost is the recompute: one extra h W^T matmul in backward (two with the exact KL, where the
 reference's logits are recomputed too), against megatron's output layer + cross entropy, which
@@ -72,6 +73,55 @@ def default_vocab_block(num_tokens: int, vocab_local: int, itemsize: int,
     least 64, at most V_local)."""
     cols = _block_bytes(device) // max(1, num_tokens * itemsize)
     return int(min(vocab_local, max(64, cols)))
+
+
+# Per-token [N] vectors of the accumulation dtype that one forward+backward holds at most at
+# its peak, beyond the blocks: the outputs (log-probs, log-ratio, K3, entropy, exact KL), the
+# saved row statistics (2, + 5 for the exact KL), the incoming gradients and their coefficients.
+PEAK_TOKEN_VECTORS = 24
+
+
+def lm_head_peak_bytes(num_tokens: int, hidden_size: int, vocab_local: int, dtype: torch.dtype,
+                       device: torch.device | str, *, exact_kl: bool = False,
+                       hidden_grad: bool = True, weight_grad: bool = True,
+                       chunk_tokens: Optional[int] = None,
+                       vocab_block: Optional[int] = None) -> int:
+    """Peak bytes one forward + backward of `lm_head_logprobs_and_kl` allocates on top of its
+    inputs (hidden, weight, targets, the reference's), with the compiled kernels ("cpu" /
+    "cuda" backends, which allocate only their outputs) and the block sizes the op picks on
+    `device` (unless given): the gradients it returns and the outputs are counted.
+
+    With N = num_tokens, H = hidden_size, V = vocab_local, s = dtype's bytes, a = the
+    accumulation dtype's bytes (4; 8 for float64), k = 2 with the exact KL (the reference's
+    logits block too) else 1, c = chunk_tokens, b = vocab_block:
+
+        forward   k c V s                                   (a chunk's logits)
+        backward  W + G + max((k + 1) N b s,                (a block's logits and gradient)
+                              N b s + N H s [hidden_grad],  (the block's hidden-gradient term)
+                              N H s [hidden_grad, s < a])   (the hidden gradient's cast)
+        W = V H s [weight_grad], G = N H a [hidden_grad]
+        peak      max(forward, backward) + PEAK_TOKEN_VECTORS N a
+
+    E.g. on a GPU at N = 8192, H = 896, V = 151936 in bf16 with the exact KL: b = 32768
+    (512 MiB blocks), 3 x 512 MiB + W 260 MiB + G 28 MiB = 1.78 GiB, against the logits path's
+    three [N, V] tensors (logits, reference logits, their gradient) of 2.3 GiB each.
+    """
+    device = torch.device(device)
+    n, h, v = int(num_tokens), int(hidden_size), int(vocab_local)
+    s = torch.empty(0, dtype=dtype).element_size()
+    a = torch.empty(0, dtype=reference.compute_dtype(dtype)).element_size()
+    k = 2 if exact_kl else 1
+    c = min(max(n, 1), chunk_tokens or default_chunk_tokens(v, s, device))
+    b = min(v, vocab_block or default_vocab_block(n, v, s, device))
+    forward = k * c * v * s if n else 0
+    kept = (v * h * s if weight_grad else 0) + (n * h * a if hidden_grad else 0)
+    phases = [(k + 1) * n * b * s]
+    if hidden_grad:
+        phases.append(n * b * s + n * h * s)
+        if s < a:
+            phases.append(n * h * s)
+    backward = kept + max(phases) if (hidden_grad or weight_grad) else 0
+    return max(forward, backward) + PEAK_TOKEN_VECTORS * n * a
 
 
 def _chunks(n: int, size: int):

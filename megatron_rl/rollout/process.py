@@ -40,7 +40,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from megatron_rl.parallel import dist_rank, run_on_rank
+from megatron_rl.parallel import deterministic_env, dist_rank, run_on_rank
 from megatron_rl.rollout.base import Completion, EngineConfig, SamplingParams, ServerError
 from megatron_rl.rollout.child_env import inference_env
 from megatron_rl.rollout.shm_weights import read_bucket
@@ -245,6 +245,7 @@ def _serve(conn, config: ProcessConfig) -> None:
         if config.cores:
             os.sched_setaffinity(0, set(config.cores))
             torch.set_num_threads(len(config.cores))
+        deterministic_env(config.deterministic)  # before megatron.core (and TransformerEngine)
         from megatron_rl.models import ModelArgs, hf_mapping
         from megatron_rl.models.policy import Policy
         from megatron_rl.parallel import ParallelConfig, init_distributed

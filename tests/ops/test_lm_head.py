@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_rl.ops import extension_backends, token_logprobs_and_kl
-from megatron_rl.ops.lm_head import lm_head_exact_kl, lm_head_logprobs_and_kl
+from megatron_rl.ops.lm_head import (PEAK_TOKEN_VECTORS, lm_head_exact_kl, lm_head_logprobs_and_kl,
+                                    lm_head_peak_bytes)
 from megatron_rl.ops.reference import naive_exact_kl, naive_token_logprobs_and_kl
 from tp2_harness import TP2_SPLITS, run_two_ranks
 
@@ -182,6 +183,72 @@ def test_only_the_needed_gradients_and_shapes():
         lm_head_logprobs_and_kl(hidden, weight.double(), targets)
     with pytest.raises(ValueError, match="targets must lie"):
         lm_head_logprobs_and_kl(hidden, weight, targets + 100)
+
+
+def _cpu_peak_bytes(fn) -> int:
+    """Peak bytes `fn()` allocates on the CPU beyond what existed before it: the running sum of
+    the allocations and frees torch's profiler records (profile_memory), in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()  # pyright: ignore[reportAttributeAccessIssue] (not in torch's stub)
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.skipif("cpu" not in extension_backends(),
+                    reason="megatron_rl._C built without the CPU kernel")
+@pytest.mark.parametrize("dtype,exact,grads,n,h,v,chunk,block", [
+    (torch.float32, True, "both", 512, 64, 4000, 128, 1000),
+    (torch.float32, False, "both", 1024, 32, 3000, 256, 500),
+    (torch.bfloat16, True, "both", 512, 64, 4000, 128, 1000),
+    (torch.float64, True, "both", 512, 64, 4000, 128, 1000),
+    (torch.float32, True, "hidden", 512, 64, 4000, 128, 1000),
+    (torch.float32, True, "weight", 512, 64, 4000, 128, 1000),
+    (torch.float32, True, "both", 300, 64, 4000, None, None),  # the CPU's own block sizes
+])
+def test_analytic_peak_is_the_measured_cpu_peak(dtype, exact, grads, n, h, v, chunk, block):
+    """lm_head_peak_bytes against the CPU allocations of one forward+backward (the compiled
+    kernels): never below what is measured, and above it by at most the per-token allowance."""
+    hidden, weight, targets, _, ref_hidden, ref_weight, _ = _inputs(n, h, v, dtype)
+    hidden.requires_grad_(grads in ("both", "hidden"))
+    weight.requires_grad_(grads in ("both", "weight"))
+    ref = {"ref_hidden": ref_hidden, "ref_weight": ref_weight} if exact else {}
+
+    def step():
+        o = lm_head_logprobs_and_kl(hidden, weight, targets, return_entropy=True, backend="cpu",
+                                    chunk_tokens=chunk, vocab_block=block, **ref)
+        loss = o.logprobs.sum() + o.entropy.sum()
+        (loss + o.exact_kl.sum() if exact else loss).backward()
+
+    measured = _cpu_peak_bytes(step)
+    analytic = lm_head_peak_bytes(n, h, v, dtype, "cpu", exact_kl=exact,
+                                  hidden_grad=hidden.requires_grad,
+                                  weight_grad=weight.requires_grad, chunk_tokens=chunk,
+                                  vocab_block=block)
+    allowance = PEAK_TOKEN_VECTORS * n * (8 if dtype == torch.float64 else 4)
+    assert measured <= analytic <= measured + allowance, (measured, analytic)
+
+
+def test_analytic_peak_at_the_gpu_block_size():
+    """The GPU test's shape (tests/gpu/test_gpu_lm_head.py), by hand: 512 MiB blocks on a GPU,
+    so 32768 vocabulary entries of 8192 bf16 tokens per block; three blocks (logits, the
+    reference's, their gradient), the bf16 weight gradient and the fp32 hidden gradient."""
+    n, h, v = 8192, 896, 151936
+    blocks = 3 * (n * 32768 * 2)
+    assert blocks == 3 * 512 * 2 ** 20
+    by_hand = blocks + v * h * 2 + n * h * 4 + PEAK_TOKEN_VECTORS * n * 4
+    assert lm_head_peak_bytes(n, h, v, torch.bfloat16, "cuda", exact_kl=True) == by_hand
+    # under one [N, V] bf16 logits tensor, of which the logits path holds three
+    assert by_hand < n * v * 2
+    # on the CPU the blocks are 128 MiB: a quarter of the vocabulary entries per block
+    assert lm_head_peak_bytes(n, h, v, torch.bfloat16, "cpu", exact_kl=True) == (
+        3 * 128 * 2 ** 20 + v * h * 2 + n * h * 4 + PEAK_TOKEN_VECTORS * n * 4)
 
 
 def _tp2_case(rank, split, backend, dtype, group):
