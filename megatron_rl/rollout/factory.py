@@ -67,7 +67,7 @@ def build_engine(cfg, policy, pad_id: int, longest_prompt: Callable[[], int]):
     starts from other weights. `longest_prompt()`: the run's longest prompt in tokens, asked
     (on rank 0) only where servers are started here. Collective when distributed (server URLs
     and the longest prompt are broadcast)."""
-    from megatron_rl.parallel import broadcast_from_rank0, dist_rank, use_cuda
+    from megatron_rl.parallel import run_on_rank, use_cuda
 
     r, engine = cfg.rollout, cfg.rollout.rollout_engine
     if engine == "local":
@@ -89,7 +89,7 @@ def build_engine(cfg, policy, pad_id: int, longest_prompt: Callable[[], int]):
     cuda = use_cuda()
     longest = gpu_bytes = None
     if not r.rollout_url:  # servers started here: their context length and memory budget
-        longest = broadcast_from_rank0(longest_prompt() if dist_rank() == 0 else None)
+        longest = run_on_rank(0, longest_prompt, "measuring the longest prompt")
         gpu_bytes = _gpu_total_bytes(r.server_gpus()) if cuda else None
     configs = server_configs(cfg, policy.args, longest, cuda, gpu_bytes)
     hf = cfg.model.hf_checkpoint
