@@ -10,6 +10,7 @@ out (models.weights: HF / full state dict loading, gathering the full state dict
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable, Iterable, cast
 
 import torch
@@ -280,7 +281,7 @@ class Policy:
         """Gather the full megatron state dict (global names, host tensors).
 
         Collective over the whole world. Returned on global rank `dst` (None elsewhere), or on
-        every rank when dst is None.
+        every rank when dst is None. Only dst holds it on the host (models.weights.gather).
         """
         return weights.gather(self, weights.local_state_dict(self), dst)
 
@@ -288,6 +289,12 @@ class Policy:
         """Gather the full gradient state dict after forward_backward (DP-reduced main grads,
         fp32), as full_state_dict does the weights."""
         return weights.gather(self, weights.local_grads(self), dst)
+
+    @functools.cached_property
+    def places(self) -> list[weights.Place]:
+        """Every global rank's place in megatron's groups (models.weights.exchange_places),
+        which the gathers route by; asked on first use, a collective over the world."""
+        return weights.exchange_places()
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return self.module.parameters()
