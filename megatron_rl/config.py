@@ -12,7 +12,7 @@
       train_iters, seed, deterministic_mode
 
 Each setting is declared once, in the dataclass of the module that consumes it (ParallelConfig in
-parallel.py, ModelOptions in models/config.py, OptimConfig in models/policy.py, LossConfig in
+parallel.py, ModelOptions in models/config.py, OptimConfig in models/optim.py, LossConfig in
 loss.py, KLConfig in kl.py), its flag's help text (and its valid "choices" and "min", where
 declared) in the field's metadata. The command line and YAML keep one flat namespace: a field's flag is
 `--<field-name>` with '_' -> '-', prefixed by its group's `prefix` metadata where a name would be
@@ -41,7 +41,7 @@ import yaml
 
 from megatron_rl.loss import LossConfig
 from megatron_rl.models.config import ModelOptions
-from megatron_rl.models.policy import OptimConfig
+from megatron_rl.models.optim import OptimConfig
 from megatron_rl.parallel import ParallelConfig, use_cuda
 from megatron_rl.rollout.factory import ENGINES
 

@@ -210,7 +210,7 @@ def train_config(a, combo: str, kl_spec: str):
     from megatron_rl.config import AlgorithmConfig, ModelConfig, TrainConfig
     from megatron_rl.loss import LossConfig
     from megatron_rl.models.config import ModelOptions
-    from megatron_rl.models.policy import OptimConfig
+    from megatron_rl.models.optim import OptimConfig
 
     packed, fused = COMBOS[combo]
     loss = LossConfig(kl=parse_kl(kl_spec), advantage_estimator=a.advantage_estimator)

@@ -46,7 +46,8 @@ def build_base_model(out: str, train_path: str, sft_steps: int) -> str:
     from megatron_rl.data.prompts import PromptBuilder, load_tokenizer
     from megatron_rl.data.records import read_examples
     from megatron_rl.models import ModelArgs, hf_mapping
-    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.models.optim import OptimConfig
+    from megatron_rl.models.policy import Policy
     from megatron_rl.experiments.tiny_model import make_char_tokenizer, make_tiny_hf_checkpoint
     from megatron_rl.parallel import ParallelConfig, init_distributed
     from megatron_rl.experiments.sft import sft

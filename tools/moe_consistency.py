@@ -92,7 +92,8 @@ def build_base_model(out: Path, train_path: Path, sft_steps: int, sft_lr: float)
     from megatron_rl.experiments.sft import sft
     from megatron_rl.experiments.tiny_model import make_char_model
     from megatron_rl.models import ModelArgs, hf_mapping
-    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.models.optim import OptimConfig
+    from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import ParallelConfig, init_distributed
 
     init = str(out / "init")

@@ -68,7 +68,8 @@ def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch
 
     from megatron_rl.batch import next_token_targets
     from megatron_rl.models import ModelArgs
-    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.models.optim import OptimConfig
+    from megatron_rl.models.policy import Policy
     from megatron_rl.ops import vocab_parallel_logprobs
     from megatron_rl.parallel import ParallelConfig, init_distributed
 

@@ -16,7 +16,8 @@ Three layers, each a plain function on state dicts:
      (`gate_up_proj` [E, 2 f, h], `down_proj` [E, h, f]) but its save_pretrained writes, and
      from_pretrained reads, the per-expert tensors.
 2. `shard_for_rank` / `gather_shards`: TP slicing along each parameter's partition dim and PP
-   selection of layers (global <-> local layer numbers). Under TP, fc1 of rank r holds
+   selection of layers (global <-> local layer numbers); per tensor, `merge_tp_shards` and
+   `full_name` undo the split and the renaming. Under TP, fc1 of rank r holds
    [gate_r; up_r], not a contiguous slice of the full fc1; each expert's fc1 / fc2 are split
    like the dense ones (expert-tensor-parallel size = TP), the router is replicated. Under
    expert parallelism (EP > 1) expert-parallel rank p holds the experts
@@ -405,6 +406,34 @@ def shard_for_rank(full: dict[str, torch.Tensor], args: ModelArgs, *, tp_size: i
     return out
 
 
+def merge_tp_shards(parts: list[torch.Tensor], name: str) -> torch.Tensor:
+    """Local tensor `name`'s shards of every TP rank (in TP rank order) -> the unsplit tensor
+    (the inverse of shard_for_rank's split; a replicated tensor is TP rank 0's)."""
+    return _merge(parts, partition_kind(name))
+
+
+def full_name(name: str, args: ModelArgs, pp_size: int = 1, pp_rank: int = 0, ep_size: int = 1,
+              ep_rank: int = 0) -> str | None:
+    """The full state dict's name (global layer and expert ids) of local tensor `name` of
+    pipeline stage pp_rank and expert-parallel rank ep_rank: the inverse of shard_for_rank's
+    renaming. None for a local tensor that the full state dict takes from another rank: the
+    last stage's copy of a tied embedding, and on expert-parallel ranks p > 0 everything but
+    their experts (expert-parallel rank 0 holds the same)."""
+    local_name = name
+    if ep_size > 1:
+        renamed = _renumber_expert(name, expert_range(args, ep_size, ep_rank).start)
+        if renamed is None and ep_rank > 0:
+            return None
+        local_name = name if renamed is None else renamed[0]
+    if args.tie_word_embeddings and name == "output_layer.weight":
+        return None
+    m = _LAYER_RE.match(local_name)
+    if m is None:
+        return local_name
+    offset = pp_layer_range(args, pp_size, pp_rank).start
+    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
+
+
 def gather_shards(shards: dict[tuple[int, ...], dict[str, torch.Tensor]], args: ModelArgs,
                   tp_size: int, pp_size: int, ep_size: int = 1) -> dict[str, torch.Tensor]:
     """Inverse of shard_for_rank: {(tp_rank, pp_rank): local state dict} -> full state dict.
@@ -412,25 +441,15 @@ def gather_shards(shards: dict[tuple[int, ...], dict[str, torch.Tensor]], args: 
     only hold its experts (the other tensors are taken from p = 0)."""
     full = {}
     for pp_rank in range(pp_size):
-        offset = pp_layer_range(args, pp_size, pp_rank).start
         for ep_rank in range(ep_size):
             key = (pp_rank, ep_rank) if ep_size > 1 else (pp_rank,)
-            first = expert_range(args, ep_size, ep_rank).start if ep_size > 1 else 0
-            names = [n for n in shards[(0, *key)] if not n.endswith("_extra_state")]
-            for name in names:
-                local_name = name
-                if ep_size > 1:
-                    renamed = _renumber_expert(name, first)
-                    if renamed is None and ep_rank > 0:
-                        continue  # not an expert: taken from expert-parallel rank 0
-                    local_name = name if renamed is None else renamed[0]
-                m = _LAYER_RE.match(local_name)
-                global_name = (f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m
-                               else local_name)
-                if args.tie_word_embeddings and name == "output_layer.weight":
-                    continue  # the last stage's copy of the tied embedding
-                parts = [shards[(r, *key)][name] for r in range(tp_size)]
-                full[global_name] = _merge(parts, partition_kind(name))
+            for name in shards[(0, *key)]:
+                if name.endswith("_extra_state"):
+                    continue
+                global_name = full_name(name, args, pp_size, pp_rank, ep_size, ep_rank)
+                if global_name is not None:
+                    full[global_name] = merge_tp_shards(
+                        [shards[(r, *key)][name] for r in range(tp_size)], name)
     return full
 
 

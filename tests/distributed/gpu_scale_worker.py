@@ -74,7 +74,8 @@ def run_distopt(hf: str, out: str) -> None:
 
     from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.models import ModelArgs
-    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.models.optim import OptimConfig
+    from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import ParallelConfig, init_distributed
 
     init_distributed(ParallelConfig())
@@ -138,7 +139,8 @@ def run_sp(hf: str, out: str, layout_names=("tp1", "tp2", "tp2_sp")) -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.models import ModelArgs
-    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.models.optim import OptimConfig
+    from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import ParallelConfig, init_distributed
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.local import LocalEngine

@@ -150,7 +150,7 @@ def _uneven_worker(path: str, out: str, ep: int) -> None:
     at --expert-model-parallel-size `ep`, packed and then padded. EP2's ranks hold unequal data:
     rank 0 three sequences (three packed microbatches, or two padded ones of 16 positions), rank
     1 one of 13 tokens (one microbatch), so the forward passes of the two must be matched
-    (Policy._match_expert_peers)."""
+    (models.runner.match_expert_peers)."""
     import torch.distributed as dist
 
     from megatron_rl.models.policy import Policy

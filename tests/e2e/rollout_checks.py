@@ -20,7 +20,8 @@ PROMPTS = [[5, 17, 300, 42], [9, 100], [250, 7, 7, 7, 31, 64]]
 
 def make_policy(path, lr=3e-2):
     from megatron_rl.models.config import ModelArgs
-    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.models.optim import OptimConfig
+    from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import ParallelConfig, init_distributed
 
     init_distributed(ParallelConfig(1, 1))

@@ -32,7 +32,8 @@ def dist_env():
 
 def _policy(path, lr=1e-6):
     from megatron_rl.models.config import ModelArgs
-    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.models.optim import OptimConfig
+    from megatron_rl.models.policy import Policy
 
     pol = Policy(ModelArgs.from_pretrained(path), trainable=True, optim=OptimConfig(lr=lr))
     pol.load_hf(path)

@@ -22,7 +22,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron_rl.models.config import ModelArgs, ModelOptions  # noqa: E402
-from megatron_rl.models.policy import OptimConfig, Policy  # noqa: E402
+from megatron_rl.models.optim import OptimConfig  # noqa: E402
+from megatron_rl.models.policy import Policy  # noqa: E402
 from megatron_rl.parallel import ParallelConfig  # noqa: E402
 
 TINY = dict(architecture="Qwen2ForCausalLM", vocab_size=96, hidden_size=32, intermediate_size=64,

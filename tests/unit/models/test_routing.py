@@ -124,7 +124,8 @@ def test_replay_gives_the_engines_logprobs_after_a_router_step(moe_path, single_
     sends part of those tokens to it. Gate values move by ~1e-5 only, the chosen experts'
     outputs by far more: with replay the trainer's log-probs equal the engine's to that, without
     they do not."""
-    from megatron_rl.models.policy import OptimConfig, Policy
+    from megatron_rl.models.optim import OptimConfig
+    from megatron_rl.models.policy import Policy
 
     policy = Policy(ModelArgs.from_pretrained(moe_path), optim=OptimConfig(lr=1e-5))
     policy.load_hf(moe_path)
