@@ -43,6 +43,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def dist_env():
+    """A one-process torch.distributed world with megatron's parallel state (TP = PP = 1),
+    for the tests of a module that build megatron-core models in-process."""
+    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    init_distributed(ParallelConfig())
+    yield
+    destroy_distributed()
+
+
 # ---- tiny HF checkpoints shared by model, conversion and distributed tests --------------------
 
 @pytest.fixture(scope="session")

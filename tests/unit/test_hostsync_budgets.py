@@ -20,7 +20,6 @@ per-step budget is measured as the difference between two generation lengths). T
 on megatron_rl.parallel.device(), so on a GPU the same tests count what synchronises there.
 """
 
-import os
 
 import pytest
 import torch
@@ -36,16 +35,6 @@ DENSE = dict(architecture="Qwen2ForCausalLM", vocab_size=VOCAB, hidden_size=32,
              qkv_bias=True, max_position_embeddings=64)
 MOE = dict(DENSE, architecture="Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True,
            num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
-
-
-@pytest.fixture(scope="module")
-def dist_env():
-    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    init_distributed(ParallelConfig())
-    yield
-    destroy_distributed()
 
 
 def _args(layers: int, experts: int = 0):

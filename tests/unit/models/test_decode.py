@@ -9,7 +9,6 @@ as well). Also: the decoder
 reads the live weights, so an optimizer step is seen without any sync.
 """
 
-import os
 
 import pytest
 import torch
@@ -18,16 +17,6 @@ pytest.importorskip("megatron.core")
 
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-@pytest.fixture(scope="module")
-def dist_env():
-    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    init_distributed(ParallelConfig())
-    yield
-    destroy_distributed()
 
 
 def _policy(path, lr=1e-6):

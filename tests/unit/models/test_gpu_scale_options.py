@@ -14,7 +14,6 @@ Multi-rank checks (distributed optimizer at DP2, sequence parallelism at TP2) ar
 tests/distributed/test_gpu_scale_flags.py.
 """
 import math
-import os
 
 import pytest
 import torch
@@ -29,16 +28,6 @@ from megatron_rl.parallel import ParallelConfig  # noqa: E402
 TINY = dict(architecture="Qwen2ForCausalLM", vocab_size=96, hidden_size=32, intermediate_size=64,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             qkv_bias=True, max_position_embeddings=64)
-
-
-@pytest.fixture(scope="module")
-def dist_env():
-    from megatron_rl.parallel import destroy_distributed, init_distributed
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    init_distributed(ParallelConfig())
-    yield
-    destroy_distributed()
 
 
 def _args(**kw):

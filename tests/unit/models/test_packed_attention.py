@@ -30,16 +30,6 @@ QWEN3 = dict(QWEN2, architecture="Qwen3ForCausalLM", head_dim=16, qkv_bias=False
 LENS, TOTAL = (5, 11, 3, 8), 32  # 27 tokens, then a padding segment of 5
 
 
-@pytest.fixture(scope="module")
-def dist_env():
-    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    init_distributed(ParallelConfig())
-    yield
-    destroy_distributed()
-
-
 def _model(seed=0, **kw):
     """A tiny model whose every parameter (qkv biases and norms included) is perturbed away
     from megatron's initialisation, so that each one shapes the logits."""
