@@ -44,6 +44,7 @@ from megatron_rl.loss import LossConfig
 from megatron_rl.models.config import ModelOptions
 from megatron_rl.models.optim import OptimConfig
 from megatron_rl.parallel import ParallelConfig, use_cuda
+from megatron_rl.rollout.base import check_sampling
 from megatron_rl.rollout.factory import ENGINES
 
 _field = dataclasses.field
@@ -183,11 +184,7 @@ class RolloutConfig:
 
     def validate(self) -> None:
         """The engine's capabilities (rollout.factory.ENGINES) against the settings for it."""
-        if not self.temperature >= 0:  # NaN included
-            raise ValueError(f"--temperature {self.temperature}: must be >= 0 (0: greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p {self.top_p}: a probability mass in (0, 1] (1: the "
-                             "whole distribution)")
+        check_sampling(self.temperature, self.top_p)
         engine, sync = self.rollout_engine, self.weight_sync
         spec = ENGINES[engine]
         servers = " or ".join(name for name, s in ENGINES.items() if s.servers)
