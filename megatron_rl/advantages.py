@@ -78,6 +78,8 @@ def dr_grpo(returns, group_size: int, loss_mask=None) -> torch.Tensor:
 
 
 ADVANTAGE_ESTIMATORS = {"rloo": rloo, "grpo": grpo, "dr_grpo": dr_grpo, "reinforce": reinforce}
+# the estimators whose baseline is taken from the group: they need group_size >= 2
+GROUP_BASELINE_ESTIMATORS = frozenset({"rloo", "grpo", "dr_grpo"})
 
 
 def get_advantage_estimator(name: str):

@@ -39,10 +39,12 @@ from typing import Any
 
 import yaml
 
+from megatron_rl.advantages import GROUP_BASELINE_ESTIMATORS
 from megatron_rl.loss import LossConfig
 from megatron_rl.models.config import ModelOptions
 from megatron_rl.models.optim import OptimConfig
 from megatron_rl.parallel import ParallelConfig, use_cuda
+from megatron_rl.rollout.base import check_sampling
 from megatron_rl.rollout.factory import ENGINES
 
 _field = dataclasses.field
@@ -164,10 +166,10 @@ class RolloutConfig:
         "sleep mode, SGLang's release_memory_occupation) and takes it back before the weight "
         "sync"))
     temperature: float = _opt(1.0, help=(
-        "sampling temperature of the rollouts and of evaluation"))
+        "sampling temperature of the rollouts and of evaluation, >= 0 (0: greedy)"))
     top_p: float = _opt(1.0, help=(
-        "nucleus sampling: sample from the smallest set of tokens holding this probability "
-        "(1: the whole distribution); rollouts and evaluation"))
+        "nucleus sampling: sample from the smallest set of tokens holding this probability, "
+        "in (0, 1] (1: the whole distribution); rollouts and evaluation"))
     max_new_tokens: int = _opt(256, min=1, help=(
         "tokens per response at most (rollouts and evaluation)"))
 
@@ -182,6 +184,7 @@ class RolloutConfig:
 
     def validate(self) -> None:
         """The engine's capabilities (rollout.factory.ENGINES) against the settings for it."""
+        check_sampling(self.temperature, self.top_p)
         engine, sync = self.rollout_engine, self.weight_sync
         spec = ENGINES[engine]
         servers = " or ".join(name for name, s in ENGINES.items() if s.servers)
@@ -288,6 +291,12 @@ class AlgorithmConfig:
                              "sequence)")
         if self.num_prompts_per_step % self.ppo_minibatches:
             raise ValueError("--ppo-minibatches must divide --num-prompts-per-step")
+        estimator = self.loss.advantage_estimator
+        if self.group_size < 2 and estimator in GROUP_BASELINE_ESTIMATORS:
+            raise ValueError(f"--group-size {self.group_size} with --advantage-estimator "
+                             f"{estimator}: its baseline comes from the other responses to the "
+                             "same prompt, so it needs --group-size >= 2 (or --advantage-"
+                             "estimator reinforce, no baseline)")
 
 
 @dataclasses.dataclass
@@ -555,6 +564,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _coerce(value: Any, kind, key: str, source: str) -> Any:
+    """A config file's `value` for the field `key` of type `kind`, as that type.
+
+    YAML and JSON give numbers PyYAML reads as strings (`3e-4`, `1e-08`: YAML 1.1 floats need a
+    dot) or quoted ones (`"5"`); such a string becomes the declared int or float. A lone value
+    for a list field becomes a one-element list. Anything that is not the declared type raises
+    ValueError naming the key and the file. null is None for an optional setting and the empty
+    list for a list."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) is list:
+        elem = typing.get_args(kind)[0]
+        items = [] if value is None else value if isinstance(value, list) else [value]
+        return [_coerce(v, elem, key, source) for v in items]
+    if value is None:
+        if type(None) in typing.get_args(kind):
+            return None
+        raise ValueError(f"{source}: {key}: null, but the setting needs a value")
+    base = args[0] if args else kind
+    name = getattr(base, "__name__", str(base))
+
+    def refuse() -> ValueError:
+        return ValueError(f"{source}: {key}: {value!r} is not {name} (the type of {_flag(key)})")
+
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise refuse()
+    if base in (int, float):
+        if isinstance(value, bool):
+            raise refuse()
+        if isinstance(value, str):
+            try:
+                value = base(value.strip())
+            except ValueError:
+                raise refuse() from None
+        if base is float and isinstance(value, int):
+            return float(value)
+        if isinstance(value, float) and base is int:
+            if not value.is_integer():
+                raise refuse()
+            return int(value)
+        if not isinstance(value, base):
+            raise refuse()
+        return value
+    if base is str and not isinstance(value, str):
+        raise refuse()
+    return value
+
+
 def parse_config(argv=None) -> TrainConfig:
     """TrainConfig from defaults, an optional YAML file and flags; validated."""
     ns = vars(build_parser().parse_args(argv))
@@ -564,6 +622,9 @@ def parse_config(argv=None) -> TrainConfig:
     if path:
         with open(path) as fh:
             loaded = yaml.safe_load(fh) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: not a mapping of setting names (the flags' names, '-' -> "
+                             f"'_') to values, but a {type(loaded).__name__}")
         ignored = sorted(set(loaded) & _IGNORED_KEYS)
         if ignored:
             warnings.warn(f"{path}: ignoring {ignored}: no setting reads them")
@@ -571,7 +632,7 @@ def parse_config(argv=None) -> TrainConfig:
         unknown = sorted(set(loaded) - set(fields))
         if unknown:
             raise ValueError(f"{path}: unknown keys {unknown}; valid: {sorted(fields)}")
-        flat.update(loaded)
+        flat.update({k: _coerce(v, fields[k][1], k, path) for k, v in loaded.items()})
     flat.update(ns)
     cfg = _build(TrainConfig, {fields[k][0]: v for k, v in flat.items()})
     cfg.checkpoint.save = os.path.abspath(cfg.checkpoint.save)

@@ -6,17 +6,98 @@ the HF config as `hf_config.json`, so they can be exported back without the orig
 Both directions run in the current process group: a single process for TP=PP=1, or under torchrun
 with world size TP*PP. The name/layout mapping is megatron_rl.models.hf_mapping (the same code that
 syncs weights to rollout servers).
+
+A conversion never destroys: the output is built in a temporary sibling of --save and renamed into
+place, with a marker file (MARKER) listing what it wrote. A --save that is the source (or holds
+it) is refused; so is a non-empty --save, a training run's directory included, unless it holds
+only an earlier conversion's output and --overwrite is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
+import shutil
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json",
                    "chat_template.jinja")
+
+
+# written last into every conversion's output: {"direction", "load", "entries": what it wrote}
+MARKER = ".megatron-rl-convert.json"
+
+
+def _read_marker(save: str) -> dict | None:
+    try:
+        with open(os.path.join(save, MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("entries"), list) else None
+
+
+def check_destination(load: str, save: str, overwrite: bool = False) -> None:
+    """Raise ValueError naming --save unless writing the conversion of `load` to `save` removes
+    nothing but an earlier conversion's own output: `save` absent or empty, or (with
+    `overwrite`) holding only the entries a conversion's marker lists. `save` is never `load` or
+    a directory holding it (compared by real path: symlinks and relative paths resolved)."""
+    src, dst = os.path.realpath(load), os.path.realpath(save)
+    if src == dst or src.startswith(dst + os.sep):
+        raise ValueError(f"--save {save}: {'is' if src == dst else 'holds'} the source --load "
+                         f"{load}, which the conversion would replace; give --save a new "
+                         "directory")
+    if not os.path.lexists(save):
+        return
+    if not os.path.isdir(save):
+        raise ValueError(f"--save {save}: exists and is not a directory")
+    entries = sorted(os.listdir(save))
+    if not entries:
+        return
+    marker = _read_marker(save)
+    shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
+    if marker is None:
+        run = ("latest" in entries or "metrics.jsonl" in entries
+               or any(e.startswith("iter_") for e in entries))
+        what = ("a training run's directory" if run
+                else "not empty and not written by megatron-rl convert")
+        raise ValueError(f"--save {save}: {what} ({shown}); a conversion writes a new directory "
+                         "and never replaces one it did not write (not even with --overwrite): "
+                         "give --save a new or empty directory")
+    if not overwrite:
+        raise ValueError(f"--save {save}: holds an earlier conversion ({marker.get('direction')} "
+                         f"of {marker.get('load')}); pass --overwrite to replace it, or give "
+                         "--save a new directory")
+    foreign = sorted(set(entries) - set(marker["entries"]))
+    if foreign:
+        raise ValueError(f"--save {save}: --overwrite replaces only what megatron-rl convert "
+                         f"wrote there, but it also holds {foreign}: move them away first")
+
+
+def _staging_dir(save: str) -> str:
+    """The temporary sibling of `save` a conversion is built in (one fixed name, so that every
+    rank agrees on it and a killed conversion's leftover is removed by the next), beside the
+    real path: a --save symlink stays one, and the rename stays on one file system."""
+    save = os.path.realpath(save)
+    return os.path.join(os.path.dirname(save), ".tmp-" + os.path.basename(save) + ".convert")
+
+
+def _publish(staging: str, save: str, direction: str, load: str) -> None:
+    """Rank 0: write the marker into `staging` and rename it to `save`, replacing an earlier
+    conversion there (check_destination allowed it) only once the new one is complete."""
+    entries = sorted(os.listdir(staging)) + [MARKER]
+    with open(os.path.join(staging, MARKER), "w") as f:
+        json.dump({"direction": direction, "load": os.path.abspath(load), "entries": entries},
+                  f, indent=2)
+    save = os.path.realpath(save)
+    old = os.path.join(os.path.dirname(save), ".old-" + os.path.basename(save) + ".convert")
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.lexists(save):
+        os.rename(save, old)
+    os.rename(staging, save)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _init(tp: int, pp: int):
@@ -25,19 +106,29 @@ def _init(tp: int, pp: int):
     init_distributed(ParallelConfig(tp, pp))
 
 
-def hf_to_megatron(hf_dir: str, save_root: str, tp: int = 1, pp: int = 1) -> str:
-    """Convert a HF checkpoint directory into a Megatron checkpoint root. Collective."""
-    from megatron_rl.checkpoint import save_checkpoint
+def hf_to_megatron(hf_dir: str, save_root: str, tp: int = 1, pp: int = 1,
+                   overwrite: bool = False) -> str:
+    """Convert a HF checkpoint directory into a new Megatron checkpoint root (check_destination:
+    `overwrite` replaces only an earlier conversion). Collective. Returns the iteration
+    directory."""
+    check_destination(hf_dir, save_root, overwrite)  # before any heavy import
+    from megatron_rl.checkpoint import iter_dir_name, save_checkpoint
     from megatron_rl.models import ModelArgs
     from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import dist_rank, run_on_rank
 
     _init(tp, pp)
     args = ModelArgs.from_pretrained(hf_dir)
     policy = Policy(args, trainable=False)
     policy.load_hf(hf_dir)
-    out = save_checkpoint(save_root, 0, policy, with_optimizer=False, hf_config=args.to_hf_config())
+    staging = _staging_dir(save_root)
+    if dist_rank() == 0:  # the others first touch it inside save_checkpoint, after rank 0
+        shutil.rmtree(staging, ignore_errors=True)
+    out = save_checkpoint(staging, 0, policy, with_optimizer=False, hf_config=args.to_hf_config())
     _copy_tokenizer(hf_dir, out)
-    return out
+    run_on_rank(0, lambda: _publish(staging, save_root, "hf-to-megatron", hf_dir),
+                f"publishing the Megatron checkpoint {save_root}")
+    return os.path.join(save_root, iter_dir_name(0))
 
 
 def load_megatron_args(ckpt_dir: str):
@@ -57,8 +148,11 @@ def resolve_checkpoint(path: str) -> str:
     return path if latest is None else latest
 
 
-def megatron_to_hf(load: str, hf_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None) -> None:
-    """Export a Megatron checkpoint (root or iteration dir) to a HF directory. Collective."""
+def megatron_to_hf(load: str, hf_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
+                   overwrite: bool = False) -> None:
+    """Export a Megatron checkpoint (root or iteration dir) to a new HF directory
+    (check_destination: `overwrite` replaces only an earlier conversion). Collective."""
+    check_destination(load, hf_dir, overwrite)  # before any heavy import
     import torch
 
     from megatron_rl.checkpoint import load_checkpoint
@@ -76,14 +170,16 @@ def megatron_to_hf(load: str, hf_dir: str, tp: int = 1, pp: int = 1, dtype: str 
     def write() -> None:
         hf = hf_mapping.megatron_to_hf(full, args, source=ckpt)
         extra = [f for f in (os.path.join(ckpt, n) for n in TOKENIZER_FILES) if os.path.exists(f)]
-        hf_mapping.save_hf_checkpoint(hf, args, hf_dir, extra_files=tuple(extra),
+        staging = _staging_dir(hf_dir)
+        shutil.rmtree(staging, ignore_errors=True)
+        hf_mapping.save_hf_checkpoint(hf, args, staging, extra_files=tuple(extra),
                                       dtype=getattr(torch, dtype) if dtype else None)
+        _publish(staging, hf_dir, "megatron-to-hf", load)
 
     run_on_rank(0, write, f"writing the HF checkpoint {hf_dir}")  # the others wait outside
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
-    import shutil
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -107,10 +203,15 @@ def main(argv=None) -> None:
         "tokenizer files); megatron-to-hf: a Megatron checkpoint root (its `latest` iteration) "
         "or one iteration directory, with the hf_config.json megatron-rl stores. Required"))
     p.add_argument("--save", required=True, help=(
-        "destination: hf-to-megatron: the checkpoint root, which gets iteration directory "
-        "iter_0000000 (weights, hf_config.json, tokenizer files) and the `latest` pointer; "
-        "megatron-to-hf: the Hugging Face directory (config.json, safetensors, the checkpoint's "
-        "tokenizer files), replaced as a whole when it exists. Required"))
+        "destination, a new or empty directory (never --load, nor a directory holding it): "
+        "hf-to-megatron: the checkpoint root, which gets iteration directory iter_0000000 "
+        "(weights, hf_config.json, tokenizer files) and the `latest` pointer; megatron-to-hf: "
+        "the Hugging Face directory (config.json, safetensors, the checkpoint's tokenizer "
+        f"files). Built beside it and renamed into place, with {MARKER} listing what it wrote. "
+        "Required"))
+    p.add_argument("--overwrite", action="store_true", help=(
+        "replace an earlier conversion's output at --save (what its marker lists and nothing "
+        "else: a directory holding anything more, or a training run's, is still refused)"))
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help=(
         "tensor-parallel size the model is held in while converting; the Megatron checkpoint "
         "is reshardable, so it loads in any layout later. Launch with torchrun and exactly "
@@ -130,10 +231,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"world size {world} != TP*PP = {tp * pp}: launch with "
                          f"`torchrun --nproc-per-node {tp * pp} ...`")
     if a.direction == "hf-to-megatron":
-        out = hf_to_megatron(a.load, a.save, tp, pp)
+        out = hf_to_megatron(a.load, a.save, tp, pp, a.overwrite)
         msg = f"wrote Megatron checkpoint {out}"
     else:
-        megatron_to_hf(a.load, a.save, tp, pp, a.dtype)
+        megatron_to_hf(a.load, a.save, tp, pp, a.dtype, a.overwrite)
         msg = f"wrote HF checkpoint {a.save}"
     from megatron_rl.parallel import destroy_distributed
     import torch.distributed as dist

@@ -127,6 +127,7 @@ def main(argv=None) -> None:
     from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
     from megatron_rl.rewards import RewardScorer
+    from megatron_rl.rollout.base import check_sampling
     from megatron_rl.rollout.local import LocalEngine
 
     p = argparse.ArgumentParser(prog="megatron-rl eval", description=main.__doc__)
@@ -148,10 +149,11 @@ def main(argv=None) -> None:
         "sampling seeds, each a full pass of --samples responses per prompt; the table shows "
         "the mean over the seeds, --out also each seed's results (default: %(default)s)"))
     p.add_argument("--temperature", type=float, default=1.0, help=(
-        "sampling temperature (1: the policy's own distribution) (default: %(default)s)"))
+        "sampling temperature, >= 0 (1: the policy's own distribution, 0: greedy) (default: "
+        "%(default)s)"))
     p.add_argument("--top-p", type=float, default=1.0, help=(
-        "nucleus sampling: sample from the smallest set of tokens holding this probability "
-        "(1: the whole distribution) (default: %(default)s)"))
+        "nucleus sampling: sample from the smallest set of tokens holding this probability, in "
+        "(0, 1] (1: the whole distribution) (default: %(default)s)"))
     p.add_argument("--max-new-tokens", type=int, default=256, help=(
         "length limit of each response, in tokens; a response also ends at the tokenizer's EOS "
         "token, and a cut-off one is scored as it stands (default: %(default)s)"))
@@ -181,6 +183,10 @@ def main(argv=None) -> None:
         "averaged over the seeds, with k and the seeds; its directory is created (default: "
         "unset, the table is only printed)"))
     a = p.parse_args(argv)
+    check_sampling(a.temperature, a.top_p)
+    for flag, value in (("--samples", a.samples), ("--max-new-tokens", a.max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1")
     init_distributed(ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size))
     args = ModelArgs.from_pretrained(a.hf_checkpoint)
     policy = Policy(args, trainable=False)

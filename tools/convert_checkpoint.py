@@ -4,6 +4,9 @@
     python tools/convert_checkpoint.py hf-to-megatron --load HF_DIR --save MEGATRON_ROOT
     torchrun --nproc-per-node 4 tools/convert_checkpoint.py megatron-to-hf --load MEGATRON_ROOT \
         --save HF_DIR --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+
+--save is a new or empty directory; --overwrite replaces an earlier conversion's output there
+and nothing else (megatron_rl.convert.check_destination).
 """
 from megatron_rl.convert import main
 

@@ -86,15 +86,33 @@ def write_jsonl(path: str | Path, examples: Iterable[TaskExample]) -> int:
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed object) for each non-blank line; bad JSON names file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    """(line number, parsed object) for each non-blank line; bad JSON or bytes that are not
+    UTF-8 name the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataFormatError(path, lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise _utf8_error(path, e) from None
+
+
+def _utf8_error(path: str | Path, error: UnicodeDecodeError) -> DataFormatError:
+    """The first line of `path` that is not UTF-8, as a DataFormatError (the decoder reports a
+    position within its read buffer, not a line)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
             try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(path, lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return DataFormatError(path, lineno, f"not UTF-8: byte {raw[e.start]:#04x} at "
+                                                     f"column {e.start + 1} ({e.reason}); save "
+                                                     "the file as UTF-8")
+    return DataFormatError(path, None, f"not UTF-8 ({error.reason})")
 
 
 def read_examples(path: str | Path) -> list[TaskExample]:

@@ -72,6 +72,16 @@ class ServerConfig(EngineConfig):
     extra_args: tuple[str, ...] = ()
 
 
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Raise ValueError naming the flag for a --temperature below 0 (0: greedy, as the local
+    engine, vLLM and SGLang take it) or a --top-p outside (0, 1]; NaN is refused too."""
+    if not temperature >= 0:
+        raise ValueError(f"--temperature {temperature}: must be >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top-p {top_p}: a probability mass in (0, 1] (1: the whole "
+                         "distribution)")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings. temperature 1.0 / top_p 1.0 / top_k -1 samples the policy itself,

@@ -161,3 +161,63 @@ def test_routing_replay_is_checked():
         parse_config(BASE + ["--routing-replay", "--pipeline-model-parallel-size", "2"])
     parse_config(BASE + ["--routing-replay", "--pipeline-model-parallel-size", "2",
                          "--rollout-engine", "process"])
+
+
+def test_sampling_values_are_checked_naming_the_flag():
+    """--temperature >= 0 (0: greedy, as every engine does), --top-p in (0, 1]."""
+    for flags, message in ((["--temperature", "-1"], "--temperature -1.0: must be >= 0"),
+                           (["--temperature", "nan"], "--temperature nan"),
+                           (["--top-p", "1.5"], r"--top-p 1.5: a probability mass in \(0, 1\]"),
+                           (["--top-p", "0"], r"--top-p 0.0: a probability mass in \(0, 1\]")):
+        with pytest.raises(ValueError, match=message):
+            parse_config(BASE + flags)
+    assert parse_config(BASE + ["--temperature", "0"]).rollout.temperature == 0.0
+    assert parse_config(BASE + ["--top-p", "1"]).rollout.top_p == 1.0
+
+
+def test_group_baselines_need_two_responses_per_prompt():
+    for estimator in ("rloo", "grpo", "dr_grpo"):
+        with pytest.raises(ValueError, match=f"--group-size 1 with --advantage-estimator "
+                                             f"{estimator}: .* needs --group-size >= 2"):
+            parse_config(BASE + ["--group-size", "1", "--advantage-estimator", estimator])
+    parse_config(BASE + ["--group-size", "1", "--advantage-estimator", "reinforce"])
+
+
+def test_config_file_values_take_the_settings_types(tmp_path):
+    """PyYAML reads `3e-4` (no dot) and `"5"` as strings: they become the declared float and
+    int; a value that is not the setting's type is refused naming the key and the file."""
+    f = tmp_path / "run.yaml"
+    f.write_text('lr: 3e-4\ngroup_size: "5"\nkl_coef: 1\ntrain_data: d.jsonl\n'
+                 'rollout_process_cores: ["1", 2]\nrollout_url: null\nref_checkpoint: null\n')
+    cfg = parse_config(["--config", str(f), "--hf-checkpoint", "m"])
+    assert cfg.optimizer.lr == 3e-4 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.algorithm.group_size == 5 and isinstance(cfg.algorithm.group_size, int)
+    assert cfg.loss.kl.coef == 1.0 and isinstance(cfg.loss.kl.coef, float)
+    assert cfg.data.train_data == ["d.jsonl"]
+    assert cfg.rollout.rollout_process_cores == [1, 2]
+    assert cfg.rollout.rollout_url == [] and cfg.model.ref_checkpoint is None
+    for text, message in (('group_size: "five"', r"group_size: 'five' is not int \(the type of "
+                                                  r"--group-size\)"),
+                          ("group_size: 2.5", "group_size: 2.5 is not int"),
+                          ("bf16: 'yes'", r"bf16: 'yes' is not bool \(the type of --bf16\)"),
+                          ("lr: fast", "lr: 'fast' is not float"),
+                          ("train_iters: null", "train_iters: null"),
+                          ("[1, 2]", "not a mapping of setting names")):
+        f.write_text(text + "\n")
+        with pytest.raises(ValueError, match=f"{f}: {message}"):
+            parse_config(["--config", str(f)] + BASE)
+
+
+def test_a_runs_config_json_is_usable_as_config(tmp_path):
+    """<save>/config.json (runtime.py: json.dump of to_flat_dict) read back with --config gives
+    the same configuration: JSON writes 1e-08, which PyYAML reads as a string."""
+    import json
+
+    from megatron_rl.config import to_flat_dict
+
+    cfg = parse_config(BASE + ["--lr", "3e-5", "--clip-high", "inf", "--save", str(tmp_path)])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(to_flat_dict(cfg), indent=2))
+    again = parse_config(["--config", str(path)])
+    assert to_flat_dict(again) == to_flat_dict(cfg)
+    assert again.optimizer.adam_eps == 1e-8

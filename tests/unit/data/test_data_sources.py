@@ -48,6 +48,22 @@ def test_prepared_rows_roundtrip_and_malformed_row_names_file_line_field(tmp_pat
         read_examples(bad)
 
 
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    """A byte that is not UTF-8 (a Latin-1 file, a damaged copy) is a DataFormatError naming the
+    file and its line, also far past the decoder's first read buffer, for prepared data and for
+    a user file alike."""
+    good = json.dumps({"prompt": "x" * 40, "answer": "1", "task": "math"}).encode() + b"\n"
+    bad = b'{"prompt": "caf\xe9", "answer": "1", "task": "math"}\n'
+    path = tmp_path / "latin1.jsonl"
+    for lineno in (3, 2000):
+        path.write_bytes(good * (lineno - 1) + bad + good)
+        with pytest.raises(DataFormatError, match=rf"latin1\.jsonl:{lineno}: not UTF-8: byte 0xe9 "
+                                                  "at column 16"):
+            read_examples(path)
+        with pytest.raises(DataFormatError, match=rf"latin1\.jsonl:{lineno}: not UTF-8"):
+            read_user_file(path, "math", prompt_field="prompt", answer_field="answer")
+
+
 def test_user_jsonl_with_field_mapping(tmp_path):
     src = _write_lines(tmp_path / "mine.jsonl", [
         {"doc": {"problem": "What is 1/2?"}, "solution": r"It is $\boxed{\frac{1}{2}}$."},

@@ -1,0 +1,117 @@
+"""`megatron-rl convert` never destroys: a --save that is the source, holds it, is a training
+run's directory or holds anything else is refused before any work; --overwrite replaces only an
+earlier conversion's own output, and the output appears by rename, complete."""
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from megatron_rl.convert import MARKER, main
+
+
+def _tree(root) -> dict[str, bytes]:
+    """{relative path: contents} of every file under `root`."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = fh.read()
+    return out
+
+
+def _fake_run(root) -> None:
+    """What a training run's --save holds: checkpoints, `latest`, metrics, its config."""
+    os.makedirs(os.path.join(root, "iter_0000002"))
+    with open(os.path.join(root, "iter_0000002", "extra_rank0.pt"), "wb") as f:
+        f.write(b"weights")
+    for name, text in (("latest", "iter_0000002\n"), ("metrics.jsonl", '{"step": 1}\n'),
+                       ("config.json", "{}\n")):
+        with open(os.path.join(root, name), "w") as f:
+            f.write(text)
+
+
+@pytest.mark.parametrize("direction", ["hf-to-megatron", "megatron-to-hf"])
+def test_a_save_that_is_or_holds_the_source_is_refused(tmp_path, direction):
+    run = tmp_path / "run"
+    _fake_run(run)
+    link = tmp_path / "link"
+    os.symlink(run, link)
+    before = _tree(run)
+    for load, save in ((run, run), (run, link), (run / "iter_0000002", run),
+                       (run / "iter_0000002", tmp_path / "run" / ".." / "run")):
+        for overwrite in ([], ["--overwrite"]):
+            with pytest.raises(ValueError, match=f"--save {re.escape(str(save))}: (is|holds) the source"):
+                main([direction, "--load", str(load), "--save", str(save), *overwrite])
+    rel = os.path.relpath(run)  # a relative path to the same directory
+    with pytest.raises(ValueError, match="is the source"):
+        main([direction, "--load", str(run), "--save", rel])
+    assert _tree(run) == before
+
+
+@pytest.mark.parametrize("direction", ["hf-to-megatron", "megatron-to-hf"])
+def test_a_runs_directory_or_other_files_are_never_replaced(tiny_qwen2, tmp_path, direction):
+    """hf-to-megatron --save <a run> would rewrite its `latest`; megatron-to-hf --save <a run or
+    any directory> would delete it: both refused, even with --overwrite, and nothing changes."""
+    load = tiny_qwen2 if direction == "hf-to-megatron" else str(tmp_path / "ckpt")
+    run = tmp_path / "run"
+    _fake_run(run)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    for overwrite in ([], ["--overwrite"]):
+        with pytest.raises(ValueError, match=f"--save {re.escape(str(run))}: a training run's directory"):
+            main([direction, "--load", load, "--save", str(run), *overwrite])
+        with pytest.raises(ValueError, match=f"--save {re.escape(str(other))}: not empty and not written by "
+                                             "megatron-rl convert"):
+            main([direction, "--load", load, "--save", str(other), *overwrite])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        main([direction, "--load", load, "--save", str(tmp_path / "file")])
+    assert (other / "todo.txt").read_text() == "mine"
+    assert (run / "latest").read_text() == "iter_0000002\n"
+    assert sorted(os.listdir(tmp_path)) == ["file", "notes", "run"]
+
+
+def test_overwrite_replaces_only_an_earlier_conversion(tiny_qwen2, tmp_path):
+    """Both directions end to end (in this process, a one-process world each): the output
+    carries the marker and no temporaries are left beside it; a second conversion to the same
+    --save needs --overwrite, which replaces the earlier output but refuses once anything else
+    was put there."""
+    from megatron_rl.models import hf_mapping
+
+    torch.set_num_threads(1)
+    mg, hf = tmp_path / "megatron", tmp_path / "hf"
+    main(["hf-to-megatron", "--load", tiny_qwen2, "--save", str(mg)])
+    assert {"latest", "iter_0000000", MARKER} <= set(os.listdir(mg))
+    with pytest.raises(ValueError, match="pass --overwrite to replace it"):
+        main(["hf-to-megatron", "--load", tiny_qwen2, "--save", str(mg)])
+    run, notes = tmp_path / "run", tmp_path / "notes"
+    _fake_run(run)
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    for save, message in ((run, "a training run's directory"), (notes, "not empty"),
+                          (mg, "is the source")):
+        with pytest.raises(ValueError, match=message):
+            main(["megatron-to-hf", "--load", str(mg), "--save", str(save), "--overwrite"])
+    assert (notes / "todo.txt").read_text() == "mine" and (run / "metrics.jsonl").exists()
+    shutil.rmtree(run)
+    shutil.rmtree(notes)
+    hf.mkdir()  # an empty --save is fine
+    main(["megatron-to-hf", "--load", str(mg), "--save", str(hf)])
+    assert sorted(os.listdir(tmp_path)) == ["hf", "megatron"]  # no temporaries left
+    a, b = hf_mapping.load_hf_state_dict(tiny_qwen2), hf_mapping.load_hf_state_dict(str(hf))
+    assert set(a) == set(b) and all(a[k].equal(b[k]) for k in a)
+
+    main(["megatron-to-hf", "--load", str(mg), "--save", str(hf), "--overwrite",
+          "--dtype", "bfloat16"])
+    assert {t.dtype for t in hf_mapping.load_hf_state_dict(str(hf)).values()} == {torch.bfloat16}
+    assert sorted(os.listdir(tmp_path)) == ["hf", "megatron"]
+
+    (hf / "README.md").write_text("my notes")
+    with pytest.raises(ValueError, match=r"--overwrite replaces only what megatron-rl convert "
+                                         r"wrote there, but it also holds \['README.md'\]"):
+        main(["megatron-to-hf", "--load", str(mg), "--save", str(hf), "--overwrite"])
+    assert (hf / "README.md").read_text() == "my notes"
