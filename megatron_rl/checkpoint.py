@@ -470,7 +470,11 @@ def load_run_weights(policy, reference, resume: str | None, weights: str | None,
     else:
         reference.load_hf(hf)
     if resume is not None and reference_resets:
-        ref_ckpt = latest_checkpoint(os.path.join(os.path.dirname(resume), "reference"))
+        # the reference of the resumed step: a newer one is left by a damaged checkpoint that
+        # complete_checkpoint fell back from
+        ref_root = os.path.join(os.path.dirname(resume), "reference")
+        same_step = os.path.join(ref_root, os.path.basename(resume))
+        ref_ckpt = same_step if os.path.isdir(same_step) else latest_checkpoint(ref_root)
         if ref_ckpt is not None:
             load_checkpoint(ref_ckpt, reference, with_optimizer=False)
     return extra

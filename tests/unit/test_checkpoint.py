@@ -123,6 +123,28 @@ def test_damaged_newest_checkpoint_is_named_kept_aside_and_the_previous_one_resu
     assert checkpoint.complete_checkpoint(root) == resume
 
 
+def test_fallback_resumes_the_reference_of_the_same_step(saved, policy, tiny_qwen2, tmp_path):
+    """With --ref-reset-interval the reference is saved beside each checkpoint: a fallback to
+    step 1 takes step 1's reference, not the newer one of the damaged step."""
+    from megatron_rl.models import ModelArgs
+    from megatron_rl.models.policy import Policy
+
+    root = _copy(saved, tmp_path)
+    for step in (1, 2):
+        shutil.copytree(os.path.join(root, checkpoint.iter_dir_name(step)),
+                        os.path.join(root, "reference", checkpoint.iter_dir_name(step)))
+    with open(os.path.join(root, "reference", "latest"), "w") as f:
+        f.write("iter_0000002\n")
+    _truncate(os.path.join(root, "iter_0000002"))
+    with pytest.warns(UserWarning, match="damaged"):
+        resume, weights = checkpoint.checkpoints_to_load(CheckpointConfig(save=root))
+    reference = Policy(ModelArgs.from_pretrained(tiny_qwen2), trainable=False)
+    extra = checkpoint.load_run_weights(policy, reference, resume, weights, hf=tiny_qwen2,
+                                        ref_hf=None, reference_resets=True)
+    assert extra is not None and extra["step"] == 1
+    assert torch.equal(_first(reference), saved[1][1]) and torch.equal(_first(policy), saved[1][1])
+
+
 def test_no_complete_checkpoint_is_refused_naming_each_and_nothing_is_moved(saved, tmp_path):
     root = _copy(saved, tmp_path)
     first = _truncate(os.path.join(root, "iter_0000001"))
