@@ -158,9 +158,11 @@ def test_no_complete_checkpoint_is_refused_naming_each_and_nothing_is_moved(save
 
 def test_damaged_load_checkpoint_is_refused_naming_the_flag_and_file(saved, tmp_path):
     root = _copy(saved, tmp_path)
+    ck = CheckpointConfig(save=str(tmp_path / "new"), load=root)
+    assert checkpoint.checkpoints_to_load(ck) == (os.path.join(root, "iter_0000002"), None)
     bad = _overwrite_4k(os.path.join(root, "iter_0000002"))
     with pytest.raises(ValueError, match="--load") as e:
-        checkpoint.checkpoints_to_load(CheckpointConfig(save=str(tmp_path / "new"), load=root))
+        checkpoint.checkpoints_to_load(ck)
     assert bad in str(e.value)
 
 
