@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Iterable, Iterator
 
 import torch
@@ -17,9 +18,16 @@ PROGRESS_KEYS = ("reward/mean", "kl_k1", "eval/mean_at_k")
 
 
 class MetricsLogger:
-    """TensorBoard + metrics.jsonl under `save_dir`, when `enabled` (this rank logs)."""
+    """TensorBoard + metrics.jsonl under `save_dir`, when `enabled` (this rank logs).
 
-    def __init__(self, save_dir: str, enabled: bool):
+    A run that starts at `start_step` (0, or the step of the checkpoint it resumes) logs steps
+    start_step + 1 onwards, so whatever an earlier attempt logged beyond `start_step` (a kill
+    after some steps but before their checkpoint) is dropped here: metrics.jsonl is cut back to
+    its rows with step <= start_step, and TensorBoard hides the earlier events at steps >
+    start_step (SummaryWriter's purge_step). Each step is then logged exactly once however often
+    the run was killed and resumed."""
+
+    def __init__(self, save_dir: str, enabled: bool, start_step: int = 0):
         self.save_dir, self.enabled = save_dir, enabled
         self.path = os.path.join(save_dir, "metrics.jsonl")
         self.writer = None
@@ -27,7 +35,9 @@ class MetricsLogger:
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(save_dir, "tensorboard"))
+            self.truncate(start_step)
+            self.writer = SummaryWriter(os.path.join(save_dir, "tensorboard"),
+                                        purge_step=start_step + 1)
 
     def log(self, step: int, metrics: dict) -> None:
         """The scalar entries of `metrics` (numbers and one-element tensors) at `step`."""
@@ -52,13 +62,34 @@ class MetricsLogger:
         return iter(self._bar)
 
     def truncate(self, step: int) -> None:
-        """After a resume, drop logged steps beyond `step` (they will be redone)."""
+        """Drop the rows of metrics.jsonl beyond `step` (they will be redone), and any line that
+        is not a complete JSON row: the last one, torn by a kill or a full disk mid-write (with
+        a warning naming the file and line). Rewritten through a temporary file and a rename,
+        so a kill here leaves the old file or the new one."""
         if not self.enabled or not os.path.exists(self.path):
             return
-        with open(self.path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        rows, dropped, torn = [], 0, []
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row_step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    torn.append(lineno)
+                    continue
+                if row_step <= step:
+                    rows.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        if torn:
+            warnings.warn(f"{self.path}: dropping {len(torn)} incomplete line(s) (line "
+                          f"{', '.join(map(str, torn))}), written when a run was killed or the "
+                          f"disk was full", stacklevel=2)
+        if not torn and not dropped:
+            return
         tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(rows)
         os.replace(tmp, self.path)
 

@@ -146,12 +146,10 @@ def setup_run(cfg: TrainConfig) -> Run:
     if resume is not None or weights is not None or not engine.holds_own_weights:
         engine.update_weights(start_step)  # an engine must serve the loaded weights
     is_logger = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
-    logger = MetricsLogger(save, enabled=is_logger)
+    logger = MetricsLogger(save, enabled=is_logger, start_step=start_step)
     if is_logger:
         with open(os.path.join(save, "config.json"), "w") as f:  # usable as --config
             json.dump(to_flat_dict(cfg), f, indent=2)
-        if resume is not None:
-            logger.truncate(start_step)
     return Run(cfg=cfg, policy=policy, reference=reference, engine=engine, codec=codec,
                train_data=train_data, eval_data=eval_data, scorer=RewardScorer(num_workers=2),
                logger=logger, dp_rank=ps.get_data_parallel_rank(), dp_size=dp,

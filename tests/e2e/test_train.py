@@ -67,6 +67,29 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tiny_char_model, tiny_char
     assert not any(n.startswith(".tmp-") for n in os.listdir(killed_dir))
 
 
+def test_resume_past_a_damaged_checkpoint_and_a_torn_log_line(tiny_char_model, arithmetic_jsonl,
+                                                             tmp_path):
+    """A run whose newest checkpoint was damaged after its save (a shard truncated) and whose
+    metrics.jsonl ends in a torn line, restarted with the same command: it says which file is
+    damaged, keeps that checkpoint aside, resumes from the one before, and logs each step
+    exactly once."""
+    save = str(tmp_path / "run")
+    args = train_args(tiny_char_model, arithmetic_jsonl, save, 3, ["--save-interval", "1"])
+    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
+    newest = os.path.join(save, "iter_0000003")
+    shard = max((os.path.join(newest, n) for n in os.listdir(newest) if n.endswith(".distcp")),
+                key=os.path.getsize)
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    with open(os.path.join(save, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 4, "rew')
+    args[args.index("--train-iters") + 1] = "4"
+    done = subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert shard in done.stderr and "iter_0000002" in done.stderr
+    assert os.path.isdir(newest + ".damaged")
+    assert [r["step"] for r in _metrics(save)] == [1, 2, 3, 4]
+
+
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):
     from megatron_rl.config import parse_config
     from megatron_rl.runtime import setup_run
