@@ -421,10 +421,11 @@ def train(cfg: TrainConfig) -> dict:
     started = time.monotonic()
     stops = StopRequests(cfg.checkpoint.exit_signal_handler,
                          cfg.checkpoint.exit_duration_in_mins, started)
+    # this start takes over from the one that stopped early (before the setup: a run that
+    # fails in it is not requeued again and again)
+    _remove_stopped_marker(cfg.checkpoint.save)
     with stops:  # a signal during the setup too stops the run at its first step boundary
         run = setup_run(cfg)
-        if dist_rank() == 0:
-            _remove_stopped_marker(cfg.checkpoint.save)
         # an engine with weights of its own generates ahead in the background under
         # --async-level: up to k requests in flight, from its client rank
         threads = (BackgroundThreads(max(cfg.algorithm.async_level, 1))
@@ -446,6 +447,7 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _remove_stopped_marker(save: str) -> None:
+    """Remove <save>/STOPPED_EARLY (every rank may: the first one does)."""
     try:
         os.remove(os.path.join(save, STOPPED_EARLY))
     except FileNotFoundError:
