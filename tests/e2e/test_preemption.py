@@ -155,3 +155,34 @@ def test_no_helper_outlives_a_killed_trainer(tiny_char_model, arithmetic_jsonl, 
         for pid in _live_processes(proc.pid, wait_s=0):
             os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+def test_sigterm_to_every_process_with_the_process_engine(tiny_char_model, arithmetic_jsonl,
+                                                          tmp_path):
+    """SIGTERM to the whole process group (a scheduler signals every process of a job) while
+    the process engine's child generates: the step still finishes and is saved, and the child
+    stops with the trainer."""
+    save = str(tmp_path / "run")
+    log = tmp_path / "train.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            _train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, 50,
+                                   ["--rollout-engine", "process"])),
+            env=_env(), stdout=out, stderr=out, start_new_session=True)
+    metrics = os.path.join(save, "metrics.jsonl")
+    deadline = time.time() + 300
+    try:
+        while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 1):
+            assert proc.poll() is None, "training exited before the signal:\n" + log.read_text()
+            assert time.time() < deadline, "step 1 never logged"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=300)
+        left = _live_processes(proc.pid)
+    finally:
+        for pid in _live_processes(proc.pid, wait_s=0):
+            os.kill(pid, signal.SIGKILL)
+    assert rc == EXIT_RESUMABLE, log.read_text()[-4000:]
+    step = len(_metrics(save))
+    assert 1 <= step < 50 and _checkpoints(save) == [f"iter_{step:07d}"]
+    assert left == []
