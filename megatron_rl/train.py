@@ -402,6 +402,8 @@ class StopRequests:
 
     def reason(self) -> str | None:
         """Why to stop after the step just finished (None: go on); the same on every rank."""
+        if not (self.handle_signals or self.budget_s):
+            return None
         over = bool(self.budget_s) and time.monotonic() - self.started >= self.budget_s
         flags = [float(self.received == signal.SIGTERM), float(self.received == signal.SIGINT),
                  float(over)]

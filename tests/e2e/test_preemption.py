@@ -186,3 +186,21 @@ def test_sigterm_to_every_process_with_the_process_engine(tiny_char_model, arith
     step = len(_metrics(save))
     assert 1 <= step < 50 and _checkpoints(save) == [f"iter_{step:07d}"]
     assert left == []
+
+
+def test_no_exit_signal_handler_leaves_sigterm_its_default(tiny_char_model, arithmetic_jsonl,
+                                                           tmp_path):
+    """--no-exit-signal-handler: SIGTERM ends the trainer at once, with no save."""
+    save = str(tmp_path / "run")
+    proc = subprocess.Popen(
+        _train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, 50,
+                               ["--no-exit-signal-handler"])),
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = os.path.join(save, "metrics.jsonl")
+    deadline = time.time() + 300
+    while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 1):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == -signal.SIGTERM
+    assert _checkpoints(save) == [] and not os.path.exists(os.path.join(save, STOPPED_EARLY))
