@@ -4,6 +4,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,7 +189,12 @@ def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path):
     assert all("mismatch/abs_delta_max" not in r for r in rows)  # engine log-probs, no recompute
     assert abs(rows[0]["ratio_mean"] - 1.0) < 1e-2  # fp32 server vs trainer numerics only
     assert abs(rows[2]["ratio_mean"] - 1.0) > abs(rows[0]["ratio_mean"] - 1.0)
-    args[args.index("--train-iters") + 1] = "4"  # resume from step 2: batch 3 is generated again
+    # as if killed after step 2's save, batch 3 generated ahead in flight: resume from step 2,
+    # where batch 3 is generated again
+    shutil.rmtree(os.path.join(save, "iter_0000003"))
+    with open(os.path.join(save, "latest"), "w") as f:
+        f.write("iter_0000002\n")
+    args[args.index("--train-iters") + 1] = "4"
     proc = subprocess.run(_train_cmd(*args), env=_env(), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
