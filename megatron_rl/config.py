@@ -324,7 +324,23 @@ class CheckpointConfig:
         "take even a run's checkpoint under --load as weights only: step 0, fresh optimizer "
         "(megatron's --finetune); needs --load"))
     save_interval: int = _opt(0, min=0, help=(
-        "save a checkpoint every this many RL steps (0: never)"))
+        "save a checkpoint every this many RL steps (0: no periodic saves). The last step "
+        "(--train-iters) is always saved, and so is the step a run stops at early "
+        "(--exit-signal-handler, --exit-duration-in-mins)"))
+    exit_signal_handler: bool = _opt(True, help=(
+        "on SIGTERM (what SLURM and Kubernetes send before a time limit or a preemption) or "
+        "SIGINT: finish the step in flight, save it to --save, stop the engines and helper "
+        "processes, write <save>/stopped_early and exit with status 75 (EX_TEMPFAIL: stopped "
+        "before --train-iters, resumable; requeue). All ranks stop at the same step (they agree "
+        "at each step boundary). A second SIGINT more than 2 s after the first stops at once "
+        "without saving; repeated SIGTERMs are ignored (SIGKILL stops at once). On by default: "
+        "a signal costs at most one step instead of up to --save-interval - 1. "
+        "--no-exit-signal-handler: the signals stop the run at once, without saving"))
+    exit_duration_in_mins: float = _opt(0.0, min=0, help=(
+        "wall-clock budget of this process in minutes (fractions allowed; 0: none): at the "
+        "first step boundary past it the run saves and exits as on --exit-signal-handler's "
+        "signals (status 75, <save>/stopped_early). Set it below a job's time limit by more "
+        "than a step and a save"))
 
     def validate(self) -> None:
         if self.finetune and not self.load:

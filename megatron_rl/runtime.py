@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import multiprocessing.managers
 import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from megatron_rl import checkpoint
 from megatron_rl.config import TrainConfig, to_flat_dict
 from megatron_rl.metrics_log import MetricsLogger
+from megatron_rl.processes import set_parent_death_signal
 from megatron_rl.rollout.base import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -80,15 +84,60 @@ class Run:
         """Checkpoint `step` (collective); `data_state`: the data position to resume from
         (default: the current one)."""
         resets = self.cfg.algorithm.ref_reset_interval
+        _start_checkpoint_helper()
         checkpoint.save_run(self.cfg.checkpoint.save, step, self.policy,
                             data_state or self.train_data.state_dict(),
                             self.engine.weight_version, reference=self.reference if resets else None)
 
     def close(self) -> None:
-        """Stop the engine, the scorer's workers and the logger."""
+        """Stop the engine, the scorer's workers, megatron's checkpoint helper and the logger."""
         self.engine.shutdown()
         self.scorer.close()
+        _stop_checkpoint_helper()
         self.logger.close()
+
+
+_checkpoint_helper: multiprocessing.managers.SyncManager | None = None
+
+
+def _start_checkpoint_helper() -> None:
+    """Start the helper process of megatron's checkpoint writer before megatron does: its
+    FileSystemWriterAsync collects write results in a queue served by a multiprocessing Manager
+    (a spawned process importing the trainer's modules, ~270 MB, and the resource tracker with
+    it), which megatron starts at the first save and never stops. Started here, it dies with the
+    thread that started it (PR_SET_PDEATHSIG: SIGKILL of the trainer included) and Run.close
+    stops it."""
+    global _checkpoint_helper
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _checkpoint_helper is not None or filesystem_async._results_queue is not None:
+        return
+    manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(_checkpoint_helper_init, (os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _checkpoint_helper = manager
+
+
+def _checkpoint_helper_init(parent: int) -> None:
+    """In the helper: die with the trainer, and leave Ctrl-C and SIGTERM to it (it stops the
+    helper after its last save)."""
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:  # the trainer died before the line above took effect
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _stop_checkpoint_helper() -> None:
+    """Stop the helper started by _start_checkpoint_helper (none: nothing to do)."""
+    global _checkpoint_helper
+    if _checkpoint_helper is None:
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = None
+    manager, _checkpoint_helper = _checkpoint_helper, None
+    manager.shutdown()
 
 
 def setup_run(cfg: TrainConfig) -> Run:

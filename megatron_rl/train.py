@@ -16,7 +16,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import json
+import os
+import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -338,36 +342,130 @@ def nonfinite_flag(results: list[dict], params) -> torch.Tensor:
     return bad
 
 
+EXIT_RESUMABLE = 75
+"""Exit status of a run that stopped before --train-iters with its last step saved (a signal
+under --exit-signal-handler, or --exit-duration-in-mins): sysexits.h's EX_TEMPFAIL, "a temporary
+failure, retry later". It differs from success (0), from an error (1) and from a death by signal
+(128 + n), so that a job script requeues exactly the runs that can resume."""
+
+STOPPED_EARLY = "stopped_early"
+"""File in --save that says the run stopped early and resumes when started again (JSON: step,
+reason); the next start of the run removes it. It tells a launcher that only sees torchrun's
+own status (non-zero whenever a worker's is) to requeue."""
+
+
+class StoppedEarly(Exception):
+    """The run stopped before --train-iters, its `step` saved (`reason`: the signal, or the
+    time budget); main() exits with EXIT_RESUMABLE."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"stopped at step {step} ({reason}); its checkpoint is saved: start the "
+                         "same command again to resume")
+        self.step, self.reason = step, reason
+
+
+class StopRequests:
+    """When to stop before --train-iters: a SIGTERM/SIGINT received (--exit-signal-handler) or
+    the wall-clock budget spent (--exit-duration-in-mins, counted from `started`, a
+    time.monotonic()). The handlers only record the signal; `reason()` is asked at each step
+    boundary and agrees across all ranks (an all-reduce of the flags), so that they save and
+    stop at the same step. A context manager: the previous handlers come back on exit."""
+
+    REPEAT_SIGINT_S = 2.0  # a second Ctrl-C later than this stops at once (torchrun forwards
+    #                        the terminal's SIGINT to its workers: the copy arrives within it)
+
+    def __init__(self, handle_signals: bool, budget_mins: float, started: float):
+        self.handle_signals, self.budget_s, self.started = handle_signals, budget_mins * 60, started
+        self.received: int | None = None
+        self._at = 0.0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopRequests":
+        if self.handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        if self.received is None:
+            self.received, self._at = signum, now
+            print(f"[megatron-rl] received {signal.Signals(signum).name}: finishing the step in "
+                  "flight, then saving and stopping", file=sys.stderr, flush=True)
+        elif signum == signal.SIGINT and now - self._at > self.REPEAT_SIGINT_S:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
+
+    def reason(self) -> str | None:
+        """Why to stop after the step just finished (None: go on); the same on every rank."""
+        if not (self.handle_signals or self.budget_s):
+            return None
+        over = bool(self.budget_s) and time.monotonic() - self.started >= self.budget_s
+        flags = [float(self.received == signal.SIGTERM), float(self.received == signal.SIGINT),
+                 float(over)]
+        if dist.is_initialized():
+            flags = all_reduce(flags, op=dist.ReduceOp.MAX).tolist()
+        if flags[0] or flags[1]:
+            return "SIGTERM" if flags[0] else "SIGINT"
+        if flags[2]:
+            return f"--exit-duration-in-mins {self.budget_s / 60:g} spent"
+        return None
+
+
 def train(cfg: TrainConfig) -> dict:
     """Build the run (setup_run), train it to --train-iters, close it. Returns the last step's
-    metrics."""
-    run = setup_run(cfg)
-    # an engine with weights of its own generates ahead in the background under --async-level:
-    # up to k requests in flight, from its client rank
-    threads = (BackgroundThreads(max(cfg.algorithm.async_level, 1))
-               if cfg.overlaps_rollout() else None)
-    try:
-        last = train_loop(run, threads)
-    except BaseException:
-        # nothing waits for a generation in flight: the engine stops (a managed server is
-        # killed, so its request fails at once) and the request's daemon thread ends with the
-        # process, even when an attached server never answers
+    metrics. Raises StoppedEarly after saving and closing the run when a signal
+    (--exit-signal-handler) or the time budget (--exit-duration-in-mins) stopped it earlier."""
+    started = time.monotonic()
+    stops = StopRequests(cfg.checkpoint.exit_signal_handler,
+                         cfg.checkpoint.exit_duration_in_mins, started)
+    # this start takes over from the one that stopped early (before the setup: a run that
+    # fails in it is not requeued again and again)
+    _remove_stopped_marker(cfg.checkpoint.save)
+    with stops:  # a signal during the setup too stops the run at its first step boundary
+        run = setup_run(cfg)
+        # an engine with weights of its own generates ahead in the background under
+        # --async-level: up to k requests in flight, from its client rank
+        threads = (BackgroundThreads(max(cfg.algorithm.async_level, 1))
+                   if cfg.overlaps_rollout() else None)
+        try:
+            last = train_loop(run, threads, stops)
+        except BaseException as e:
+            # nothing waits for a generation in flight: the engine stops (a managed server is
+            # killed, so its request fails at once) and the request's daemon thread ends with
+            # the process, even when an attached server never answers
+            if threads is not None:
+                threads.shutdown(wait=not isinstance(e, StoppedEarly), cancel_futures=True)
+            run.close()
+            raise
         if threads is not None:
-            threads.shutdown(wait=False, cancel_futures=True)
+            threads.shutdown(wait=True)
         run.close()
-        raise
-    if threads is not None:
-        threads.shutdown(wait=True)
-    run.close()
     return last
 
 
-def train_loop(run: Run, threads: BackgroundThreads | None = None) -> dict:
-    """Steps start_step .. --train-iters of `run`; `threads` generate ahead (--async-level)."""
+def _remove_stopped_marker(save: str) -> None:
+    """Remove <save>/STOPPED_EARLY (every rank may: the first one does)."""
+    try:
+        os.remove(os.path.join(save, STOPPED_EARLY))
+    except FileNotFoundError:
+        pass
+
+
+def train_loop(run: Run, threads: BackgroundThreads | None = None,
+               stops: StopRequests | None = None) -> dict:
+    """Steps start_step .. --train-iters of `run`; `threads` generate ahead (--async-level).
+    Saves every --save-interval steps and the last step; raises StoppedEarly, after saving the
+    step, when `stops` says to stop."""
     cfg, engine, logger = run.cfg, run.engine, run.logger
     pending: collections.deque[Rollout] = collections.deque()  # batches started ahead
     nonfinite_in_row = 0
     last = {}
+    saved = run.start_step
     for step in logger.progress(range(run.start_step, cfg.train_iters), total=cfg.train_iters,
                                 initial=run.start_step):
         t0 = time.perf_counter()
@@ -413,12 +511,20 @@ def train_loop(run: Run, threads: BackgroundThreads | None = None) -> dict:
             metrics.update(evaluate(run, step + 1))
         logger.log(step + 1, metrics)
         last = metrics
-        if cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0:
+        stop = stops.reason() if stops is not None and step + 1 < cfg.train_iters else None
+        interval = cfg.checkpoint.save_interval
+        if (step + 1 == cfg.train_iters or stop is not None
+                or (interval and (step + 1) % interval == 0)):
             # resume re-generates the pending (async) batches: record the data position before them
             run.save(step + 1, data_state=pending[0].data_state if pending else None)
+            saved = step + 1
+        if stop is not None:
+            if dist_rank() == 0:
+                with open(os.path.join(cfg.checkpoint.save, STOPPED_EARLY), "w") as f:
+                    json.dump({"step": step + 1, "reason": stop}, f)
+            raise StoppedEarly(step + 1, stop)
+    assert saved == max(run.start_step, cfg.train_iters), (saved, cfg.train_iters)
     return last
-
-
 def _finish_generations(pending) -> None:
     """Wait for the background generations of the Rollouts `pending` (the client rank's); a
     failed one raises its exception."""
@@ -428,10 +534,16 @@ def _finish_generations(pending) -> None:
 
 
 def main(argv=None) -> None:
+    """Train; exit 0 at --train-iters, EXIT_RESUMABLE (75) when stopped early and saved."""
     cfg = parse_config(argv)
-    train(cfg)
     from megatron_rl.parallel import destroy_distributed
 
+    try:
+        train(cfg)
+    except StoppedEarly as e:
+        print(f"[megatron-rl] {e}", file=sys.stderr, flush=True)
+        destroy_distributed()
+        sys.exit(EXIT_RESUMABLE)
     destroy_distributed()
 
 

@@ -41,7 +41,10 @@ class _SoftTimeout(BaseException):
 def _worker_main(conn: Connection, soft_timeout_s: float, memory_limit_mb: int | None,
                  warmup: tuple[str, str] | None) -> None:
     set_parent_death_signal(signal.SIGKILL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Ctrl-C, and the SIGTERM a scheduler sends every process of a job, are the parent's to
+    # handle: it finishes the step in flight (scored here) before it stops the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if memory_limit_mb:
         try:
             import resource

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import threading
 import time
 import traceback
@@ -41,6 +42,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from megatron_rl.parallel import deterministic_env, dist_rank, run_on_rank
+from megatron_rl.processes import set_parent_death_signal
 from megatron_rl.rollout.base import Completion, EngineConfig, SamplingParams, ServerError
 from megatron_rl.rollout.child_env import inference_env
 from megatron_rl.rollout.shm_weights import read_bucket
@@ -226,7 +228,7 @@ class ProcessEngine:
                         self._lock.release()
                     self._proc.join(30)
                 if self._proc.is_alive():
-                    self._proc.terminate()
+                    self._proc.kill()  # the child ignores SIGTERM
                     self._proc.join(10)
             self._proc = None
         self.sync.close()
@@ -234,6 +236,12 @@ class ProcessEngine:
 
 def _serve(conn, config: ProcessConfig) -> None:
     """The child's main: build the TP1 policy, answer requests until ("stop",)."""
+    # it dies with the trainer (SIGKILL included), and leaves Ctrl-C and a scheduler's SIGTERM
+    # (sent to every process of a job) to it: the trainer finishes the step in flight, which
+    # may be generating here, before it stops this child
+    set_parent_death_signal(signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # a spawned process starts with the trainer's environment: keep what a child inference
     # process is given (its own world of one; before torch initialises CUDA or a process group)
     env = inference_env()

@@ -4,6 +4,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,7 +212,12 @@ def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path):
     assert all("mismatch/abs_delta_max" not in r for r in rows)  # engine log-probs, no recompute
     assert abs(rows[0]["ratio_mean"] - 1.0) < 1e-2  # fp32 server vs trainer numerics only
     assert abs(rows[2]["ratio_mean"] - 1.0) > abs(rows[0]["ratio_mean"] - 1.0)
-    args[args.index("--train-iters") + 1] = "4"  # resume from step 2: batch 3 is generated again
+    # as if killed after step 2's save, batch 3 generated ahead in flight: resume from step 2,
+    # where batch 3 is generated again
+    shutil.rmtree(os.path.join(save, "iter_0000003"))
+    with open(os.path.join(save, "latest"), "w") as f:
+        f.write("iter_0000002\n")
+    args[args.index("--train-iters") + 1] = "4"
     proc = subprocess.run(_train_cmd(*args), env=_env(), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -223,14 +229,16 @@ def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path):
 
 @pytest.mark.server
 def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_jsonl, tmp_path):
-    """Ctrl-C in the trainer while rank 0's background generate waits on a server that does not
-    answer (a fault proxy holds the answer for 10 minutes): the process stops at once, with the
-    KeyboardInterrupt, instead of waiting for the request (a non-daemon rollout thread would be
-    joined at interpreter exit)."""
+    """Ctrl-C twice in the trainer while rank 0's background generate waits on a server that
+    does not answer (a fault proxy holds the answer for 10 minutes): the first asks for a stop
+    at the end of the step (--exit-signal-handler), which never comes; the second stops the
+    process at once, with the KeyboardInterrupt, instead of waiting for the request (a
+    non-daemon rollout thread would be joined at interpreter exit)."""
     from conftest import _char_model
     from rollout_checks import TINY, FaultProxy
 
     from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
+    from megatron_rl.train import StopRequests
 
     if vllm_python() is None:
         pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
@@ -255,6 +263,9 @@ def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_js
             assert time.time() < deadline, "the trainer never sent step 1's request"
             time.sleep(0.1)
         time.sleep(1.0)  # the trainer now waits for the hanging answer
+        proc.send_signal(signal.SIGINT)
+        time.sleep(StopRequests.REPEAT_SIGINT_S + 0.5)
+        assert proc.poll() is None, "the first SIGINT did not wait for the step to end"
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         try:
