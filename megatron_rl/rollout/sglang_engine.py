@@ -56,6 +56,10 @@ def sglang_python() -> str | None:
     return server_python(PYTHON_ENV_VAR, ".venv-sglang")
 
 
+# tokens SGLang keeps below --context-length that no input may use (see SGLangEngine._argv)
+SGLANG_INPUT_RESERVE = 6
+
+
 @dataclasses.dataclass(kw_only=True)
 class SGLangConfig(ServerConfig):
     """How to run the SGLang server (base.ServerConfig's fields, and these); `url` attaches to
@@ -63,7 +67,7 @@ class SGLangConfig(ServerConfig):
     buckets of the distributed sync."""
 
     device: str | None = None           # None: "cpu" when CUDA is absent, else sglang's default
-    context_length: int = 4096
+    context_length: int = 4096          # the longest prompt + new tokens a request may have
     tp_size: int = 1
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None  # the KV pool's tokens at most (None: as the memory allows)
@@ -134,9 +138,17 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
         """The server's command line; `cuda`: whether it runs on GPUs (None: whether this
         process has CUDA, where the server runs)."""
         c = self.config
+        # SGLang refuses an input of more than --context-length - 6 tokens (sglang 0.5.23,
+        # srt/managers/tp_worker.py:568-572: max_req_input_len = context_len - 1 - 5, and
+        # srt/managers/utils.py:272 refuses len(input) >= it): the server's context is ours plus
+        # that reserve, within the model's positions
+        context = c.context_length + SGLANG_INPUT_RESERVE
+        positions = self.hf_config.get("max_position_embeddings")
+        if positions:
+            context = max(c.context_length, min(context, positions))
         argv = [self.python, "-m", "sglang.launch_server", "--model-path", model_path,
                 "--host", host, "--port", str(port), "--skip-tokenizer-init",
-                "--dtype", c.dtype, "--context-length", str(c.context_length),
+                "--dtype", c.dtype, "--context-length", str(context),
                 "--random-seed", str(c.seed), "--tp-size", str(c.tp_size)]
         if self._device(cuda) == "cpu":
             argv += ["--device", "cpu", "--attention-backend", "torch_native",

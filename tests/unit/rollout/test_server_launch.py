@@ -49,11 +49,23 @@ def test_sglang_on_gpus_gets_its_memory_budget_and_cuda_graphs(model_dir, tmp_pa
     engine = SGLangEngine(model_dir, config, start=False)
     gpu = engine._argv(model_dir, "127.0.0.1", 8000, cuda=True)
     assert "--disable-cuda-graph" not in gpu and "--device" not in gpu
-    assert _value(gpu, "--context-length") == "3072"
+    # SGLang keeps 6 tokens below its --context-length from every input: added, so that a
+    # 3072-token request (prompt + new tokens) is served
+    assert _value(gpu, "--context-length") == "3078"
     assert _value(gpu, "--mem-fraction-static") == "0.8481"
     assert _value(gpu, "--max-total-tokens") == "14683"
     assert "--disable-cuda-graph" in engine._argv(model_dir, "127.0.0.1", 8000, cuda=False)
     assert engine._env(cuda=False) == {"SGLANG_USE_CPU_ENGINE": "1"}
+    # the reserve stays within the model's positions
+    positions = tmp_path / "positions"
+    positions.mkdir()
+    (positions / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2", "vocab_size": 64, "max_position_embeddings": 256}))
+    for ours, theirs in ((200, "206"), (253, "256")):
+        short = SGLangEngine(str(positions), SGLangConfig(work_dir=str(tmp_path / f"s{ours}"),
+                                                     python=sys.executable, context_length=ours),
+                             start=False)
+        assert _value(short._argv(model_dir, "127.0.0.1", 8000), "--context-length") == theirs
 
 
 def test_each_server_is_launched_on_its_device(model_dir, tmp_path, monkeypatch):
