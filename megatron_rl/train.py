@@ -434,12 +434,12 @@ def train(cfg: TrainConfig) -> dict:
                    if cfg.overlaps_rollout() else None)
         try:
             last = train_loop(run, threads, stops)
-        except BaseException as e:
+        except BaseException:
             # nothing waits for a generation in flight: the engine stops (a managed server is
             # killed, so its request fails at once) and the request's daemon thread ends with
             # the process, even when an attached server never answers
             if threads is not None:
-                threads.shutdown(wait=not isinstance(e, StoppedEarly), cancel_futures=True)
+                threads.shutdown(wait=False, cancel_futures=True)
             run.close()
             raise
         if threads is not None:
