@@ -1,4 +1,8 @@
 """A tiny character-level model and arithmetic data for end-to-end training tests."""
+import json
+import os
+import sys
+
 import pytest
 
 
@@ -47,3 +51,19 @@ def train_args(model, data, save, iters, extra=(), ref=None):
             "--train-iters", str(iters), "--num-prompts-per-step", "4", "--group-size", "2",
             "--max-new-tokens", "3", "--lr", "1e-2", "--micro-batch-size", "8",
             "--prompt-template", "{prompt}=", "--no-task-instruction", "--seed", "3", *extra]
+
+
+def train_cmd(*args):
+    """The trainer's command line (one process) with `args`."""
+    return [sys.executable, "-m", "megatron_rl.train", *args]
+
+
+def train_env():
+    """The trainer's environment: one thread per process."""
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def read_metrics(save):
+    """The rows of <save>/metrics.jsonl."""
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

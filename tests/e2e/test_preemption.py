@@ -5,12 +5,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import train_args  # tests/e2e/conftest.py
+from conftest import read_metrics, train_args, train_cmd, train_env  # tests/e2e/conftest.py
 from megatron_rl.train import EXIT_RESUMABLE, STOPPED_EARLY
 
 pytestmark = pytest.mark.distributed  # torch.distributed (world size 1) in subprocesses
@@ -19,17 +18,6 @@ pytestmark = pytest.mark.distributed  # torch.distributed (world size 1) in subp
 KL = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0"]
 
 
-def _train_cmd(*args):
-    return [sys.executable, "-m", "megatron_rl.train", *args]
-
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1")
-
-
-def _metrics(save):
-    with open(os.path.join(save, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def _checkpoints(save):
@@ -64,16 +52,16 @@ def test_sigterm_saves_the_step_in_flight_then_resume_matches_uninterrupted_run(
         tiny_char_model, tiny_char_ref, arithmetic_jsonl, tmp_path):
     iters = 8
     ref_dir, stopped_dir = str(tmp_path / "ref"), str(tmp_path / "stopped")
-    subprocess.run(_train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, ref_dir, iters, KL,
+    subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, ref_dir, iters, KL,
                                           ref=tiny_char_ref)),
-                   check=True, env=_env(), capture_output=True, timeout=600)
+                   check=True, env=train_env(), capture_output=True, timeout=600)
     # no periodic saves: whatever is saved comes from the signal. SIGTERM to the whole process
     # group, as SLURM signals every process of a job step, once step 2 is logged
     args = train_args(tiny_char_model, arithmetic_jsonl, stopped_dir, iters, KL,
                       ref=tiny_char_ref)
     log = tmp_path / "stopped.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(_train_cmd(*args), env=_env(), stdout=out, stderr=out,
+        proc = subprocess.Popen(train_cmd(*args), env=train_env(), stdout=out, stderr=out,
                                 start_new_session=True)
     metrics = os.path.join(stopped_dir, "metrics.jsonl")
     deadline = time.time() + 300
@@ -84,7 +72,7 @@ def test_sigterm_saves_the_step_in_flight_then_resume_matches_uninterrupted_run(
     os.killpg(proc.pid, signal.SIGTERM)
     rc = proc.wait(timeout=300)
     assert rc == EXIT_RESUMABLE, log.read_text()[-4000:]
-    stopped_at = len(_metrics(stopped_dir))  # the step in flight was finished, logged and saved
+    stopped_at = len(read_metrics(stopped_dir))  # the step in flight was finished, logged and saved
     assert 2 <= stopped_at < iters
     assert _checkpoints(stopped_dir) == [f"iter_{stopped_at:07d}"]
     assert _latest(stopped_dir) == f"iter_{stopped_at:07d}"
@@ -92,8 +80,8 @@ def test_sigterm_saves_the_step_in_flight_then_resume_matches_uninterrupted_run(
         assert json.load(f) == {"step": stopped_at, "reason": "SIGTERM"}
     assert _live_processes(proc.pid) == []  # helpers (checkpoint, rewards) are gone with it
 
-    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
-    ref, resumed = _metrics(ref_dir), _metrics(stopped_dir)
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
+    ref, resumed = read_metrics(ref_dir), read_metrics(stopped_dir)
     assert [r["step"] for r in resumed] == list(range(1, iters + 1))  # none lost, none repeated
     assert ref[-1]["kl_k1"] != ref[0]["kl_k1"]
     for a, b in zip(ref, resumed):
@@ -109,9 +97,9 @@ def test_the_last_step_is_always_saved(tiny_char_model, arithmetic_jsonl, tmp_pa
     """--save-interval 0 (the default) and a --train-iters that is not a multiple of it both
     end with a checkpoint of the last step."""
     save = str(tmp_path / "run")
-    subprocess.run(_train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, iters,
+    subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, iters,
                                           ["--save-interval", str(interval)])),
-                   check=True, env=_env(), capture_output=True, timeout=600)
+                   check=True, env=train_env(), capture_output=True, timeout=600)
     assert _checkpoints(save) == [f"iter_{s:07d}" for s in saved]
     assert _latest(save) == f"iter_{iters:07d}"
     assert not os.path.exists(os.path.join(save, STOPPED_EARLY))
@@ -121,13 +109,13 @@ def test_exit_duration_saves_and_exits_resumable(tiny_char_model, arithmetic_jso
     """A budget of 0.6 ms is spent by the first step boundary: the run saves step 1 and exits
     with the resumable status."""
     save = str(tmp_path / "run")
-    p = subprocess.run(_train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, 4,
+    p = subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, 4,
                                               ["--exit-duration-in-mins", "0.00001"])),
-                       env=_env(), capture_output=True, text=True, timeout=600)
+                       env=train_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == EXIT_RESUMABLE, p.stderr[-4000:]
     assert "stopped at step 1" in p.stderr
     assert _checkpoints(save) == ["iter_0000001"]
-    assert [r["step"] for r in _metrics(save)] == [1]
+    assert [r["step"] for r in read_metrics(save)] == [1]
     with open(os.path.join(save, STOPPED_EARLY)) as f:
         assert json.load(f)["reason"] == "--exit-duration-in-mins 1e-05 spent"
 
@@ -137,9 +125,9 @@ def test_no_helper_outlives_a_killed_trainer(tiny_char_model, arithmetic_jsonl, 
     checkpoint helper (a multiprocessing Manager) and its resource tracker die with it."""
     save = str(tmp_path / "run")
     proc = subprocess.Popen(
-        _train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, 50,
+        train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, 50,
                                ["--save-interval", "1"])),
-        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True)
     latest = os.path.join(save, "latest")
     deadline = time.time() + 300
@@ -166,9 +154,9 @@ def test_sigterm_to_every_process_with_the_process_engine(tiny_char_model, arith
     log = tmp_path / "train.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            _train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, 50,
+            train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, 50,
                                    ["--rollout-engine", "process"])),
-            env=_env(), stdout=out, stderr=out, start_new_session=True)
+            env=train_env(), stdout=out, stderr=out, start_new_session=True)
     metrics = os.path.join(save, "metrics.jsonl")
     deadline = time.time() + 300
     try:
@@ -183,7 +171,7 @@ def test_sigterm_to_every_process_with_the_process_engine(tiny_char_model, arith
         for pid in _live_processes(proc.pid, wait_s=0):
             os.kill(pid, signal.SIGKILL)
     assert rc == EXIT_RESUMABLE, log.read_text()[-4000:]
-    step = len(_metrics(save))
+    step = len(read_metrics(save))
     assert 1 <= step < 50 and _checkpoints(save) == [f"iter_{step:07d}"]
     assert left == []
 
@@ -193,9 +181,9 @@ def test_no_exit_signal_handler_leaves_sigterm_its_default(tiny_char_model, arit
     """--no-exit-signal-handler: SIGTERM ends the trainer at once, with no save."""
     save = str(tmp_path / "run")
     proc = subprocess.Popen(
-        _train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, 50,
+        train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, 50,
                                ["--no-exit-signal-handler"])),
-        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = os.path.join(save, "metrics.jsonl")
     deadline = time.time() + 300
     while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 1):

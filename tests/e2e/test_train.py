@@ -13,22 +13,11 @@ import time
 import pytest
 import torch
 
-from conftest import train_args  # tests/e2e/conftest.py
+from conftest import read_metrics, train_args, train_cmd, train_env  # tests/e2e/conftest.py
 
 pytestmark = pytest.mark.distributed  # torch.distributed (world size 1) in subprocesses
 
 
-def _train_cmd(*args):
-    return [sys.executable, "-m", "megatron_rl.train", *args]
-
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1")
-
-
-def _metrics(save):
-    with open(os.path.join(save, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_kill_9_then_resume_matches_uninterrupted_run(tiny_char_model, tiny_char_ref,
@@ -39,13 +28,13 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tiny_char_model, tiny_char
     # deterministic kernels, so that on a GPU too both runs can agree to float rounding
     kl = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0",
           "--deterministic-mode"]
-    subprocess.run(_train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, ref_dir, iters, kl,
+    subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, ref_dir, iters, kl,
                                           ref=tiny_char_ref)),
-                   check=True, env=_env(), capture_output=True, timeout=600)
+                   check=True, env=train_env(), capture_output=True, timeout=600)
     # the same run, saving every step, killed with SIGKILL once step 3 is checkpointed
     args = train_args(tiny_char_model, arithmetic_jsonl, killed_dir, iters,
                       kl + ["--save-interval", "1"], ref=tiny_char_ref)
-    proc = subprocess.Popen(_train_cmd(*args), env=_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(train_cmd(*args), env=train_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     latest = os.path.join(killed_dir, "latest")
     deadline = time.time() + 300
@@ -58,8 +47,8 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tiny_char_model, tiny_char
     proc.wait()
     killed_at = open(latest).read().strip()
     assert killed_at < f"iter_{iters:07d}", "the run finished before the kill"
-    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
-    ref, resumed = _metrics(ref_dir), _metrics(killed_dir)
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
+    ref, resumed = read_metrics(ref_dir), read_metrics(killed_dir)
     assert [r["step"] for r in resumed] == list(range(1, iters + 1))  # none lost, none repeated
     assert all(r["grad_norm"] > 1e-4 for r in ref) and ref[-1]["kl_k1"] != ref[0]["kl_k1"]
     for a, b in zip(ref, resumed):
@@ -76,7 +65,7 @@ def test_resume_past_a_damaged_checkpoint_and_a_torn_log_line(tiny_char_model, a
     exactly once."""
     save = str(tmp_path / "run")
     args = train_args(tiny_char_model, arithmetic_jsonl, save, 3, ["--save-interval", "1"])
-    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
     newest = os.path.join(save, "iter_0000003")
     shard = max((os.path.join(newest, n) for n in os.listdir(newest) if n.endswith(".distcp")),
                 key=os.path.getsize)
@@ -84,11 +73,11 @@ def test_resume_past_a_damaged_checkpoint_and_a_torn_log_line(tiny_char_model, a
     with open(os.path.join(save, "metrics.jsonl"), "a") as f:
         f.write('{"step": 4, "rew')
     args[args.index("--train-iters") + 1] = "4"
-    done = subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True,
+    done = subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True,
                           text=True, timeout=600)
     assert shard in done.stderr and "iter_0000002" in done.stderr
     assert os.path.isdir(newest + ".damaged")
-    assert [r["step"] for r in _metrics(save)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(save)] == [1, 2, 3, 4]
 
 
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):
@@ -135,7 +124,7 @@ def test_eval_command_prints_the_accuracy_table(tiny_char_model, arithmetic_json
          "--eval-data", arithmetic_jsonl, "--samples", "3", "--seeds", "0", "1",
          "--max-new-tokens", "3", "--max-prompts", "10", "--prompt-template", "{prompt}=",
          "--no-task-instruction", "--out", str(out)],
-        env=_env(), capture_output=True, text=True, timeout=300)
+        env=train_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| task | prompts | mean@3 | pass@3 |" in proc.stdout
     assert "| arithmetic | 10 |" in proc.stdout
@@ -172,10 +161,10 @@ def test_training_loop_with_server_engine_serves_current_weights(engine, sync, a
                        "--kl-estimator", "k3", "--kl-coef", "1.0"],
                       ref=_char_model(str(tmp_path / "ref"), seed=1, num_attention_heads=2,
                                       num_key_value_heads=1))
-    proc = subprocess.run(_train_cmd(*args), env=_env(), capture_output=True, text=True,
+    proc = subprocess.run(train_cmd(*args), env=train_env(), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = _metrics(save)
+    rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["grad_norm"] > 1e-4 for r in rows)  # the weights do change between steps
     for r in rows:
@@ -203,10 +192,10 @@ def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path):
                       ["--rollout-engine", "vllm", "--async-level", "1", "--save-interval", "2",
                        "--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0"],
                       ref=ref)
-    proc = subprocess.run(_train_cmd(*args), env=_env(), capture_output=True, text=True,
+    proc = subprocess.run(train_cmd(*args), env=train_env(), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = _metrics(save)
+    rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
     assert all("mismatch/abs_delta_max" not in r for r in rows)  # engine log-probs, no recompute
@@ -218,10 +207,10 @@ def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path):
     with open(os.path.join(save, "latest"), "w") as f:
         f.write("iter_0000002\n")
     args[args.index("--train-iters") + 1] = "4"
-    proc = subprocess.run(_train_cmd(*args), env=_env(), capture_output=True, text=True,
+    proc = subprocess.run(train_cmd(*args), env=train_env(), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = _metrics(save)
+    rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[2]["rollout/staleness"] == 0.0  # regenerated by the resumed weights
     assert rows[3]["rollout/staleness"] == 1.0
@@ -254,9 +243,9 @@ def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_js
                            "--async-level", "1"])
         # unbuffered, and with faulthandler: a trainer that does not stop is made to print
         # every thread's stack (SIGABRT) before it is killed, so the log says where it hung
-        env = dict(_env(), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+        env = dict(train_env(), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
         with open(log, "w") as out:
-            proc = subprocess.Popen(_train_cmd(*args), env=env, stdout=out, stderr=out)
+            proc = subprocess.Popen(train_cmd(*args), env=env, stdout=out, stderr=out)
         deadline = time.time() + 300
         while proxy.completions_requests < 2:
             assert proc.poll() is None, log.read_text()[-4000:]
@@ -299,8 +288,8 @@ def test_rollout_correction_weighs_a_stale_engine_against_the_recompute(
                        "--old-logprobs", "recompute", "--rollout-correction", "tis",
                        "--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0"],
                       ref=tiny_char_ref)
-    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
-    rows = _metrics(save)
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
+    rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["rollout/staleness"] == 0 and rows[1]["rollout/staleness"] == 1
     assert abs(rows[0]["rollout_corr/is_max"] - 1) < 1e-4
@@ -322,8 +311,8 @@ def test_async_level_trains_on_stale_rollouts(tiny_char_model, tiny_char_ref, ar
                       ["--async-level", "2", "--kl-placement", "reward+loss", "--kl-estimator",
                        "k3", "--kl-coef", "1.0", "--old-logprobs", "recompute"],
                       ref=tiny_char_ref)
-    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
-    rows = _metrics(save)
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
+    rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["mismatch/abs_delta_max"] < 1e-4 for r in rows)
     # steps 1-2 use batches of the initial weights; by step 3 the policy moved twice
@@ -346,9 +335,9 @@ def test_rollout_logprobs_stand_in_for_the_recompute_forward(tiny_char_model, ti
         save = str(tmp_path / name)
         args = train_args(tiny_char_model, arithmetic_jsonl, save, 3, kl + flags,
                           ref=tiny_char_ref)
-        subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True,
+        subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True,
                        timeout=600)
-        rows[name] = _metrics(save)
+        rows[name] = read_metrics(save)
     assert all("mismatch/abs_delta_max" not in r for r in rows["auto"])  # no recompute ran
     assert all(r["mismatch/abs_delta_max"] < 1e-4 for r in rows["recompute"])
     assert all("rollout_corr/weight_mean" not in r for r in rows["recompute"])
@@ -372,21 +361,21 @@ def test_start_from_converted_checkpoint_then_resume(tiny_char_model, tiny_char_
     own checkpoint under --save, not from --load again."""
     converted = str(tmp_path / "converted")
     subprocess.run([sys.executable, "tools/convert_checkpoint.py", "hf-to-megatron", "--load",
-                    tiny_char_ref, "--save", converted], check=True, env=_env(),
+                    tiny_char_ref, "--save", converted], check=True, env=train_env(),
                    capture_output=True, timeout=300,
                    cwd=os.path.join(os.path.dirname(__file__), "..", ".."))
     from_hf, from_ckpt = str(tmp_path / "from_hf"), str(tmp_path / "from_ckpt")
     # a KL in the loss and the reward to another model: a gradient from step 1 on
     kl = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0",
           "--save-interval", "1", "--ref-checkpoint", tiny_char_model]
-    subprocess.run(_train_cmd(*train_args(tiny_char_ref, arithmetic_jsonl, from_hf, 3, kl)),
-                   check=True, env=_env(), capture_output=True, timeout=600)
+    subprocess.run(train_cmd(*train_args(tiny_char_ref, arithmetic_jsonl, from_hf, 3, kl)),
+                   check=True, env=train_env(), capture_output=True, timeout=600)
     # model config and tokenizer from --hf-checkpoint, weights from --load
     args = train_args(tiny_char_model, arithmetic_jsonl, from_ckpt, 2, kl + ["--load", converted])
-    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
     args[args.index("--train-iters") + 1] = "3"  # the same command, one step longer: a resume
-    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
-    a, b = _metrics(from_hf), _metrics(from_ckpt)
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
+    a, b = read_metrics(from_hf), read_metrics(from_ckpt)
     assert [r["step"] for r in b] == [1, 2, 3]
     assert all(r["grad_norm"] > 1e-4 for r in a)
     for x, y in zip(a, b):
@@ -394,10 +383,10 @@ def test_start_from_converted_checkpoint_then_resume(tiny_char_model, tiny_char_
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), (x["step"], key)
     # without --ref-checkpoint the loaded weights are the reference (not --hf-checkpoint's)
     alone = str(tmp_path / "alone")
-    subprocess.run(_train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, alone, 1,
+    subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, alone, 1,
                                           ["--load", converted])),
-                   check=True, env=_env(), capture_output=True, timeout=600)
-    assert _metrics(alone)[0]["kl_k1"] == pytest.approx(0.0, abs=1e-6)
+                   check=True, env=train_env(), capture_output=True, timeout=600)
+    assert read_metrics(alone)[0]["kl_k1"] == pytest.approx(0.0, abs=1e-6)
     assert a[0]["kl_k1"] > 1e-3  # tiny_char_model is far from the converted weights
 
 
@@ -410,15 +399,15 @@ def test_bf16_run_saves_and_resumes_exactly(tiny_char_model, tiny_char_ref, arit
     extra = ["--bf16", "--save-interval", "1", "--kl-placement", "reward+loss",
              "--kl-coef", "1.0", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
              "--deterministic-mode"]
-    subprocess.run(_train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, full, 3, extra,
+    subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, full, 3, extra,
                                           ref=tiny_char_ref)),
-                   check=True, env=_env(), capture_output=True, timeout=600)
+                   check=True, env=train_env(), capture_output=True, timeout=600)
     args = train_args(tiny_char_model, arithmetic_jsonl, stopped, 2,
                       extra + ["--lr-decay-iters", "3"], ref=tiny_char_ref)
-    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
     args[args.index("--train-iters") + 1] = "3"
-    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
-    a, b = _metrics(full), _metrics(stopped)
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
+    a, b = read_metrics(full), read_metrics(stopped)
     assert [r["step"] for r in b] == [1, 2, 3] and a[-1]["grad_norm"] > 1e-4
     for key in ("reward/mean", "kl_k1", "pg_loss", "grad_norm", "entropy"):
         assert b[-1][key] == a[-1][key], key
@@ -440,9 +429,9 @@ def test_packed_fused_training_equals_padded_logits_training(tiny_char_model, ti
         save = str(tmp_path / name)
         args = train_args(tiny_char_model, arithmetic_jsonl, save, 3,
                           kl + ["--kl-coef", "1.0"] + flags, ref=tiny_char_ref)
-        subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True,
+        subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True,
                        timeout=600)
-        rows[name] = _metrics(save)
+        rows[name] = read_metrics(save)
     assert len(rows["packed"]) == len(rows["padded"]) == 3
     for a, b in zip(rows["packed"], rows["padded"]):
         assert a["reward/mean"] == b["reward/mean"]  # the same samples
@@ -468,8 +457,8 @@ def test_qwen3_moe_policy_trains_end_to_end(engine, replay, tiny_moe_models, ari
                       ["--rollout-engine", engine, "--old-logprobs", "recompute",
                        "--max-new-tokens", "6", *(["--routing-replay"] if replay else [])],
                       ref=ref)
-    subprocess.run(_train_cmd(*args), check=True, env=_env(), capture_output=True, timeout=600)
-    rows = _metrics(save)
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
+    rows = read_metrics(save)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["mismatch/abs_delta_max"] < 1e-4, r["mismatch/abs_delta_max"]
