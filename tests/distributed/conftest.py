@@ -44,3 +44,22 @@ def export_hf():
         return hf_mapping.load_hf_state_dict(out)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def arithmetic_jsonl(tmp_path_factory):
+    """64 two-term additions ("Calculate a+b.") as prepared JSONL: the training runs' data."""
+    from megatron_rl.data.records import TaskExample, write_jsonl
+
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    write_jsonl(path, [TaskExample(f"Calculate {a}+{b}.", str(a + b), "arithmetic")
+                       for a in range(8) for b in range(8)])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory):
+    """A random tiny character-level model (seed 0) in HF format: the policy of training runs."""
+    from megatron_rl.experiments.tiny_model import make_char_model
+
+    return make_char_model(str(tmp_path_factory.mktemp("char_model")), 0)

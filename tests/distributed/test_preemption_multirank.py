@@ -16,23 +16,6 @@ from megatron_rl.train import STOPPED_EARLY
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def char_model(tmp_path_factory):
-    from megatron_rl.experiments.tiny_model import make_char_model
-
-    return make_char_model(str(tmp_path_factory.mktemp("char_model")), 0)
-
-
-@pytest.fixture(scope="module")
-def arithmetic_jsonl(tmp_path_factory):
-    from megatron_rl.data.records import TaskExample, write_jsonl
-
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    write_jsonl(path, [TaskExample(f"Calculate {a}+{b}.", str(a + b), "arithmetic")
-                       for a in range(8) for b in range(8)])
-    return str(path)
-
-
 def _children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]

@@ -30,25 +30,10 @@ def _char_model(path, seed):
 
 
 @pytest.fixture(scope="module")
-def char_model(tmp_path_factory):
-    return _char_model(str(tmp_path_factory.mktemp("char_model")), seed=0)
-
-
-@pytest.fixture(scope="module")
 def char_ref(tmp_path_factory):
     """A different random model of the same shape as the reference: the KL term has a gradient
     from the first step (a random policy earns no reward on arithmetic)."""
     return _char_model(str(tmp_path_factory.mktemp("char_ref")), seed=1)
-
-
-@pytest.fixture(scope="module")
-def arithmetic_jsonl(tmp_path_factory):
-    from megatron_rl.data.records import TaskExample, write_jsonl
-
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    write_jsonl(path, [TaskExample(f"Calculate {a}+{b}.", str(a + b), "arithmetic")
-                       for a in range(8) for b in range(8)])
-    return str(path)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
