@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from megatron_rl.data.records import TaskExample, read_examples
+from megatron_rl.data.records import TaskExample, iter_examples
 
 CHOICE_LETTERS = "ABCDEFGHIJ"
 
@@ -131,12 +131,21 @@ class PromptDataset:
     """
 
     def __init__(self, examples: Sequence[TaskExample], builder: PromptBuilder | None = None, *,
-                 seed: int = 0, shuffle: bool = True, name: str = "data"):
+                 seed: int = 0, shuffle: bool = True, name: str = "data",
+                 locations: Sequence[str] | None = None, prompt_tokens: Sequence[int] = ()):
+        """locations: where each row is, for messages ("path:line"; default "<name> row i");
+        prompt_tokens: the token counts of the first rows' rendered prompts, where counted
+        (data/lengths.py)."""
         if not examples:
             raise ValueError(f"{name}: no examples")
         self.examples = list(examples)
         self.builder = builder or PromptBuilder()
         self.seed, self.shuffle, self.name = seed, shuffle, name
+        self.locations = (list(locations) if locations is not None
+                          else [f"{name} row {i + 1}" for i in range(len(self.examples))])
+        assert len(self.locations) == len(self.examples), "one location per row"
+        self.prompt_tokens = list(prompt_tokens)
+        assert len(self.prompt_tokens) <= len(self.examples), "token counts of rows that exist"
         self.epoch, self.index = 0, 0
         self._order_epoch: int | None = None
         self._order: list[int] = []
@@ -145,18 +154,35 @@ class PromptDataset:
     def from_jsonl(cls, paths: str | Path | Sequence[str | Path], builder: PromptBuilder | None = None,
                    **kwargs) -> "PromptDataset":
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-        examples = [ex for p in paths for ex in read_examples(p)]
+        examples, locations = [], []
+        for p in paths:
+            for line, ex in iter_examples(p):
+                examples.append(ex)
+                locations.append(f"{p}:{line}")
         kwargs.setdefault("name", "+".join(Path(p).stem for p in paths))
-        return cls(examples, builder, **kwargs)
+        return cls(examples, builder, locations=locations, **kwargs)
+
+    def subset(self, rows: Sequence[int], prompt_tokens: Sequence[int] = ()) -> "PromptDataset":
+        """A data set of the rows `rows` (ascending indices) of this one, at its start, with
+        the same builder, seed, order rule and name; `prompt_tokens`: the counts of its first
+        rows."""
+        return PromptDataset([self.examples[i] for i in rows], self.builder, seed=self.seed,
+                             shuffle=self.shuffle, name=self.name,
+                             locations=[self.locations[i] for i in rows],
+                             prompt_tokens=prompt_tokens)
 
     def __len__(self) -> int:
         return len(self.examples)
 
-    def max_prompt_tokens(self, encode, first: int = 0) -> int:
+    def max_prompt_tokens(self, encode=None, first: int = 0) -> int:
         """The longest rendered prompt of the data set (of its `first` rows in file order; 0:
-        all), in tokens of `encode` (text -> ids)."""
-        rows = self.examples[:first] if first else self.examples
-        return max(len(encode(self.builder(ex))) for ex in rows)
+        all) in tokens: the counted ones (prompt_tokens) where they cover those rows, else
+        counted here with `encode` (text -> ids)."""
+        n = min(first, len(self.examples)) if first else len(self.examples)
+        if len(self.prompt_tokens) >= n:
+            return max(self.prompt_tokens[:n])
+        assert encode is not None, "prompts not counted yet need an encoder"
+        return max(len(encode(self.builder(ex))) for ex in self.examples[:n])
 
     def order(self, epoch: int) -> list[int]:
         if self._order_epoch != epoch:

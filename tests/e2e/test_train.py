@@ -80,6 +80,39 @@ def test_resume_past_a_damaged_checkpoint_and_a_torn_log_line(tiny_char_model, a
     assert [r["step"] for r in read_metrics(save)] == [1, 2, 3, 4]
 
 
+def test_an_overlong_prompt_stops_the_run_before_the_model_is_built(tiny_char_model,
+                                                                     arithmetic_jsonl, tmp_path,
+                                                                     monkeypatch):
+    """A data file with one prompt longer than the model's 256 positions allow: the run stops
+    at startup with a ValueError naming the file, the line and the count, before a model is
+    built (not at the step that samples the prompt, where every restart would die again)."""
+    from megatron_rl.config import parse_config
+    from megatron_rl.data.records import TaskExample
+    from megatron_rl.models import policy
+    from megatron_rl.parallel import destroy_distributed
+    from megatron_rl.runtime import setup_run
+
+    rows = open(arithmetic_jsonl).read().splitlines()
+    long_row = TaskExample("Calculate " + "1+" * 130 + "1.", "131", "arithmetic").to_json()
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(rows[:9] + [long_row] + rows[9:]) + "\n")  # line 10
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the data was checked")
+
+    monkeypatch.setattr(policy, "Policy", built)
+    cfg = parse_config(train_args(tiny_char_model, str(data), str(tmp_path / "run"), 1))
+    try:  # 272 tokens: the rendered prompt's characters, but for the space, which this
+        # tokenizer (as Qwen2Tokenizer) drops
+        with pytest.raises(ValueError, match=(
+                rf"--train-data: 1 of 65 prompts are too long .*--max-new-tokens \(3\) must fit "
+                rf"the model's max_position_embeddings \(256\).*: {data}:10 \(272 tokens\)\. "
+                rf".*--filter-overlong-prompts")):
+            setup_run(cfg)
+    finally:
+        destroy_distributed()
+
+
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):
     from megatron_rl.config import parse_config
     from megatron_rl.runtime import setup_run
