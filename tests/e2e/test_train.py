@@ -113,6 +113,33 @@ def test_an_overlong_prompt_stops_the_run_before_the_model_is_built(tiny_char_mo
         destroy_distributed()
 
 
+def test_a_run_resumes_on_its_data_with_a_row_removed(tiny_char_model, arithmetic_jsonl,
+                                                      tmp_path):
+    """A run stopped after a save, its data file fixed by removing a row, resumes: the resumed
+    step takes the prompts after the saved position in the fixed data set."""
+    import shutil as sh
+
+    from megatron_rl.data.prompts import PromptBuilder, PromptDataset
+
+    data, save = tmp_path / "train.jsonl", str(tmp_path / "run")
+    sh.copy(arithmetic_jsonl, data)
+    args = train_args(tiny_char_model, str(data), save, 2, ["--save-interval", "1"])
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join(lines[:30] + lines[31:]) + "\n")
+    args[args.index("--train-iters") + 1] = "3"
+    done = subprocess.run(train_cmd(*args), env=train_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(save)] == [1, 2, 3]
+    positions = [torch.load(os.path.join(save, f"iter_000000{s}", "extra_rank0.pt"),
+                            weights_only=False)["data"] for s in (2, 3)]
+    fixed = PromptDataset.from_jsonl(data, PromptBuilder(template="{prompt}="), seed=3)
+    fixed.load_state_dict(positions[0])
+    fixed.next_batch(4)  # step 3's prompts
+    assert fixed.state_dict() == positions[1]
+
+
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):
     from megatron_rl.config import parse_config
     from megatron_rl.runtime import setup_run
