@@ -98,6 +98,11 @@ class DataConfig:
     task_instruction: bool = _opt(True, help=(
         "append the task's answer-format instruction (e.g. math: the final answer in "
         "\\boxed{}) to each problem; --no-task-instruction: the bare problem text"))
+    filter_overlong_prompts: bool = _opt(False, help=(
+        "skip the prompts (of --train-data, and of --eval-data where evaluated) whose tokens + "
+        "--max-new-tokens exceed the context (the model's max_position_embeddings, or "
+        "--rollout-max-context-len where set), with one warning naming them; off: such a "
+        "prompt stops the run at startup, named by its file and line"))
 
     def validate(self) -> None:
         if not self.train_data:

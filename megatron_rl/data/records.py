@@ -115,6 +115,12 @@ def _utf8_error(path: str | Path, error: UnicodeDecodeError) -> DataFormatError:
     return DataFormatError(path, None, f"not UTF-8 ({error.reason})")
 
 
+def iter_examples(path: str | Path) -> Iterator[tuple[int, TaskExample]]:
+    """(line number, row) for each row of a prepared JSONL file, validating every row."""
+    for lineno, row in iter_jsonl(path):
+        yield lineno, TaskExample.from_dict(row, path, lineno)
+
+
 def read_examples(path: str | Path) -> list[TaskExample]:
     """Load a prepared JSONL file (as written by tools/prepare_data.py), validating every row."""
-    return [TaskExample.from_dict(row, path, lineno) for lineno, row in iter_jsonl(path)]
+    return [ex for _, ex in iter_examples(path)]

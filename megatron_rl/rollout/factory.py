@@ -175,6 +175,18 @@ def server_configs(cfg, args, longest_prompt: int | None, cuda: bool,
             for d, url, g in zip(dirs, urls, gpus)]
 
 
+def context_limit(r, max_position_embeddings: int) -> tuple[int, str]:
+    """(tokens one sequence, prompt and response, may take in a run with the rollout settings
+    `r` (a RolloutConfig) serving a model of `max_position_embeddings` positions, what sets
+    that limit as a user names it): the model's positions, or --rollout-max-context-len where
+    it is set, is smaller and applies (servers started here; server_context_len refuses it
+    larger than the model's positions)."""
+    started_servers = ENGINES[r.rollout_engine].servers and not r.rollout_url
+    if started_servers and 0 < r.rollout_max_context_len < max_position_embeddings:
+        return r.rollout_max_context_len, f"--rollout-max-context-len {r.rollout_max_context_len}"
+    return max_position_embeddings, f"the model's max_position_embeddings ({max_position_embeddings})"
+
+
 def server_context_len(r, longest_prompt: int, max_position_embeddings: int) -> int:
     """Tokens of one sequence (prompt and response) a server started for the rollout settings
     `r` (a RolloutConfig) takes: --rollout-max-context-len, or `longest_prompt` (the run's

@@ -80,6 +80,66 @@ def test_resume_past_a_damaged_checkpoint_and_a_torn_log_line(tiny_char_model, a
     assert [r["step"] for r in read_metrics(save)] == [1, 2, 3, 4]
 
 
+def test_an_overlong_prompt_stops_the_run_before_the_model_is_built(tiny_char_model,
+                                                                     arithmetic_jsonl, tmp_path,
+                                                                     monkeypatch):
+    """A data file with one prompt longer than the model's 256 positions allow: the run stops
+    at startup with a ValueError naming the file, the line and the count, before a model is
+    built (not at the step that samples the prompt, where every restart would die again)."""
+    from megatron_rl.config import parse_config
+    from megatron_rl.data.records import TaskExample
+    from megatron_rl.models import policy
+    from megatron_rl.parallel import destroy_distributed
+    from megatron_rl.runtime import setup_run
+
+    rows = open(arithmetic_jsonl).read().splitlines()
+    long_row = TaskExample("Calculate " + "1+" * 130 + "1.", "131", "arithmetic").to_json()
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(rows[:9] + [long_row] + rows[9:]) + "\n")  # line 10
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the data was checked")
+
+    monkeypatch.setattr(policy, "Policy", built)
+    cfg = parse_config(train_args(tiny_char_model, str(data), str(tmp_path / "run"), 1))
+    try:  # 272 tokens: the rendered prompt's characters, but for the space, which this
+        # tokenizer (as Qwen2Tokenizer) drops
+        with pytest.raises(ValueError, match=(
+                rf"--train-data: 1 of 65 prompts are too long .*--max-new-tokens \(3\) must fit "
+                rf"the model's max_position_embeddings \(256\).*: {data}:10 \(272 tokens\)\. "
+                rf".*--filter-overlong-prompts")):
+            setup_run(cfg)
+    finally:
+        destroy_distributed()
+
+
+def test_a_run_resumes_on_its_data_with_a_row_removed(tiny_char_model, arithmetic_jsonl,
+                                                      tmp_path):
+    """A run stopped after a save, its data file fixed by removing a row, resumes: the resumed
+    step takes the prompts after the saved position in the fixed data set."""
+    import shutil as sh
+
+    from megatron_rl.data.prompts import PromptBuilder, PromptDataset
+
+    data, save = tmp_path / "train.jsonl", str(tmp_path / "run")
+    sh.copy(arithmetic_jsonl, data)
+    args = train_args(tiny_char_model, str(data), save, 2, ["--save-interval", "1"])
+    subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join(lines[:30] + lines[31:]) + "\n")
+    args[args.index("--train-iters") + 1] = "3"
+    done = subprocess.run(train_cmd(*args), env=train_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(save)] == [1, 2, 3]
+    positions = [torch.load(os.path.join(save, f"iter_000000{s}", "extra_rank0.pt"),
+                            weights_only=False)["data"] for s in (2, 3)]
+    fixed = PromptDataset.from_jsonl(data, PromptBuilder(template="{prompt}="), seed=3)
+    fixed.load_state_dict(positions[0])
+    fixed.next_batch(4)  # step 3's prompts
+    assert fixed.state_dict() == positions[1]
+
+
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):
     from megatron_rl.config import parse_config
     from megatron_rl.runtime import setup_run

@@ -1,10 +1,12 @@
 """Prompt rendering per task, with a local tokenizer's chat template or a plain template, and the
-resumable, seed-shuffled PromptDataset."""
+resumable, seed-shuffled PromptDataset: its position survives rows removed or added."""
 import json
+import random
+from collections import Counter
 
 import pytest
 
-from megatron_rl.data.prompts import PromptBuilder, PromptDataset, format_choices
+from megatron_rl.data.prompts import PromptBuilder, PromptDataset, format_choices, row_keys
 from megatron_rl.data.records import TaskExample, write_jsonl
 
 MATH = TaskExample("What is 1/2 + 0?", "0.5", "math")
@@ -72,8 +74,8 @@ def test_dataset_is_deterministic_and_resumable(tmp_path):
     assert resumed[0].epoch == 1 and resumed[0].task == "gsm8k" and resumed[0].answer == rows[int(cont[0][2:])].answer
     assert [r.uid for r in PromptDataset.from_jsonl(path, seed=4).next_batch(7)] != first[:7]
     assert [r.uid for r in PromptDataset(rows, shuffle=False, name="d").next_batch(3)] == ["d:0", "d:1", "d:2"]
-    with pytest.raises(ValueError, match="checkpoint"):
-        PromptDataset(rows[:5], seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="checkpoint seed 3 != data seed 4"):
+        PromptDataset(rows, seed=4).load_state_dict(state)
 
 
 def test_longest_prompt_is_counted_as_rendered():
@@ -87,3 +89,115 @@ def test_longest_prompt_is_counted_as_rendered():
     full = PromptDataset(rows, PromptBuilder(template="{prompt}"))
     assert full.max_prompt_tokens(words) == 5 + len(PromptBuilder().user_message(
         TaskExample("", "1", "arithmetic")).split())
+
+
+def _rows(n, start=0):
+    return [TaskExample(f"Problem {i}?", str(i), "gsm8k") for i in range(start, start + n)]
+
+
+def _epoch_rest(data):
+    """The prompts `data` gives until its current epoch ends."""
+    return [r.text for r in data.next_batch(len(data) - data.index)]
+
+
+@pytest.mark.parametrize("removed", ["taken", "last taken", "not taken"])
+def test_removing_a_row_mid_epoch_loses_and_repeats_nothing(removed):
+    """A run resumed on its data set less one row (fixed by hand, or --filter-overlong-prompts)
+    takes, over the epoch, every row of the new data set exactly once, and the others keep
+    their relative order."""
+    rows = _rows(40)
+    old = PromptDataset(rows, seed=7)
+    taken = [r.text for r in old.next_batch(8) + old.next_batch(8)]  # two steps of 8 prompts
+    state = json.loads(json.dumps(old.state_dict()))
+    place = {"taken": 3, "last taken": 15, "not taken": 27}[removed]
+    gone = old.order(0)[place]
+    kept = rows[:gone] + rows[gone + 1:]
+    new = PromptDataset(kept, seed=7)
+    assert ([kept[i].prompt for i in new.order(0)]
+            == [rows[i].prompt for i in old.order(0) if i != gone])
+    new.load_state_dict(state)
+    epoch = Counter(taken + _epoch_rest(new))
+    expected = Counter(PromptBuilder()(ex) for ex in kept)
+    if place < 16:  # taken before it was removed: once, and not again
+        expected[PromptBuilder()(rows[gone])] += 1
+    assert epoch == expected and max(epoch.values()) == 1
+    assert new.next_batch(1)[0].epoch == 1
+
+
+def test_a_row_added_mid_epoch_comes_in_this_epoch_only_where_it_has_not_passed():
+    """A row added to the data set of a resumed run comes in the rest of the epoch when its
+    place is after the position, else in the next epoch; the other rows once each."""
+    rows = _rows(30)
+    old = PromptDataset(rows, seed=1)
+    taken = [r.text for r in old.next_batch(15)]
+    state = old.state_dict()
+    sides = set()
+    for extra in _rows(6, start=100):  # some sort before the position, some after
+        new = PromptDataset(rows[:10] + [extra] + rows[10:], seed=1)
+        new.load_state_dict(state)
+        rest = _epoch_rest(new)
+        text = PromptBuilder()(extra)
+        assert Counter(taken + rest) - Counter([text]) == Counter(PromptBuilder()(ex) for ex in rows)
+        place = [new.examples[i].prompt for i in new.order(0)].index(extra.prompt)
+        assert rest.count(text) == (place >= 15)  # its place is after the 15 rows taken
+        assert [r.text for r in new.next_batch(len(new))].count(text) == 1  # the next epoch
+        sides.add(place >= 15)
+    assert sides == {True, False}
+
+
+def test_repeated_rows_are_neighbours_and_counted_right_when_one_goes():
+    """Rows of the same content are told apart by their occurrence and follow one another in
+    every epoch; removing one of them mid-epoch takes the content at most as often as it
+    remains or was taken already."""
+    rows = _rows(12) + [TaskExample("Twice?", "2", "gsm8k")] * 3
+    data = PromptDataset(rows, seed=5)
+    for epoch in range(4):
+        places = [p for p, i in enumerate(data.order(epoch)) if rows[i].prompt == "Twice?"]
+        assert places == list(range(places[0], places[0] + 3))
+    twice = PromptBuilder()(rows[-1])
+    start = data.order(0).index(12)
+    for consumed in range(start, start + 4):  # stop before, between and after the repeats
+        data = PromptDataset(rows, seed=5)
+        taken = [r.text for r in data.next_batch(consumed)]
+        state = data.state_dict()
+        new = PromptDataset(rows[:-1], seed=5)  # one repeat fewer
+        new.load_state_dict(state)
+        epoch = Counter(taken + _epoch_rest(new))
+        assert epoch[twice] == max(2, taken.count(twice))
+        assert all(epoch[PromptBuilder()(ex)] == 1 for ex in rows[:12])
+
+
+def test_provenance_is_not_part_of_a_rows_key():
+    """metadata.source and .row (where tools/prepare_data.py read the row) move when the source
+    file is edited; the row's place in the order does not."""
+    a = TaskExample("Q?", "1", "gsm8k", {"source": "a.csv", "row": 7, "id": 3})
+    b = TaskExample("Q?", "1", "gsm8k", {"source": "b.csv", "row": 6, "id": 3})
+    c = TaskExample("Q?", "1", "gsm8k", {"source": "a.csv", "row": 7, "id": 4})
+    assert row_keys([a]) == row_keys([b]) != row_keys([c])
+
+
+def test_an_index_position_resumes_its_permutation_to_the_epochs_end():
+    """A checkpoint whose position is (epoch, index) into a random.Random(f"{seed}:{epoch}")
+    permutation resumes that epoch exactly, then continues in the content order; on a data set
+    of another size it is refused, naming the sizes."""
+    rows = _rows(20)
+    perm = list(range(20))
+    random.Random("3:2").shuffle(perm)
+    state = {"epoch": 2, "index": 6, "seed": 3, "num_examples": 20}
+    data = PromptDataset(rows, seed=3)
+    data.load_state_dict(state)
+    first = data.next_batch(4)
+    assert [r.uid for r in first] == [f"data:{i}" for i in perm[6:10]]
+    again = PromptDataset(rows, seed=3)
+    again.load_state_dict(data.state_dict())  # saved within that epoch: still an index
+    assert [r.uid for r in again.next_batch(10)] == [f"data:{i}" for i in perm[10:20]]
+    fresh = PromptDataset(rows, seed=3)
+    assert [r.uid for r in again.next_batch(20)] == [f"data:{i}" for i in fresh.order(3)]
+    assert "after" in again.state_dict()
+    with pytest.raises(ValueError, match=r"index into the order of the 20 rows .* has 19"):
+        PromptDataset(rows[1:], seed=3).load_state_dict(state)
+
+
+def test_evaluation_data_keeps_file_order():
+    data = PromptDataset(_rows(9), shuffle=False)
+    assert [r.uid for r in data.next_batch(12)] == [f"data:{i}" for i in [*range(9), 0, 1, 2]]
