@@ -17,4 +17,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
+# The agent's Python tool runs each call in a bubblewrap sandbox (megatron_rl/agent/sandbox.py).
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; }; } \
+      || echo "setup.sh: apt-get could not install bubblewrap; the sandbox tests will skip" >&2
+  else
+    echo "setup.sh: bubblewrap (bwrap) is missing and needs root to install" \
+         "(apt-get install bubblewrap); the sandbox tests will skip" >&2
+  fi
+fi
 .venv/bin/python -c "import megatron_rl, megatron.core, torch; print('megatron-rl', megatron_rl.__version__, '| torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
