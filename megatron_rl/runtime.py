@@ -57,7 +57,9 @@ class Codec:
 @dataclasses.dataclass
 class Run:
     """A training run's collaborators. dp_rank / dp_size: this rank's data-parallel position;
-    start_step: the step the run starts (or resumes) at."""
+    start_step: the step the run starts (or resumes) at; saves_reference: whether each checkpoint
+    holds the reference (it is not the initial weights: --ref-reset-interval, or a reference
+    resumed from a checkpoint)."""
 
     cfg: TrainConfig
     policy: Policy
@@ -71,6 +73,7 @@ class Run:
     dp_rank: int
     dp_size: int
     start_step: int = 0
+    saves_reference: bool = False
 
     def sampling_params(self, seed: int) -> SamplingParams:
         """The run's sampling settings (--temperature, --top-p, --max-new-tokens) with `seed`."""
@@ -83,11 +86,11 @@ class Run:
     def save(self, step: int, data_state: dict | None = None) -> None:
         """Checkpoint `step` (collective); `data_state`: the data position to resume from
         (default: the current one)."""
-        resets = self.cfg.algorithm.ref_reset_interval
         _start_checkpoint_helper()
         checkpoint.save_run(self.cfg.checkpoint.save, step, self.policy,
                             data_state or self.train_data.state_dict(),
-                            self.engine.weight_version, reference=self.reference if resets else None)
+                            self.engine.weight_version,
+                            reference=self.reference if self.saves_reference else None)
 
     def close(self) -> None:
         """Stop the engine, the scorer's workers, megatron's checkpoint helper and the logger."""
@@ -199,7 +202,9 @@ def setup_run(cfg: TrainConfig) -> Run:
     if is_logger:
         with open(os.path.join(save, "config.json"), "w") as f:  # usable as --config
             json.dump(to_flat_dict(cfg), f, indent=2)
+    saves_reference = bool(algo.ref_reset_interval) or (
+        resume is not None and checkpoint.step_reference(resume) is not None)
     return Run(cfg=cfg, policy=policy, reference=reference, engine=engine, codec=codec,
                train_data=train_data, eval_data=eval_data, scorer=RewardScorer(num_workers=2),
                logger=logger, dp_rank=ps.get_data_parallel_rank(), dp_size=dp,
-               start_step=start_step)
+               start_step=start_step, saves_reference=saves_reference)
