@@ -86,6 +86,41 @@ def test_resume_past_a_damaged_checkpoint_and_a_torn_log_line(tiny_char_model, a
     assert [r["step"] for r in read_metrics(save)] == [1, 2, 3, 4]
 
 
+def test_a_resume_with_another_lr_is_refused_or_applied_and_recorded(tiny_char_model,
+                                                                    arithmetic_jsonl, tmp_path):
+    """A run restarted with another --lr is refused before it builds anything, naming the
+    change and the flag that accepts it. With --allow-config-change the resumed optimizer
+    trains at the new rate (not the checkpoint's) and <save>/config_history.jsonl records the
+    change; a longer --train-iters alone resumes without the flag."""
+    save = str(tmp_path / "run")
+    first = train_args(tiny_char_model, arithmetic_jsonl, save, 1)  # --lr 1e-2
+    subprocess.run(train_cmd(*first), check=True, env=train_env(), capture_output=True,
+                   timeout=600)
+    changed = train_args(tiny_char_model, arithmetic_jsonl, save, 2, ["--lr", "5e-3"])
+    refused = subprocess.run(train_cmd(*changed), env=train_env(), capture_output=True,
+                             text=True, timeout=600)
+    assert refused.returncode != 0
+    assert "--lr: 0.01 -> 0.005" in refused.stderr and "--allow-config-change" in refused.stderr
+    assert "--train-iters" not in refused.stderr.split("ValueError")[-1]  # free to change
+    assert [r["step"] for r in read_metrics(save)] == [1]
+    subprocess.run(train_cmd(*changed, "--allow-config-change"), check=True, env=train_env(),
+                   capture_output=True, timeout=600)
+    longer = train_args(tiny_char_model, arithmetic_jsonl, save, 3, ["--lr", "5e-3"])
+    subprocess.run(train_cmd(*longer), check=True, env=train_env(), capture_output=True,
+                   timeout=600)
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["lr"] for r in rows] == [0.01, 0.005, 0.005]
+    with open(os.path.join(save, "config_history.jsonl")) as f:
+        starts = [json.loads(line) for line in f]
+    assert [s["start_step"] for s in starts] == [0, 1, 2] and "config" in starts[0]
+    assert starts[1]["changes"] == {"train_iters": [1, 2], "lr": [0.01, 0.005]}
+    assert starts[1]["resumed_from"] == os.path.join(save, "iter_0000001")
+    assert starts[2]["changes"] == {"train_iters": [2, 3]}
+    with open(os.path.join(save, "config.json")) as f:
+        assert json.load(f)["lr"] == 0.005
+
+
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):
     from megatron_rl.config import parse_config
     from megatron_rl.runtime import setup_run
