@@ -2,10 +2,15 @@
 
 Layout of a checkpoint root:
     <root>/iter_0000010/          one complete checkpoint (model, optimizer, per-rank extra state)
+    <root>/iter_0000010/reference/  the reference policy of that step, when the run saves it
+                                  (--ref-reset-interval)
     <root>/latest                 text file naming the newest complete checkpoint
-A checkpoint is written into `<root>/.tmp-iter_XXXXXXX`, renamed into place only when every rank
+Every piece of a step (policy and optimizer, extra state, the run's configuration, the reference)
+is written into one directory `<root>/.tmp-iter_XXXXXXX`, renamed into place only when every rank
 has finished, and only then does `latest` move (written to a temp file and renamed). A run killed
-at any moment therefore leaves `latest` pointing at a complete checkpoint.
+at any moment therefore leaves `latest` pointing at a complete checkpoint, whose pieces all belong
+to its step. (Runs saved before the reference moved into the step keep it in
+`<root>/reference/iter_XXXXXXX`; that is read for the same step only.)
 
 Extra state (step, RNG states, data position, trainer counters) is a plain picklable dict saved per
 global rank; on resume with a different world size rank r reads rank r's file if present, else
@@ -44,6 +49,8 @@ from megatron_rl.parallel import dist_barrier, dist_rank, run_on_rank, use_cuda
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
+REFERENCE = "reference"  # the subdirectory of a step holding its reference policy
+TRAIN_CONFIG = "train_config.json"  # the run's configuration (config.to_flat_dict) at that step
 # the files every dist_checkpointing (torch_dist) checkpoint holds, whatever its layout
 _REQUIRED = (".metadata", "metadata.json")
 _ITER = re.compile(r"iter_(\d{7})")
@@ -142,11 +149,16 @@ def _sharded_state_dict(policy, with_optimizer: bool, is_loading: bool = False) 
 
 
 def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
-                    with_optimizer: bool = True, hf_config: dict | None = None) -> str:
+                    with_optimizer: bool = True, hf_config: dict | None = None,
+                    reference=None, config: dict | None = None) -> str:
     """Collective: write checkpoint `step` under `root` atomically. Returns its directory.
 
-    `hf_config` (the model's HF config.json dict) is stored beside the weights so that a checkpoint
-    can be rebuilt and exported without the original HF directory.
+    Its pieces: `policy` (with its optimizer when `with_optimizer`), this rank's `extra` state,
+    `hf_config` (the model's HF config.json dict, so that a checkpoint can be rebuilt and exported
+    without the original HF directory), `config` (the run's flat configuration, TRAIN_CONFIG) and
+    the weights of `reference` (in REFERENCE/). All go into one temporary directory, published by
+    one rename and the `latest` update: a save that fails or is killed part-way publishes none
+    of them.
     """
     from megatron.core import dist_checkpointing
 
@@ -156,7 +168,7 @@ def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
     def prepare() -> None:  # removing a stale directory can take minutes on a shared FS
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        os.makedirs(os.path.join(tmp, REFERENCE) if reference is not None else tmp)
 
     def publish() -> None:
         try:
@@ -179,9 +191,14 @@ def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
         dist_checkpointing.save(_sharded_state_dict(policy, with_optimizer), tmp)
         torch.save({"step": step, **(extra or {})},
                    os.path.join(tmp, f"extra_rank{dist_rank()}.pt"))
-        if hf_config is not None and dist_rank() == 0:
-            with open(os.path.join(tmp, "hf_config.json"), "w") as f:
-                json.dump(hf_config, f, indent=2)
+        if dist_rank() == 0:
+            for name, content in (("hf_config.json", hf_config), (TRAIN_CONFIG, config)):
+                if content is not None:
+                    with open(os.path.join(tmp, name), "w") as f:
+                        json.dump(content, f, indent=2)
+        if reference is not None:
+            dist_checkpointing.save(_sharded_state_dict(reference, with_optimizer=False),
+                                    os.path.join(tmp, REFERENCE))
     except (Exception, CheckpointException) as e:  # the latter is a BaseException
         _raise_if_disk_full(e, tmp)
         raise
@@ -268,10 +285,10 @@ def checkpoint_damage(ckpt_dir: str) -> str | None:
 
 
 def remove_partial_saves(root: str) -> None:
-    """Remove the temporaries (`.tmp-iter_*`, `latest.tmp`) of saves under `root` (and its
-    reference/) that never finished: a run killed mid-save, or a full disk. Only at a start, when
+    """Remove the temporaries (`.tmp-iter_*`, `latest.tmp`) of saves under `root` (and the
+    reference/ of the older layout) that never finished: a run killed mid-save, or a full disk. Only at a start, when
     no save of this run is under way."""
-    for d in (root, os.path.join(root, "reference")):
+    for d in (root, os.path.join(root, REFERENCE)):
         if not os.path.isdir(d):
             continue
         for name in sorted(os.listdir(d)):
@@ -351,9 +368,21 @@ def latest_checkpoint(root: str) -> str | None:
     return ckpt
 
 
+# What the optimizer's param groups take from the run's configuration (OptimConfig, through
+# megatron's OptimizerConfig and the schedule), not from a loaded checkpoint, which restores the
+# state only (Adam's moments and step counts, the schedule's step count): a resumed run's --lr,
+# --min-lr, --adam-beta1/2, --adam-eps, --weight-decay are its own. "max_lr"/"min_lr" are what
+# megatron's OptimizerParamScheduler.get_lr reads before its own values.
+_CONFIGURED_GROUP_KEYS = ("lr", "weight_decay", "max_lr", "min_lr", "betas", "eps")
+
+
 def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True) -> dict:
     """Collective: load model (and optimizer) into `policy` in its current layout, resharding as
-    needed. Returns this rank's extra-state dict (with "step")."""
+    needed. Returns this rank's extra-state dict (with "step").
+
+    The optimizer's state comes from the checkpoint, its hyperparameters (_CONFIGURED_GROUP_KEYS,
+    the learning-rate schedule's shape) from `policy`'s OptimConfig: those of the run resuming.
+    """
     from megatron.core import dist_checkpointing
 
     if not os.path.isdir(ckpt_dir):
@@ -369,10 +398,16 @@ def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True) -> dict:
     if missing:
         raise ValueError(f"{ckpt_dir}: checkpoint lacks tensors {missing}")
     if with_optimizer and policy.optimizer is not None and "optimizer" in loaded:
+        configured = [{k: g[k] for k in _CONFIGURED_GROUP_KEYS if k in g}
+                      for g in policy.optimizer.param_groups]
         # no_grad: the distributed optimizer's fp32 main parameters are views of the model's
         # (leaf) parameters, copied into in place (distrib_optimizer.py:940)
         with torch.no_grad():
             policy.optimizer.load_state_dict(loaded["optimizer"])
+        groups = policy.optimizer.param_groups
+        assert len(groups) == len(configured), (len(groups), len(configured))
+        for group, values in zip(groups, configured):
+            group.update(values)
         distributed = _distributed_optimizers(policy)
         if len(distributed) == 1:
             _restore_adam_steps(distributed[0], loaded["optimizer"])
@@ -447,13 +482,32 @@ def checkpoints_to_load(ck) -> tuple[str | None, str | None]:
     return run_on_rank(0, decide, "checking the checkpoints of --save and --load")
 
 
+def step_reference(ckpt_dir: str) -> str | None:
+    """The reference policy saved with the run checkpoint `ckpt_dir` (REFERENCE/ inside it; for
+    checkpoints of the older layout <root>/reference/<iter> of the same step), or None."""
+    inside = os.path.join(ckpt_dir, REFERENCE)
+    if os.path.isdir(inside):
+        return inside
+    beside = os.path.join(os.path.dirname(ckpt_dir), REFERENCE, os.path.basename(ckpt_dir))
+    return beside if os.path.isdir(beside) else None
+
+
 def load_run_weights(policy, reference, resume: str | None, weights: str | None, hf: str,
                      ref_hf: str | None, reference_resets: bool) -> dict | None:
     """Policy and reference weights of a run, each source read once: the reference copies the
-    policy's initial weights instead of reading them again. The reference is `ref_hf`
-    (--ref-checkpoint), else the weights-only checkpoint, else `hf` (the run's initial weights);
-    after a resume with `reference_resets` (--ref-reset-interval), the reference saved beside
-    the run. Returns the resumed checkpoint's extra state (step, RNG, data position), or None."""
+    policy's initial weights instead of reading them again. The reference is the one saved with
+    the resumed checkpoint where it holds one (step_reference); else `ref_hf`
+    (--ref-checkpoint), else the weights-only checkpoint, else `hf` (the run's initial weights).
+    `reference_resets`: the resumed checkpoint's run saved its reference with every step
+    (--ref-reset-interval), so a resumed step without one is refused (ValueError naming it)
+    rather than paired with another step's reference. Returns the resumed checkpoint's extra
+    state (step, RNG, data position), or None."""
+    saved_ref = step_reference(resume) if resume is not None else None
+    if resume is not None and saved_ref is None and reference_resets:
+        raise ValueError(
+            f"checkpoint {resume} holds no reference policy ({os.path.join(resume, REFERENCE)}"
+            f"), which its run saves with every step (--ref-reset-interval). Move {resume} "
+            "aside to resume from the checkpoint before it")
     extra = None
     if resume is not None:
         extra = load_checkpoint(resume, policy)
@@ -461,7 +515,9 @@ def load_run_weights(policy, reference, resume: str | None, weights: str | None,
         load_checkpoint(weights, policy, with_optimizer=False)
     else:
         policy.load_hf(hf)
-    if ref_hf:
+    if saved_ref is not None:
+        load_checkpoint(saved_ref, reference, with_optimizer=False)
+    elif ref_hf:
         reference.load_hf(ref_hf)
     elif resume is None:
         copy_weights(policy, reference)
@@ -469,24 +525,16 @@ def load_run_weights(policy, reference, resume: str | None, weights: str | None,
         load_checkpoint(weights, reference, with_optimizer=False)
     else:
         reference.load_hf(hf)
-    if resume is not None and reference_resets:
-        # the reference of the resumed step: a newer one is left by a damaged checkpoint that
-        # complete_checkpoint fell back from
-        ref_root = os.path.join(os.path.dirname(resume), "reference")
-        same_step = os.path.join(ref_root, os.path.basename(resume))
-        ref_ckpt = same_step if os.path.isdir(same_step) else latest_checkpoint(ref_root)
-        if ref_ckpt is not None:
-            load_checkpoint(ref_ckpt, reference, with_optimizer=False)
     return extra
 
 
 def save_run(root: str, step: int, policy, data_state: dict, engine_version: int,
-             reference=None) -> None:
-    """Collective: checkpoint `step` of a run under `root`: the policy with its optimizer, and
-    per rank the RNG states, the data position and the rollout engine's weight version. The
-    reference goes to <root>/reference when given (it differs from the initial weights only
-    after a reset, --ref-reset-interval)."""
+             reference=None, config: dict | None = None) -> None:
+    """Collective: checkpoint `step` of a run under `root`: the policy with its optimizer, per
+    rank the RNG states, the data position and the rollout engine's weight version, the run's
+    flat configuration `config` (what a resume compares its own with), and the reference when
+    given (it differs from the initial weights after a reset, --ref-reset-interval), all
+    published together (save_checkpoint)."""
     extra = {"rng": rng_state(), "data": data_state, "engine_version": engine_version}
-    save_checkpoint(root, step, policy, extra, hf_config=policy.args.to_hf_config())
-    if reference is not None:
-        save_checkpoint(os.path.join(root, "reference"), step, reference, with_optimizer=False)
+    save_checkpoint(root, step, policy, extra, hf_config=policy.args.to_hf_config(),
+                    reference=reference, config=config)

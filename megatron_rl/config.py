@@ -318,9 +318,11 @@ class EvalConfig:
 @dataclasses.dataclass
 class CheckpointConfig:
     save: str = _opt("outputs/run", help=(
-        "run directory: checkpoints, metrics.jsonl, tensorboard/, config.json (usable as "
-        "--config) and the engines' work directories. A run restarted with the same --save "
-        "resumes from its newest checkpoint there (exactly: optimizer, RNG, data position)"))
+        "run directory: checkpoints, metrics.jsonl, tensorboard/, config.json (the current "
+        "configuration, usable as --config), config_history.jsonl (one record per start) and "
+        "the engines' work directories. A run restarted with the same --save resumes from its "
+        "newest checkpoint there (exactly: optimizer, RNG, data position; other settings: "
+        "--allow-config-change)"))
     load: str | None = _opt(None, help=(
         "a checkpoint to start from when --save has none: a run's checkpoint resumes it (into "
         "--save); a weights-only one (tools/convert_checkpoint.py) starts at step 0 with a "
@@ -346,6 +348,17 @@ class CheckpointConfig:
         "first step boundary past it the run saves and exits as on --exit-signal-handler's "
         "signals (status 75, <save>/stopped_early). Set it below a job's time limit by more "
         "than a step and a save"))
+    allow_config_change: bool = _opt(False, help=(
+        "resume a run checkpoint whose run was saved with other settings: without it such a "
+        "resume is refused, listing each difference as --flag: <checkpoint> -> <new>; with it "
+        "the new values take effect from the resumed step, the optimizer's --lr, --min-lr, "
+        "--weight-decay, --adam-beta1/2, --adam-eps and the schedule (warm-up, decay style "
+        "and iterations) included: megatron's --override-opt_param-scheduler, for every "
+        "setting. Settings that only steer the run (--train-iters, --save-interval, "
+        "--eval-*, --exit-*, timeouts, where generation runs) may change without it; those "
+        "that cannot take effect on a resume (the model's architecture, --seed, --bf16, "
+        "--use-distributed-optimizer) are refused even with it. Each start is recorded in "
+        "<save>/config_history.jsonl"))
 
     def validate(self) -> None:
         if self.finetune and not self.load:

@@ -7,7 +7,6 @@ The training loop (train.py) receives a Run and calls the collaborators themselv
 from __future__ import annotations
 
 import dataclasses
-import json
 import multiprocessing
 import multiprocessing.managers
 import os
@@ -17,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl import checkpoint
-from megatron_rl.config import TrainConfig, to_flat_dict
+from megatron_rl import checkpoint, config_changes
+from megatron_rl.config import TrainConfig
 from megatron_rl.metrics_log import MetricsLogger
 from megatron_rl.processes import set_parent_death_signal
 from megatron_rl.rollout.base import RolloutEngine, SamplingParams
@@ -61,7 +60,9 @@ class Codec:
 @dataclasses.dataclass
 class Run:
     """A training run's collaborators. dp_rank / dp_size: this rank's data-parallel position;
-    start_step: the step the run starts (or resumes) at."""
+    start_step: the step the run starts (or resumes) at; saves_reference: whether each checkpoint
+    holds the reference (it is not the initial weights: --ref-reset-interval, or a reference
+    resumed from a checkpoint)."""
 
     cfg: TrainConfig
     policy: Policy
@@ -75,6 +76,7 @@ class Run:
     dp_rank: int
     dp_size: int
     start_step: int = 0
+    saves_reference: bool = False
 
     def sampling_params(self, seed: int) -> SamplingParams:
         """The run's sampling settings (--temperature, --top-p, --max-new-tokens) with `seed`."""
@@ -87,11 +89,12 @@ class Run:
     def save(self, step: int, data_state: dict | None = None) -> None:
         """Checkpoint `step` (collective); `data_state`: the data position to resume from
         (default: the current one)."""
-        resets = self.cfg.algorithm.ref_reset_interval
         _start_checkpoint_helper()
         checkpoint.save_run(self.cfg.checkpoint.save, step, self.policy,
                             data_state or self.train_data.state_dict(),
-                            self.engine.weight_version, reference=self.reference if resets else None)
+                            self.engine.weight_version,
+                            reference=self.reference if self.saves_reference else None,
+                            config=config_changes.flat_config(self.cfg))
 
     def close(self) -> None:
         """Stop the engine, the scorer's workers, megatron's checkpoint helper and the logger."""
@@ -157,7 +160,7 @@ def setup_run(cfg: TrainConfig) -> Run:
     from megatron_rl.data.prompts import load_tokenizer
     from megatron_rl.models import ModelArgs
     from megatron_rl.models.policy import Policy
-    from megatron_rl.parallel import init_distributed
+    from megatron_rl.parallel import init_distributed, run_on_rank
     from megatron_rl.rewards import RewardScorer
     from megatron_rl.rollout.factory import build_engine
 
@@ -165,6 +168,11 @@ def setup_run(cfg: TrainConfig) -> Run:
     dp = init_distributed(cfg.parallel, seed=cfg.seed, deterministic=cfg.deterministic_mode)
     cfg.check_layout(dp)
     os.makedirs(save, exist_ok=True)
+    # a resume with other settings than its checkpoint's is refused here, before the models
+    resume, weights = checkpoint.checkpoints_to_load(cfg.checkpoint)
+    saved_cfg = run_on_rank(0, lambda: config_changes.check_resume(cfg, resume),
+                            "comparing the settings with the resumed checkpoint's")
+    saved_resets = (saved_cfg or {}).get("ref_reset_interval", algo.ref_reset_interval)
     dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32
     args = ModelArgs.from_pretrained(cfg.model.hf_checkpoint)
     if cfg.algorithm.routing_replay and not args.num_experts:
@@ -176,11 +184,10 @@ def setup_run(cfg: TrainConfig) -> Run:
                     parallel=cfg.parallel, options=cfg.model.options)
     reference = Policy(args, trainable=False, params_dtype=dtype, parallel=cfg.parallel,
                        options=cfg.model.options)
-    resume, weights = checkpoint.checkpoints_to_load(cfg.checkpoint)
     extra = checkpoint.load_run_weights(policy, reference, resume, weights,
                                         hf=cfg.model.hf_checkpoint,
                                         ref_hf=cfg.model.ref_checkpoint,
-                                        reference_resets=bool(algo.ref_reset_interval))
+                                        reference_resets=bool(saved_resets))
     start_step = 0
     if extra is not None:
         start_step = int(extra["step"])
@@ -194,13 +201,14 @@ def setup_run(cfg: TrainConfig) -> Run:
         engine.update_weights(start_step)  # an engine must serve the loaded weights
     is_logger = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
     logger = MetricsLogger(save, enabled=is_logger, start_step=start_step)
-    if is_logger:
-        with open(os.path.join(save, "config.json"), "w") as f:  # usable as --config
-            json.dump(to_flat_dict(cfg), f, indent=2)
+    if is_logger:  # <save>/config.json (usable as --config) and config_history.jsonl
+        config_changes.record_start(save, cfg, start_step, resume)
+    saves_reference = bool(algo.ref_reset_interval) or (
+        resume is not None and checkpoint.step_reference(resume) is not None)
     return Run(cfg=cfg, policy=policy, reference=reference, engine=engine, codec=codec,
                train_data=train_data, eval_data=eval_data, scorer=RewardScorer(num_workers=2),
                logger=logger, dp_rank=ps.get_data_parallel_rank(), dp_size=dp,
-               start_step=start_step)
+               start_step=start_step, saves_reference=saves_reference)
 
 
 def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,

@@ -78,8 +78,10 @@ class OptimConfig:
         """megatron-core's OptimizerParamScheduler for `optimizer` (already at step 0).
 
         On resume the checkpoint restores the step count; the other values come from this
-        config (megatron's --override-opt_param-scheduler), so an unchanged command line resumes
-        exactly and a changed one (say a longer --train-iters) takes effect."""
+        config (megatron's --override-opt_param-scheduler), as do the optimizer's param groups'
+        (checkpoint.load_checkpoint), so an unchanged command line resumes exactly and a
+        changed one, which a resume refuses unless --allow-config-change accepts it
+        (config_changes), takes effect."""
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.validate()

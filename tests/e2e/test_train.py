@@ -25,9 +25,11 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tiny_char_model, tiny_char
     iters = 6
     ref_dir, killed_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
     # KL to a different reference in the loss and the reward: the policy moves from step 1 on;
-    # deterministic kernels, so that on a GPU too both runs can agree to float rounding
+    # the reference takes the policy's weights after step 3, so a resume needs the reference of
+    # its step (saved with it); deterministic kernels, so that on a GPU too both runs can agree
+    # to float rounding
     kl = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0",
-          "--deterministic-mode"]
+          "--ref-reset-interval", "3", "--deterministic-mode"]
     subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, ref_dir, iters, kl,
                                           ref=tiny_char_ref)),
                    check=True, env=train_env(), capture_output=True, timeout=600)
@@ -50,11 +52,15 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tiny_char_model, tiny_char
     subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
     ref, resumed = read_metrics(ref_dir), read_metrics(killed_dir)
     assert [r["step"] for r in resumed] == list(range(1, iters + 1))  # none lost, none repeated
-    assert all(r["grad_norm"] > 1e-4 for r in ref) and ref[-1]["kl_k1"] != ref[0]["kl_k1"]
+    # step 4 samples from the reference itself (KL 0; the rewards of this tiny model are all 0,
+    # so nothing moves the policy at that step)
+    assert ref[3]["kl_k1"] == 0.0 and ref[4]["kl_k1"] != 0.0 and ref[-1]["kl_k1"] != ref[0]["kl_k1"]
+    assert all(r["grad_norm"] > 1e-4 for r in ref if r["step"] != 4)
     for a, b in zip(ref, resumed):
         for key in ("reward/mean", "kl_k1", "pg_loss", "grad_norm", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
     assert not any(n.startswith(".tmp-") for n in os.listdir(killed_dir))
+    assert os.path.isdir(os.path.join(killed_dir, f"iter_{iters:07d}", "reference"))
 
 
 def test_resume_past_a_damaged_checkpoint_and_a_torn_log_line(tiny_char_model, arithmetic_jsonl,
@@ -138,6 +144,41 @@ def test_a_run_resumes_on_its_data_with_a_row_removed(tiny_char_model, arithmeti
     fixed.load_state_dict(positions[0])
     fixed.next_batch(4)  # step 3's prompts
     assert fixed.state_dict() == positions[1]
+
+
+def test_a_resume_with_another_lr_is_refused_or_applied_and_recorded(tiny_char_model,
+                                                                    arithmetic_jsonl, tmp_path):
+    """A run restarted with another --lr is refused before it builds anything, naming the
+    change and the flag that accepts it. With --allow-config-change the resumed optimizer
+    trains at the new rate (not the checkpoint's) and <save>/config_history.jsonl records the
+    change; a longer --train-iters alone resumes without the flag."""
+    save = str(tmp_path / "run")
+    first = train_args(tiny_char_model, arithmetic_jsonl, save, 1)  # --lr 1e-2
+    subprocess.run(train_cmd(*first), check=True, env=train_env(), capture_output=True,
+                   timeout=600)
+    changed = train_args(tiny_char_model, arithmetic_jsonl, save, 2, ["--lr", "5e-3"])
+    refused = subprocess.run(train_cmd(*changed), env=train_env(), capture_output=True,
+                             text=True, timeout=600)
+    assert refused.returncode != 0
+    assert "--lr: 0.01 -> 0.005" in refused.stderr and "--allow-config-change" in refused.stderr
+    assert "--train-iters" not in refused.stderr.split("ValueError")[-1]  # free to change
+    assert [r["step"] for r in read_metrics(save)] == [1]
+    subprocess.run(train_cmd(*changed, "--allow-config-change"), check=True, env=train_env(),
+                   capture_output=True, timeout=600)
+    longer = train_args(tiny_char_model, arithmetic_jsonl, save, 3, ["--lr", "5e-3"])
+    subprocess.run(train_cmd(*longer), check=True, env=train_env(), capture_output=True,
+                   timeout=600)
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["lr"] for r in rows] == [0.01, 0.005, 0.005]
+    with open(os.path.join(save, "config_history.jsonl")) as f:
+        starts = [json.loads(line) for line in f]
+    assert [s["start_step"] for s in starts] == [0, 1, 2] and "config" in starts[0]
+    assert starts[1]["changes"] == {"train_iters": [1, 2], "lr": [0.01, 0.005]}
+    assert starts[1]["resumed_from"] == os.path.join(save, "iter_0000001")
+    assert starts[2]["changes"] == {"train_iters": [2, 3]}
+    with open(os.path.join(save, "config.json")) as f:
+        assert json.load(f)["lr"] == 0.005
 
 
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):

@@ -226,3 +226,152 @@ def test_full_disk_during_a_save_is_named_and_its_partial_save_removed(policy, s
     with pytest.warns(UserWarning, match="did not finish"):
         assert checkpoint.complete_checkpoint(root) is None
     assert os.listdir(root) == []
+
+
+# -- a step's pieces (policy, optimizer, reference) are one checkpoint ---------------------------
+
+def _tiny_policy(hf: str, shift: float = 0.0, trainable: bool = False, **optim):
+    """A tiny Policy with `hf`'s weights, each shifted by `shift`; trainable ones get an Adam
+    with OptimConfig(**optim)."""
+    from megatron_rl.models import ModelArgs
+    from megatron_rl.models.optim import OptimConfig
+    from megatron_rl.models.policy import Policy
+
+    pol = Policy(ModelArgs.from_pretrained(hf), trainable=trainable,
+                 optim=OptimConfig(**optim) if trainable else None)
+    pol.load_hf(hf)
+    _shift(pol, shift)
+    return pol
+
+
+def _shift(pol, by: float) -> None:
+    with torch.no_grad():
+        for p in pol.module.parameters():
+            p.add_(by)
+
+
+def _save_pairs(root: str, hf: str, steps) -> tuple:
+    """Run checkpoints of `steps` under `root`, each with a policy and a reference that differ
+    (--ref-reset-interval's layout); (policy, reference, {step: (policy's, reference's first
+    parameter)})."""
+    policy, reference = _tiny_policy(hf), _tiny_policy(hf, shift=0.5)
+    pairs = {}
+    for step in steps:
+        _shift(policy, 1.0)
+        _shift(reference, 1.0)
+        checkpoint.save_run(root, step, policy, {}, step, reference=reference)
+        pairs[step] = (_first(policy), _first(reference))
+    return policy, reference, pairs
+
+
+def _resume(root: str, hf: str, reference_resets: bool = True):
+    """(extra state, policy, reference) of a run resumed from `root` as setup_run does."""
+    resume, weights = checkpoint.checkpoints_to_load(CheckpointConfig(save=root))
+    policy, reference = _tiny_policy(hf, shift=-9.0), _tiny_policy(hf, shift=-9.0)
+    extra = checkpoint.load_run_weights(policy, reference, resume, weights, hf=hf, ref_hf=None,
+                                        reference_resets=reference_resets)
+    return extra, policy, reference
+
+
+def test_a_save_failing_between_the_policy_and_the_reference_publishes_neither(
+        dist_env, tiny_qwen2, tmp_path, monkeypatch):
+    """With --ref-reset-interval a step is its policy and its reference. A save that fails
+    after the policy's files and before the reference's (a write error there; a kill there
+    leaves the same files) publishes neither: the resume takes the step before, with that
+    step's reference, never step 2's policy with step 1's reference."""
+    from megatron.core import dist_checkpointing
+
+    root = str(tmp_path / "run")
+    policy, reference, pairs = _save_pairs(root, tiny_qwen2, [1])
+    _shift(policy, 1.0)
+    _shift(reference, 1.0)
+    real_save = dist_checkpointing.save
+
+    def failing_at_the_reference(state_dict, path, *args, **kwargs):
+        if "reference" in path:
+            raise OSError(errno.EIO, "Input/output error writing the reference")
+        return real_save(state_dict, path, *args, **kwargs)
+
+    monkeypatch.setattr(dist_checkpointing, "save", failing_at_the_reference)
+    with pytest.raises(OSError, match="writing the reference"):
+        checkpoint.save_run(root, 2, policy, {}, 2, reference=reference)
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="did not finish"):
+        extra, resumed, resumed_ref = _resume(root, tiny_qwen2)
+    assert extra is not None and extra["step"] == 1
+    assert torch.equal(_first(resumed), pairs[1][0])
+    assert torch.equal(_first(resumed_ref), pairs[1][1])
+
+
+def test_the_manifest_covers_the_reference_and_a_damaged_one_falls_back_as_a_pair(
+        dist_env, tiny_qwen2, tmp_path):
+    root = str(tmp_path / "run")
+    _, _, pairs = _save_pairs(root, tiny_qwen2, [1, 2])
+    newest = os.path.join(root, "iter_0000002")
+    with open(os.path.join(newest, checkpoint.MANIFEST)) as f:
+        files = json.load(f)["files"]
+    assert {"reference/.metadata", "reference/metadata.json"} <= set(files)
+    assert checkpoint.TRAIN_CONFIG not in files  # save_run without a config writes none
+    bad = _truncate(os.path.join(newest, checkpoint.REFERENCE))
+    with pytest.warns(UserWarning) as record:
+        extra, resumed, resumed_ref = _resume(root, tiny_qwen2)
+    assert bad in " ".join(str(w.message) for w in record)
+    assert extra is not None and extra["step"] == 1
+    assert torch.equal(_first(resumed), pairs[1][0])
+    assert torch.equal(_first(resumed_ref), pairs[1][1])
+
+
+def test_a_resumed_step_without_its_reference_is_refused_naming_it(saved, tiny_qwen2, tmp_path):
+    """The older layout (<root>/reference/iter_N beside the steps): a run killed between its
+    policy's and its reference's save has step 2 without a reference. Resuming it with step 1's
+    reference would be another run: refused, naming the checkpoint and the way out."""
+    root = _copy(saved, tmp_path)
+    shutil.copytree(os.path.join(root, "iter_0000001"),
+                    os.path.join(root, "reference", "iter_0000001"))
+    with open(os.path.join(root, "reference", "latest"), "w") as f:
+        f.write("iter_0000001\n")
+    with pytest.raises(ValueError, match="holds no reference") as e:
+        _resume(root, tiny_qwen2)
+    newest = os.path.join(root, "iter_0000002")
+    assert f"Move {newest} aside" in str(e.value)
+    # a run that never saved its reference resumes with its initial one
+    extra, _, resumed_ref = _resume(root, tiny_qwen2, reference_resets=False)
+    assert extra is not None and extra["step"] == 2
+    assert torch.equal(_first(resumed_ref), _first(_tiny_policy(tiny_qwen2)))
+
+
+def test_a_resumed_optimizer_takes_the_runs_hyperparameters_and_the_checkpoints_state(
+        dist_env, tiny_qwen2, tmp_path):
+    """The checkpoint restores the optimizer's state (Adam's moments and step count, the
+    schedule's step count); its hyperparameters (learning rate, schedule, weight decay, betas,
+    eps) are the resuming run's OptimConfig, so a changed --lr takes effect."""
+    saved_optim = dict(lr=1e-2, lr_warmup_iters=1, lr_decay_style="cosine", lr_decay_iters=10)
+    policy = _tiny_policy(tiny_qwen2, trainable=True, **saved_optim)
+    for _ in range(2):
+        for p in policy.parameters():  # main_grad: the fp32 gradient buffer megatron's DDP adds
+            p.main_grad.fill_(0.01)  # pyright: ignore[reportAttributeAccessIssue]
+        assert policy.step()[0]
+    root = str(tmp_path / "run")
+    ckpt = checkpoint.save_checkpoint(root, 2, policy)
+    same = _tiny_policy(tiny_qwen2, trainable=True, **saved_optim)
+    checkpoint.load_checkpoint(ckpt, same)
+    assert same.lr == policy.lr  # the same configuration: the same learning rate
+    changed = _tiny_policy(tiny_qwen2, trainable=True, lr=4e-3, min_lr=1e-3, weight_decay=0.1,
+                           adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6, lr_warmup_iters=0,
+                           lr_decay_style="linear", lr_decay_iters=20)
+    checkpoint.load_checkpoint(ckpt, changed)
+    assert changed.scheduler is not None and changed.scheduler.num_steps == 2
+    expected = 1e-3 + (4e-3 - 1e-3) * (1 - 2 / 20)  # linear, no warm-up, at step 2 of 20
+    assert changed.lr == pytest.approx(expected, rel=1e-12)
+    groups = changed.optimizer.param_groups
+    assert {g["betas"] for g in groups} == {(0.8, 0.99)} and {g["eps"] for g in groups} == {1e-6}
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.1]  # biases and norms: none
+    for a, b in zip(_adam_moments(policy), _adam_moments(changed), strict=True):
+        assert torch.equal(a, b)  # Adam's state, restored
+
+
+def _adam_moments(pol) -> list[torch.Tensor]:
+    """The first moments of `pol`'s Adam, in parameter-group order."""
+    optimizers = getattr(pol.optimizer, "chained_optimizers", [pol.optimizer])
+    return [opt.optimizer.state[p]["exp_avg"] for opt in optimizers
+            for g in opt.optimizer.param_groups for p in g["params"]]
