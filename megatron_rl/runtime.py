@@ -195,7 +195,8 @@ def setup_run(cfg: TrainConfig) -> Run:
     if resume is not None or weights is not None or not engine.holds_own_weights:
         engine.update_weights(start_step)  # an engine must serve the loaded weights
     is_logger = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
-    logger = MetricsLogger(save, enabled=is_logger, start_step=start_step)
+    logger = MetricsLogger(save, enabled=is_logger, start_step=start_step,
+                           wandb_cfg=cfg.logging, config=to_flat_dict(cfg))
     if is_logger:
         with open(os.path.join(save, "config.json"), "w") as f:  # usable as --config
             json.dump(to_flat_dict(cfg), f, indent=2)
