@@ -9,12 +9,14 @@
       optimizer   OptimConfig      Adam and the learning-rate schedule
       eval        EvalConfig       periodic evaluation
       checkpoint  CheckpointConfig save / load / finetune
+      logging     LoggingConfig    Weights & Biases (metrics_log.py)
       train_iters, seed, deterministic_mode
 
 Each setting is declared once, in the dataclass of the module that consumes it (ParallelConfig in
 parallel.py, ModelOptions in models/config.py, OptimConfig in models/optim.py, LossConfig in
-loss.py, KLConfig in kl.py), its flag's help text (and its valid "choices" and "min", where
-declared) in the field's metadata. The command line and YAML keep one flat namespace: a field's flag is
+loss.py, KLConfig in kl.py, LoggingConfig in metrics_log.py), its flag's help text (and its
+valid "choices" and "min", where declared) in the field's metadata. The command line and YAML
+keep one flat namespace: a field's flag is
 `--<field-name>` with '_' -> '-', prefixed by its group's `prefix` metadata where a name would be
 ambiguous (KLConfig's fields are `--kl-*`) or renamed by its `flag` metadata (`--loss-aggregation`).
 YAML keys are those flag names with '-' -> '_'.
@@ -41,6 +43,7 @@ import yaml
 
 from megatron_rl.advantages import GROUP_BASELINE_ESTIMATORS
 from megatron_rl.loss import LossConfig
+from megatron_rl.metrics_log import LoggingConfig
 from megatron_rl.models.config import ModelOptions
 from megatron_rl.models.optim import OptimConfig
 from megatron_rl.parallel import ParallelConfig, use_cuda
@@ -375,6 +378,7 @@ class TrainConfig:
     optimizer: OptimConfig = _field(default_factory=OptimConfig)
     eval: EvalConfig = _field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = _field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = _field(default_factory=LoggingConfig)
     train_iters: int = _opt(100, min=0, help=(
         "RL steps (a rollout batch and its updates each); a resumed run continues to this step"))
     seed: int = _opt(1234, help=(
@@ -433,6 +437,7 @@ class TrainConfig:
         self.algorithm.validate()
         self.checkpoint.validate()
         self.optimizer.validate()
+        self.logging.validate()
         if self.loss.rollout_correction.enabled and self.use_rollout_logprobs():
             raise ValueError(f"--rollout-correction {self.loss.rollout_correction.mode} weighs "
                              "the engine's samples by pi_old/mu, but the behaviour log-probs are "

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import checkpoint, config_changes
-from megatron_rl.config import TrainConfig
+from megatron_rl.config import TrainConfig, to_flat_dict
 from megatron_rl.metrics_log import MetricsLogger
 from megatron_rl.processes import set_parent_death_signal
 from megatron_rl.rollout.base import RolloutEngine, SamplingParams
@@ -200,7 +200,8 @@ def setup_run(cfg: TrainConfig) -> Run:
     if resume is not None or weights is not None or not engine.holds_own_weights:
         engine.update_weights(start_step)  # an engine must serve the loaded weights
     is_logger = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
-    logger = MetricsLogger(save, enabled=is_logger, start_step=start_step)
+    logger = MetricsLogger(save, enabled=is_logger, start_step=start_step,
+                           wandb_cfg=cfg.logging, config=to_flat_dict(cfg))
     if is_logger:  # <save>/config.json (usable as --config) and config_history.jsonl
         config_changes.record_start(save, cfg, start_step, resume)
     saves_reference = bool(algo.ref_reset_interval) or (

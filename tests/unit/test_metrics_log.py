@@ -1,13 +1,16 @@
-"""MetricsLogger (megatron_rl.metrics_log): every step in metrics.jsonl and TensorBoard exactly
-once after a run is killed and started again, whether it resumes a checkpoint or starts over,
-and whatever a kill mid-write left at the end of metrics.jsonl."""
+"""MetricsLogger (megatron_rl.metrics_log): every step in metrics.jsonl, TensorBoard and W&B
+exactly once after a run is killed and started again, whether it resumes a checkpoint or starts
+over, and whatever a kill mid-write left at the end of metrics.jsonl; W&B's flags, and its error
+where the wandb package is missing."""
 
+import glob
 import json
 import os
+import sys
 
 import pytest
 
-from megatron_rl.metrics_log import MetricsLogger
+from megatron_rl.metrics_log import LoggingConfig, MetricsLogger
 
 
 def _attempt(save: str, start_step: int, end_step: int, value: float) -> None:
@@ -58,3 +61,125 @@ def test_a_logger_on_another_rank_touches_nothing(tmp_path):
     MetricsLogger(str(tmp_path), enabled=False, start_step=0).close()
     assert path.read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2, "lo'
     assert not (tmp_path / "tensorboard").exists()
+
+
+# -- Weights & Biases (--wandb-project) ---------------------------------------------------------
+
+BASE = ["--hf-checkpoint", "m", "--train-data", "d.jsonl"]
+
+
+def _offline_segments(wandb_dir: str) -> list[dict]:
+    """Each start's offline W&B run, in the order the starts ran, read back from its
+    transaction log (the .wandb file that `wandb sync` uploads): its run id, its rewind point
+    (the step its history continues from, or None) and its {step: loss} history rows."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal.datastore import DataStore
+
+    segments = []
+    for path in glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb")):
+        store = DataStore()
+        store.open_for_scan(path)
+        segment: dict = {"id": None, "rewind_to": None, "rows": []}
+        while (data := store.scan_data()) is not None:
+            record = wandb_internal_pb2.Record()  # pyright: ignore[reportAttributeAccessIssue] (re-exported by protobuf version)
+            record.ParseFromString(data)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                segment["id"] = record.run.run_id
+                segment["started"] = record.run.start_time.ToMicroseconds()
+                point = record.run.branch_point
+                if point.run:
+                    assert (point.run, point.metric) == (record.run.run_id, "_step"), point
+                    segment["rewind_to"] = int(point.value)
+                segment["config"] = {u.key: json.loads(u.value_json)
+                                     for u in record.run.config.update}
+            elif kind == "history":
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                       for i in record.history.item}
+                segment["rows"].append((row["_step"], row["loss"]))
+        segments.append(segment)
+    return sorted(segments, key=lambda segment: segment["started"])
+
+
+def _synced_history(segments: list[dict]) -> list[tuple[int, float]]:
+    """The history W&B holds once the segments are uploaded in order: a rewinding segment
+    first truncates the run's history after its rewind point, a continuing one appends."""
+    history: list[tuple[int, float]] = []
+    for segment in segments:
+        if segment["rewind_to"] is not None:
+            history = [(s, v) for s, v in history if s <= segment["rewind_to"]]
+        history += segment["rows"]
+    return history
+
+
+@pytest.fixture(scope="module")
+def wandb_attempts(tmp_path_factory):
+    """Three starts of one run with --wandb-project under WANDB_MODE=offline: the first logs
+    steps 1..4 and is killed (its checkpoint: step 2); the second resumes step 2, logs 3..5 and
+    stops cleanly (its checkpoint: step 5); the third resumes step 5 and logs 6."""
+    import wandb
+
+    save = str(tmp_path_factory.mktemp("run"))
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
+           **{k: os.path.join(save, "home") for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR",
+                                                      "WANDB_DATA_DIR")}}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        cfg = LoggingConfig(wandb_project="megatron-rl-test", wandb_exp_name="tiny")
+        for start, end, value in ((0, 4, 100.0), (2, 5, 200.0), (5, 6, 300.0)):
+            logger = MetricsLogger(save, enabled=True, start_step=start, wandb_cfg=cfg,
+                                   config={"train_iters": 6, "seed": 1234})
+            for step in range(start + 1, end + 1):
+                logger.log(step, {"loss": value + step, "note": "not a scalar"})
+            logger.close()
+            wandb.teardown()  # as at the process's exit: W&B's files are complete on disk
+    return save
+
+
+def test_wandb_resumes_into_one_run_and_holds_each_step_once(wandb_attempts):
+    save = wandb_attempts
+    segments = _offline_segments(os.path.join(save, "wandb"))
+    with open(os.path.join(save, "wandb", "run_id")) as f:
+        run_id = f.read().strip()
+    assert [s["id"] for s in segments] == [run_id] * 3
+    # what the offline logs hold: every start's steps, with W&B's step = the run's step
+    assert [s["rows"] for s in segments] == [
+        [(1, 101.0), (2, 102.0), (3, 103.0), (4, 104.0)],
+        [(3, 203.0), (4, 204.0), (5, 205.0)],
+        [(6, 306.0)]]
+    # the second start found steps 3, 4 beyond its checkpoint: it rewinds the run to step 2;
+    # the third had nothing to redo and continues the run
+    assert [s["rewind_to"] for s in segments] == [None, 2, None]
+    expected = [(1, 101.0), (2, 102.0), (3, 203.0), (4, 204.0), (5, 205.0), (6, 306.0)]
+    assert _synced_history(segments) == expected
+    assert _jsonl(save) == expected
+    assert _tensorboard(save) == expected
+    assert all(s["config"]["train_iters"] == 6 and s["config"]["seed"] == 1234
+               for s in segments)
+
+
+def test_wandb_flags_parse_and_default_to_off():
+    from megatron_rl.config import build_parser, parse_config
+
+    assert parse_config(BASE).logging == LoggingConfig()
+    cfg = parse_config(BASE + ["--wandb-project", "p", "--wandb-exp-name", "n",
+                               "--wandb-save-dir", "/tmp/w", "--wandb-entity", "e"])
+    assert cfg.logging == LoggingConfig("p", "n", "/tmp/w", "e")
+    shown = build_parser().format_help()
+    for flag in ("--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity"):
+        assert flag in shown
+    with pytest.raises(ValueError, match=r"--wandb-exp-name 'n' needs --wandb-project"):
+        parse_config(BASE + ["--wandb-exp-name", "n"])
+
+
+def test_wandb_without_the_package_fails_at_startup_saying_how_to_install(monkeypatch, tmp_path):
+    from megatron_rl.config import parse_config
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    with pytest.raises(ValueError, match=r"--wandb-project 'p' .*not installed: pip install "
+                                         r"wandb"):
+        parse_config(BASE + ["--wandb-project", "p"])
+    with pytest.raises(ImportError, match=r"not installed: pip install wandb"):
+        MetricsLogger(str(tmp_path), enabled=True, wandb_cfg=LoggingConfig("p"))
+    MetricsLogger(str(tmp_path), enabled=True, wandb_cfg=LoggingConfig()).close()  # W&B off
