@@ -377,7 +377,10 @@ def exact_kl_loss_per_token(logprobs, old_logprobs, kl, loss_mask, cfg: ExactKL,
         with torch.no_grad():
             prefix_w = importance_weights(logprobs, proposal, mask, "prefix")
             if cfg.kl_return == "full":
-                returns = prefix_w[:, -1:] * kl.sum(-1, keepdim=True)
+                # The sequence weight is the prefix weight at the last token of the mask, which
+                # need not be the last position (padding, environment tokens).
+                last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+                returns = (prefix_w * last).sum(-1, keepdim=True) * kl.sum(-1, keepdim=True)
             else:
                 returns = _kl_returns(prefix_w * kl.detach(), cfg.kl_return)
         per_token = per_token + returns * logprobs * mask
