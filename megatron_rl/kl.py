@@ -2,7 +2,9 @@
 
 Pure PyTorch on plain tensors; nothing here imports Megatron. Shapes: `logprobs`, `ref_logprobs`,
 `old_logprobs` and `loss_mask` are [B, T] (B sequences, T response positions; padded positions
-have loss_mask 0). Per token, with log r_t = ref_logprobs_t - logprobs_t (r = pi_ref / pi_theta):
+have loss_mask 0, and so do the environment's tokens in a multi-turn sample: every KL term and
+importance weight must run over the policy's tokens only, docs/results.md "Trajectories with
+environment tokens"). Per token, with log r_t = ref_logprobs_t - logprobs_t (r = pi_ref / pi_theta):
 
     K1 = -log r                 unbiased for KL(pi_theta || pi_ref) under y_t ~ pi_theta, can be < 0
     K2 = 0.5 (log r)^2          biased, >= 0

@@ -92,6 +92,20 @@ the shift |E_c - E|^2 that the truncation causes; and the KL inside the advantag
 trainer's --rollout-correction (correction.py's weights pi_old/mu on the surrogate, float32 as it
 computes them). Which weights are unbiased, and the bias of the others: megatron_rl/kl.py's
 docstring, "Three distributions". Without --rollout this study is not run.
+Trajectories (`--env-tokens LAYOUT`, `trajectory_study`; exact columns only). T binary tokens
+interleave the policy's with environment tokens (a tool's output) drawn from a fixed kernel
+E(x_t = 1 | h_t) = sigmoid(e0 + e1 c_{t-1}) (`--env`), c_{t-1} from every earlier token, the
+environment's included; which positions are the environment's is a function of the prefix
+(`policy_token_mask`: "call", one after each policy token 1; "alternate"). The trajectory law is
+P_theta(tau) = prod_{policy t} A_theta(x_t | h_t) prod_{env t} E(x_t | h_t), P_ref the same with B,
+and the target g* = grad KL(P_theta || P_ref): by autograd of the enumerated KL (environment factors
+kept) and by the score-function sum over the policy's tokens without autograd. Every configuration
+runs through the production loss with loss_mask = the policy's tokens ("masked", what the trainer
+passes), every token ("charged": the environment's tokens scored as if the policy had sampled
+them), or the policy's tokens with the environment tokens' ratios in the seq-is weights
+("env-in-weights"); on-policy and off-policy (A_old at the policy's tokens, the same kernel at the
+environment's) under each correction. Derivation and table: docs/results.md, "Trajectories with
+environment tokens". Without --env-tokens this study is not run.
 """
 import argparse
 import json
@@ -377,7 +391,10 @@ def exact_kl_loss_per_token(logprobs, old_logprobs, kl, loss_mask, cfg: ExactKL,
         with torch.no_grad():
             prefix_w = importance_weights(logprobs, proposal, mask, "prefix")
             if cfg.kl_return == "full":
-                returns = prefix_w[:, -1:] * kl.sum(-1, keepdim=True)
+                # The sequence weight is the prefix weight at the last token of the mask, which
+                # need not be the last position (padding, environment tokens).
+                last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+                returns = (prefix_w * last).sum(-1, keepdim=True) * kl.sum(-1, keepdim=True)
             else:
                 returns = _kl_returns(prefix_w * kl.detach(), cfg.kl_return)
         per_token = per_token + returns * logprobs * mask
@@ -436,7 +453,9 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
                         kl_cfg: KLConfig | ExactKL, old_policy: BinaryARPolicy | None = None,
                         return_baseline: torch.Tensor | None = None,
                         rollout_policy: BinaryARPolicy | None = None,
-                        pg_correction: RolloutCorrectionConfig | None = None) -> torch.Tensor:
+                        pg_correction: RolloutCorrectionConfig | None = None,
+                        loss_mask: torch.Tensor | None = None,
+                        old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
     """Gradient [K, 2] (d/da, d/db) of the configuration's loss per parameter copy of `policy`.
 
     y [K, N, T] (or [1, N, T]): the sequences; old_policy: the sampling policy when off-policy
@@ -450,19 +469,29 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
     (the three-distribution study): its log-probs are the trainer's rollout_logprobs, which the
     KL's importance weights divide by under is_proposal "rollout". pg_correction: the trainer's
     --rollout-correction, weights pi_old/mu on the policy-gradient term (needs rollout_policy).
+    loss_mask [K or 1, N, T]: the trainer's loss_mask, 1 at the tokens the loss counts (None: all
+    ones); the trajectory study passes the policy's tokens (environment tokens 0) or all tokens.
+    old_logprobs [K or 1, N, T]: the PPO ratio's denominator (and the importance weights'), in
+    place of old_policy(y) (the trajectory study folds environment-token ratios into it).
     """
     logprobs = policy(y)
     num_copies, num_seqs, seq_len = logprobs.shape
     with torch.no_grad():
         ref_logits = ref_policy.logits(y)
         ref = ref_policy(y).expand_as(logprobs)
-        old = (old_policy(y) if old_policy is not None else logprobs).expand_as(logprobs)
+        if old_logprobs is not None:
+            old = old_logprobs.expand_as(logprobs)
+        else:
+            old = (old_policy(y) if old_policy is not None else logprobs).expand_as(logprobs)
         rollout = rollout_policy(y).expand_as(logprobs) if rollout_policy is not None else None
 
     def flat(x):
         return x.reshape(num_copies * num_seqs, seq_len)
 
-    mask = torch.ones(num_copies * num_seqs, seq_len, dtype=DTYPE)
+    if loss_mask is None:
+        mask = torch.ones(num_copies * num_seqs, seq_len, dtype=DTYPE)
+    else:
+        mask = flat(loss_mask.to(DTYPE).expand_as(logprobs))
     rollout_lp = flat(rollout) if rollout is not None else None
     is_weights = None
     if pg_correction is not None and pg_correction.enabled:
@@ -569,6 +598,12 @@ def exact_expected_gradient(theta, ref, seq_len, kl_cfg, old=None, model: str = 
 # c = 0..7 spans about the range b c does in the sign model (c = +-1); KL(A_theta || B) = 0.51 nats.
 DEFAULT_PARAMS = {"count": ((0.5, -0.25), (-0.5, 0.25), (0.9, -0.15)),
                   "sign": ((0.5, -1.0), (-0.5, 1.0), (0.9, -0.6))}
+# Default environment kernel (e0, e1) of the trajectory study per model, parameterised as the
+# policy: E(x_t = 1 | h_t) = sigmoid(e0 + e1 c_{t-1}), unlike A_theta's and B's conditionals at
+# the histories where the environment acts. (Where the kernel equals A_theta's conditional, the
+# trajectory law is the policy's own over all T tokens, and charging its tokens is right for
+# that law's KL: the sign model's call layout with kernel (1, -1.5) is such a case.)
+DEFAULT_ENV = {"count": (1.0, -0.5), "sign": (1.5, -0.5)}
 # (theta, ref) pairs of the variance comparison, from close to far from the reference.
 VARIANCE_SETTINGS = (((0.3, 0.1), (-0.3, 0.3)), ((1.0, -0.5), (0.5, -0.2)), ((0.3, -0.2), (-0.3, 0.2)),
                      ((0.5, -0.25), (-0.5, 0.25)), ((0.5, -0.5), (-0.5, 0.5)), ((0.5, -1.0), (-0.5, 1.0)))
@@ -590,6 +625,8 @@ class ToySetup:
     variance_settings: tuple = VARIANCE_SETTINGS
     rollout: tuple | None = None  # mu's (a, b): adds the three-distribution study when set
     is_truncation: float = 2.0  # c of its truncated weights, min(w, c)
+    env_tokens: str | None = None  # an ENV_LAYOUTS entry: adds the trajectory study when set
+    env: tuple | None = None  # the environment kernel's (e0, e1); None: DEFAULT_ENV[model]
 
 
 def _run_key(run: ToyRun) -> str:
@@ -729,6 +766,205 @@ def three_distribution_study(theta, ref, old, rollout, seq_len: int, model: str 
             "rows": rows}
 
 
+# ---------------------------------------------------------------- trajectories: environment tokens
+
+ENV_LAYOUTS = ("call", "alternate")
+# What the loss_mask of the trajectory study holds: the policy's tokens only (the trainer's),
+# every token, or the policy's tokens with the environment tokens' ratios in the seq-is weights.
+TRAJECTORY_MASKS = ("masked", "charged", "env-in-weights")
+# Columns of the trajectory study: (sampling, the KL's off-policy correction, loss_mask).
+TRAJECTORY_COLUMNS = (("on-policy", "none", "masked"), ("on-policy", "none", "charged"),
+                      ("off-policy", "none", "masked"), ("off-policy", "none", "charged"),
+                      ("off-policy", "token-is", "masked"), ("off-policy", "token-is", "charged"),
+                      ("off-policy", "seq-is", "masked"), ("off-policy", "seq-is", "charged"),
+                      ("off-policy", "seq-is", "env-in-weights"))
+SINGLE_TURN_REGIMES = (("on-policy", "none"), ("off-policy", "none"), ("off-policy", "token-is"),
+                       ("off-policy", "seq-is"))
+
+
+def policy_token_mask(y: torch.Tensor, layout: str) -> torch.Tensor:
+    """[..., L] float64, 1 at the policy's tokens and 0 at the environment's, from y [..., L].
+
+    Which positions are the environment's is a function of the prefix:
+    alternate: policy, environment, policy, ... (a tool's output after every policy token);
+    call: the first token is the policy's; after a policy token 1 (a tool call) comes one
+        environment token (the tool's output), then the policy again; after a policy token 0 the
+        policy goes on. The number of policy tokens then varies between trajectories.
+    """
+    num_tokens = y.shape[-1]
+    if layout == "alternate":
+        return (torch.arange(num_tokens) % 2 == 0).to(DTYPE).expand_as(y).clone()
+    if layout == "call":
+        cols = [torch.ones_like(y[..., 0])]
+        for t in range(1, num_tokens):
+            cols.append(1 - cols[-1] * y[..., t - 1])
+        return torch.stack(cols, dim=-1)
+    raise ValueError(f"unknown environment layout {layout!r}; valid: {list(ENV_LAYOUTS)}")
+
+
+def trajectory_logprobs(policy: BinaryARPolicy, env: BinaryARPolicy, y: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probs [K, N, L] of the trajectory law P: the policy's at its tokens (mask 1),
+    the environment kernel's at the others. P(tau) = exp of their sum."""
+    return mask * policy(y) + (1 - mask) * env(y)
+
+
+def _trajectory_policies(theta, ref, env, model):
+    return (BinaryARPolicy(*theta, model=model), BinaryARPolicy(*ref, model=model),
+            BinaryARPolicy(*env, model=model))
+
+
+def trajectory_kl(theta, ref, env, seq_len: int, model: str = "count", layout: str = "call",
+                  per_position: bool = False) -> float:
+    """KL(P_theta || P_ref) over all 2^L trajectories, both laws with the same environment kernel.
+
+    per_position False: sum_tau P_theta(tau) log(P_theta(tau) / P_ref(tau)), the environment's
+    factors kept in both laws (their cancellation is not assumed). True: E_theta[sum over the
+    policy's tokens t of KL(A_theta(.|h_t) || B(.|h_t))], the per-position form.
+    """
+    y = all_sequences(seq_len)
+    mask = policy_token_mask(y, layout)
+    policy, ref_policy, env_policy = _trajectory_policies(theta, ref, env, model)
+    with torch.no_grad():
+        lp = trajectory_logprobs(policy, env_policy, y, mask).sum(-1)
+        if per_position:
+            kl = (bernoulli_kl(policy.logits(y), ref_policy.logits(y)) * mask).sum(-1)
+            return (lp.exp() * kl).sum().item()
+        lq = trajectory_logprobs(ref_policy, env_policy, y, mask).sum(-1)
+    return (lp.exp() * (lp - lq)).sum().item()
+
+
+def trajectory_kl_gradient(theta, ref, env, seq_len: int, model: str = "count",
+                           layout: str = "call") -> torch.Tensor:
+    """g* [2] = grad KL(P_theta || P_ref) by autograd through the enumerated KL (environment
+    factors in both laws, the environment's and the reference's parameters held)."""
+    y = all_sequences(seq_len)
+    mask = policy_token_mask(y, layout)
+    policy, ref_policy, env_policy = _trajectory_policies(theta, ref, env, model)
+    lp = trajectory_logprobs(policy, env_policy, y, mask).sum(-1)
+    with torch.no_grad():
+        lq = trajectory_logprobs(ref_policy, env_policy, y, mask).sum(-1)
+    kl = (lp.exp() * (lp - lq)).sum()
+    return torch.stack(torch.autograd.grad(kl, [policy.a, policy.b]), dim=-1).squeeze(0)
+
+
+def trajectory_kl_gradient_score(theta, ref, env, seq_len: int, model: str = "count",
+                                 layout: str = "call") -> torch.Tensor:
+    """g* [2] by the score-function identity, without autograd:
+        g* = sum_tau P_theta(tau) log(P_theta(tau) / P_ref(tau)) S(tau),
+        S(tau) = sum over the policy's tokens t of (x_t - p_t) (1, c_{t-1}),
+    the score grad log P_theta(tau): d/dz log sigmoid((2x - 1) z) = x - sigmoid(z), z = a + b c,
+    and the environment's factors carry no theta."""
+    y = all_sequences(seq_len)
+    mask = policy_token_mask(y, layout)
+    policy, ref_policy, env_policy = _trajectory_policies(theta, ref, env, model)
+    with torch.no_grad():
+        lp = trajectory_logprobs(policy, env_policy, y, mask).sum(-1)[0]
+        lq = trajectory_logprobs(ref_policy, env_policy, y, mask).sum(-1)[0]
+        dz = ((y - torch.sigmoid(policy.logits(y))) * mask)[0]
+        score = torch.stack([dz.sum(-1), (dz * prefix_features(y, model)[0]).sum(-1)], dim=-1)
+    return (lp.exp() * (lp - lq)) @ score
+
+
+def _fold_env_ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """old_logprobs [..., L] with each environment token's log-ratio log(pi_theta/pi_old)(x_s|h_s)
+    moved onto the next policy token, so that the production prefix weights (products over the
+    loss_mask) at a policy token t multiply the ratios of every token before it, the environment's
+    included (environment tokens after the last policy token enter no weight). The PPO ratio of
+    that token changes too, which changes nothing under seq-is with zero task reward: there the
+    advantage is zero."""
+    env_log_ratio = (logprobs - old_logprobs) * (1 - mask)
+    carry = torch.zeros_like(logprobs[..., 0])
+    folded = []
+    for t in range(logprobs.shape[-1]):
+        folded.append(carry * mask[..., t])
+        carry = carry * (1 - mask[..., t]) + env_log_ratio[..., t]
+    return old_logprobs - torch.stack(folded, dim=-1)
+
+
+def trajectory_gradient_moments(theta, ref, env, seq_len: int, kl_cfg: KLConfig | ExactKL,
+                                mask_mode: str = "masked", old=None, model: str = "count",
+                                layout: str = "call"):
+    """(E[grad] [2], per-sample variance) over all 2^L trajectories, through the production loss.
+
+    Trajectories tau ~ P_theta (old None) or P_old (old: the policy's tokens from A_old, the
+    environment's from the same kernel); per-trajectory gradients as `exact_gradient_moments`.
+    mask_mode: the loss_mask given to the loss: "masked" = the policy's tokens (environment tokens
+    enter only as conditioning); "charged" = every token (the environment's are scored as if the
+    policy had sampled them: their K_t from the policies' log-probs of a token neither chose,
+    their score, loss term and importance ratio; the PPO ratio's denominator there is pi_old's
+    log-prob of the token, as a trainer's recompute gives); "env-in-weights" = the policy's
+    tokens, with the environment tokens' ratios folded into the importance weights
+    (`_fold_env_ratios`; differs from "masked" only off-policy under seq-is).
+    """
+    if mask_mode not in TRAJECTORY_MASKS:
+        raise ValueError(f"unknown mask mode {mask_mode!r}; valid: {list(TRAJECTORY_MASKS)}")
+    y = all_sequences(seq_len).transpose(0, 1)  # [2^L, 1, L]: one trajectory per copy
+    mask = policy_token_mask(y, layout)
+    policy = BinaryARPolicy(*theta, num_copies=y.shape[0], model=model)
+    _, ref_policy, env_policy = _trajectory_policies(theta, ref, env, model)
+    old_policy = BinaryARPolicy(*old, model=model) if old is not None else None
+    old_logprobs = None
+    with torch.no_grad():
+        sampler = old_policy if old_policy is not None else BinaryARPolicy(*theta, model=model)
+        weights = trajectory_logprobs(sampler, env_policy, y, mask).sum(-1).exp().reshape(-1)
+        if mask_mode == "env-in-weights":
+            old_logprobs = _fold_env_ratios(policy(y), sampler(y), mask)
+    loss_mask = torch.ones_like(mask) if mask_mode == "charged" else mask
+    grads = estimator_gradients(policy, ref_policy, y, kl_cfg, old_policy, loss_mask=loss_mask,
+                                old_logprobs=old_logprobs)
+    mean = weights @ grads
+    variance = (weights * (grads - mean).square().sum(-1)).sum().item()
+    return mean, variance
+
+
+def trajectory_study(theta, ref, old, env, seq_len: int, model: str = "count",
+                     layout: str = "call") -> dict:
+    """Exact bias^2 against g* = grad KL(P_theta || P_ref) and per-sample variance of every
+    three_distribution_configs() row in each TRAJECTORY_COLUMNS entry; beside them, in which
+    SINGLE_TURN_REGIMES the single-turn study (no environment tokens, same T) finds the row
+    unbiased, and each row's bias^2 against the gradient of KL(A_theta || B) over all L tokens."""
+    g_star = trajectory_kl_gradient(theta, ref, env, seq_len, model, layout)
+    g_score = trajectory_kl_gradient_score(theta, ref, env, seq_len, model, layout)
+    kl = trajectory_kl(theta, ref, env, seq_len, model, layout)
+    kl_per_position = trajectory_kl(theta, ref, env, seq_len, model, layout, per_position=True)
+    g_all = true_gradient(theta, ref, seq_len, model)
+    rows, single_turn = [], []
+    for name in three_distribution_configs():
+        for sampling, correction, mask_mode in TRAJECTORY_COLUMNS:
+            mean, variance = trajectory_gradient_moments(
+                theta, ref, env, seq_len, three_distribution_kl(name, correction, "behaviour"),
+                mask_mode, old if sampling == "off-policy" else None, model, layout)
+            sq_bias = (mean - g_star).square().sum().item()
+            rows.append({"config": name, "sampling": sampling, "correction": correction,
+                         "mask": mask_mode, "exact_grad": mean.tolist(), "exact_sq_bias": sq_bias,
+                         "variance": variance, "biased": sq_bias > UNBIASED_TOL,
+                         "sq_bias_vs_all_tokens": (mean - g_all).square().sum().item()})
+        for sampling, correction in SINGLE_TURN_REGIMES:
+            mean, _ = exact_gradient_moments(theta, ref, seq_len,
+                                             three_distribution_kl(name, correction, "behaviour"),
+                                             old if sampling == "off-policy" else None, model)
+            sq_bias = (mean - g_all).square().sum().item()
+            single_turn.append({"config": name, "sampling": sampling, "correction": correction,
+                                "exact_sq_bias": sq_bias, "biased": sq_bias > UNBIASED_TOL})
+    y = all_sequences(seq_len)
+    mask = policy_token_mask(y, layout)
+    with torch.no_grad():
+        policy_tokens = {
+            label: (trajectory_logprobs(BinaryARPolicy(*params, model=model),
+                                        BinaryARPolicy(*env, model=model), y, mask).sum(-1).exp()
+                    * mask.sum(-1)).sum().item()
+            for label, params in (("theta", theta), ("old", old))}
+    return {"layout": layout, "env": list(env), "seq_len": seq_len, "kl": kl,
+            "kl_per_position_abs_err": abs(kl_per_position - kl),
+            "true_gradient": g_star.tolist(),
+            "true_gradient_score_abs_err": (g_score - g_star).abs().max().item(),
+            "all_tokens_kl": closed_form_kl(theta, ref, seq_len, model),
+            "all_tokens_gradient": g_all.tolist(), "mean_policy_tokens": policy_tokens,
+            "rows": rows, "single_turn": single_turn}
+
+
 def run_study(setup: ToySetup) -> dict:
     """Exact (enumeration) and Monte-Carlo bias and variance of every run in setup.runs."""
     start, start_cpu = time.perf_counter(), time.process_time()
@@ -783,10 +1019,14 @@ def run_study(setup: ToySetup) -> dict:
     settings = [(setup.theta, setup.ref)] + [s for s in setup.variance_settings
                                              if tuple(map(tuple, s)) != (setup.theta, setup.ref)]
     sweep = variance_sweep(settings, t, model, setup.runs)
-    three = ({} if setup.rollout is None else
-             {"three_distribution": three_distribution_study(setup.theta, setup.ref, setup.old,
-                                                             setup.rollout, t, model,
-                                                             setup.is_truncation)})
+    studies = ({} if setup.rollout is None else
+               {"three_distribution": three_distribution_study(setup.theta, setup.ref, setup.old,
+                                                               setup.rollout, t, model,
+                                                               setup.is_truncation)})
+    if setup.env_tokens is not None:
+        env = setup.env if setup.env is not None else DEFAULT_ENV[model]
+        studies["trajectory"] = trajectory_study(setup.theta, setup.ref, setup.old, env, t, model,
+                                                 setup.env_tokens)
     return {
         "setup": {"model": model, "seq_len": t, "theta": list(setup.theta), "ref": list(setup.ref),
                   "old": list(setup.old), "num_trials": k, "num_samples": n, "seed": setup.seed,
@@ -799,7 +1039,7 @@ def run_study(setup: ToySetup) -> dict:
         "true_gradient_closed_form_abs_err": (g_closed - g_star).abs().max().item(),
         "rows": rows,
         "variance_sweep": sweep,
-        **three,
+        **studies,
         "runtime_s": time.perf_counter() - start,
         "cpu_s": time.process_time() - start_cpu,
     }
@@ -930,6 +1170,103 @@ def _three_distribution_reading(three: dict) -> list:
     return lines
 
 
+MASK_NAMES = {"masked": "masked", "charged": "charged", "env-in-weights": "env in weights"}
+LAYOUT_NAMES = {"call": "after each policy token 1 (a tool call) one environment token (its "
+                        "output), then the policy again",
+                "alternate": "an environment token after every policy token"}
+
+
+def trajectory_markdown(result: dict) -> list:
+    """Lines of the trajectory study's table (run_study with env_tokens), then what it shows."""
+    traj = result["trajectory"]
+    setup = result["setup"]
+    cells = {(r["config"], r["sampling"], r["correction"], r["mask"]): r for r in traj["rows"]}
+    names = list(dict.fromkeys(r["config"] for r in traj["rows"]))
+    single = {}
+    for r in traj["single_turn"]:
+        if not r["biased"]:
+            single.setdefault(r["config"], []).append(
+                "on-policy" if r["sampling"] == "on-policy" else f"off {r['correction']}")
+    columns = [f"{'on' if s == 'on-policy' else 'off ' + c}: {MASK_NAMES[m]}"
+               for s, c, m in TRAJECTORY_COLUMNS]
+    ntok = traj["mean_policy_tokens"]
+    lines = [
+        "", f"Trajectories (--env-tokens {traj['layout']}): T = {traj['seq_len']} tokens, "
+        f"{LAYOUT_NAMES[traj['layout']]}; environment kernel E(x_t = 1 | h_t) = sigmoid(e0 + e1 "
+        f"c_{{t-1}}), (e0, e1) = {traj['env']}, c_{{t-1}} from every earlier token; the policy "
+        f"conditions on the environment's tokens as on its own. Policy tokens per trajectory: "
+        f"{ntok['theta']:.2f} under P_theta, {ntok['old']:.2f} under P_old (A_theta = "
+        f"{setup['theta']}, B = {setup['ref']}, A_old = {setup['old']} at the policy's tokens, the "
+        f"same kernel at the environment's). KL(P_theta || P_ref) = {traj['kl']:.6f} nats "
+        f"(enumeration of all 2^T trajectories with the environment's factors in both laws; "
+        f"E_theta[sum over policy tokens of KL_t] differs by {traj['kl_per_position_abs_err']:.1e}). "
+        f"g* = grad KL(P_theta || P_ref) = {_fmt_vec(traj['true_gradient'])} (autograd of the "
+        f"enumerated KL; the score-function sum E[log(P_theta/P_ref) sum_policy s_t] without "
+        f"autograd differs by {traj['true_gradient_score_abs_err']:.1e}). For comparison, the "
+        f"policy writing the environment's tokens too: KL(A_theta || B) over all T tokens = "
+        f"{traj['all_tokens_kl']:.4f}, gradient {_fmt_vec(traj['all_tokens_gradient'])}.", "",
+        "Cells: bias^2 = |E[grad] - g*|^2 / per-sample variance, exact, through the production "
+        "loss (REINFORCE, beta 1, no baseline); bias^2 in bold: below "
+        f"{UNBIASED_TOL:g} (unbiased). Columns: sampling (on: P_theta; off: P_old), the KL's "
+        "off-policy correction, and the loss_mask: masked = the policy's tokens (the trainer's); "
+        "charged = every token (the environment's scored as if the policy had sampled them); env "
+        "in weights = masked, the seq-is weights also multiplying the environment tokens' "
+        "pi_theta/pi_old. Last column: where the single-turn study (no environment tokens, same "
+        "T) finds the row unbiased.", "",
+        "| config | " + " | ".join(columns) + " | unbiased single-turn |",
+        "|---|" + "---|" * (len(columns) + 1),
+    ]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(_cell(cells[(name, *col)])
+                                                 for col in TRAJECTORY_COLUMNS)
+                     + f" | {', '.join(single.get(name, [])) or '-'} |")
+    lines += [""] + _trajectory_reading(traj)
+    return lines
+
+
+def _trajectory_reading(traj: dict) -> list:
+    """Sentences stating what the trajectory table shows, computed from the numbers."""
+    def regime(r):
+        return r["config"], r["sampling"], r["correction"]
+
+    masked = {regime(r) for r in traj["rows"] if r["mask"] == "masked" and not r["biased"]}
+    single = {regime(r) for r in traj["single_turn"] if not r["biased"]}
+    charged = [r for r in traj["rows"] if r["mask"] == "charged"]
+    in_weights = [r for r in traj["rows"] if r["mask"] == "env-in-weights"
+                  and (r["config"], "off-policy", "seq-is") in masked]
+    regimes = sorted({"on-policy" if r[1] == "on-policy" else f"off-policy under {r[2]}"
+                      for r in masked}, key=lambda label: label != "on-policy")
+    text = ("What it shows: with the environment's tokens masked, a configuration is unbiased "
+            "for the trajectory KL in exactly the regimes where the single-turn study finds it "
+            f"unbiased ({len(masked)} configuration-regime pairs: "
+            f"{', '.join(sorted({r[0] for r in masked}))}; {' and '.join(regimes)})."
+            if masked == single else
+            "What it shows: the masked configurations' verdicts differ from the single-turn "
+            f"study's: unbiased here only {sorted(masked - single)}, there only "
+            f"{sorted(single - masked)}.")
+    unbiased_charged = [r for r in charged if not r["biased"]]
+
+    def span(rows, key="exact_sq_bias"):
+        return f"{min(r[key] for r in rows):.3g}-{max(r[key] for r in rows):.3g}"
+
+    text += (f" Charging them (loss_mask = every token) biases every configuration in every regime: "
+             f"bias^2 {span(charged)}"
+             if not unbiased_charged else
+             f" Charging them leaves {len(unbiased_charged)} of {len(charged)} cells unbiased here "
+             f"(bias^2 {span(charged)})")
+    all_tokens = sum(r["sq_bias_vs_all_tokens"] <= UNBIASED_TOL for r in charged)
+    text += (f"; against the gradient of KL(A_theta || B) over all T tokens, the objective they "
+             f"estimate as if the policy had sampled the environment's tokens, they are unbiased "
+             f"in {all_tokens} of {len(charged)} cells (bias^2 "
+             f"{span(charged, 'sq_bias_vs_all_tokens')}).")
+    if in_weights:
+        biased = all(r["biased"] for r in in_weights)
+        text += (f" The environment tokens' ratios in the seq-is weights make the configurations "
+                 f"that masked seq-is keeps unbiased {'biased' if biased else 'not all biased'}: "
+                 f"bias^2 {span(in_weights)}.")
+    return [text]
+
+
 def markdown_table(result: dict) -> str:
     """Table-1-like summary of run_study's result, then the variance comparison."""
     setup = result["setup"]
@@ -981,6 +1318,8 @@ def markdown_table(result: dict) -> str:
         lines += [""] + _variance_reading(result)
     if "three_distribution" in result:
         lines += three_distribution_markdown(result)
+    if "trajectory" in result:
+        lines += trajectory_markdown(result)
     lines.append("")
     lines.append(f"Runtime: {result['runtime_s']:.1f} s wall, {result['cpu_s']:.1f} s CPU "
                  f"(torch threads: {torch.get_num_threads()})")
@@ -1049,6 +1388,18 @@ def main(argv=None) -> int:
     parser.add_argument("--is-truncation", type=float, default=ToySetup.is_truncation, help=(
         "with --rollout: c of the truncated variants, min(w, c), of the KL's seq-is weights and "
         "of the tis policy-gradient correction (default: %(default)s)"))
+    parser.add_argument("--env-tokens", choices=ENV_LAYOUTS, help=(
+        "adds the trajectory study: environment tokens (a tool's output, drawn from a fixed "
+        "kernel, --env) between the policy's, which the policy conditions on but did not sample; "
+        "call = one environment token after each policy token 1 (a tool call); alternate = one "
+        "after every policy token. --seq-len counts both. Every configuration with the "
+        "environment's tokens masked out of the loss, charged, and in the seq-is weights "
+        "(default: unset, no such study)"))
+    env_defaults = ", ".join(f"{m}: {e[0]}, {e[1]}" for m, e in DEFAULT_ENV.items())
+    parser.add_argument("--env", type=float, nargs=2, metavar=("E0", "E1"), help=(
+        "with --env-tokens: parameters of the environment kernel E(x_t = 1 | h_t) = sigmoid(e0 + "
+        "e1 c_{t-1}), c_{t-1} from every earlier token as for the policy (default: unset, the "
+        f"--model's: {env_defaults})"))
     parser.add_argument("--out", default="outputs/toy", help=(
         "directory for table.md, results.json and figure.png, created when missing "
         "(default: %(default)s)"))
@@ -1071,6 +1422,9 @@ def main(argv=None) -> int:
                      f"got {args.seq_len}")
     if not args.is_truncation > 0:
         parser.error(f"--is-truncation must be > 0, got {args.is_truncation}")
+    if args.env is not None and args.env_tokens is None:
+        parser.error(f"--env {args.env[0]:g} {args.env[1]:g} needs --env-tokens (the trajectory "
+                     "study it parameterises)")
 
     theta, ref, old = (tuple(given) if given is not None else default
                        for given, default in zip((args.theta, args.ref, args.old),
@@ -1078,7 +1432,8 @@ def main(argv=None) -> int:
     setup = ToySetup(seq_len=args.seq_len, theta=theta, ref=ref, old=old, model=args.model,
                      num_trials=args.num_trials, num_samples=args.num_samples, seed=args.seed,
                      rollout=tuple(args.rollout) if args.rollout is not None else None,
-                     is_truncation=args.is_truncation)
+                     is_truncation=args.is_truncation, env_tokens=args.env_tokens,
+                     env=tuple(args.env) if args.env is not None else None)
     result = run_study(setup)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

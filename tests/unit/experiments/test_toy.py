@@ -13,6 +13,7 @@ from megatron_rl.experiments.toy import (DEFAULT_PARAMS, BinaryARPolicy, ExactKL
                              closed_form_gradients, closed_form_kl, closed_form_kl_gradient,
                              default_runs, enumerated_kl, enumerated_kl_gradient,
                              estimator_gradients, exact_expected_gradient, exact_gradient_moments,
+                             exact_kl_loss_per_token,
                              main, pg_corrections, prefix_features, three_distribution_configs,
                              three_distribution_kl, true_gradient, _state_marginals)
 
@@ -359,3 +360,24 @@ def test_main_with_rollout_prints_the_three_distribution_study(tmp_path, capsys)
 def main_rows(out):
     assert main(["--out", str(out), "--seq-len", "5", "--num-trials", "0", "--no-plot", "--json"]) == 0
     return json.loads((out / "results.json").read_text())["rows"]
+
+
+def test_exact_seq_is_sequence_weight_is_the_last_masked_tokens():
+    """ExactKL's seq-is full return weighs the sequence by the prefix weight at its last token of
+    the loss_mask: positions after it (padding, a tool's output) change nothing."""
+    gen = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(1, 4, dtype=torch.float64, generator=gen)
+    old = -torch.rand(1, 4, dtype=torch.float64, generator=gen)
+    kl = torch.rand(1, 4, dtype=torch.float64, generator=gen)
+    cfg = ExactKL("reward", "full", "seq-is")
+
+    def grad(num_tokens, mask):
+        lp = logprobs[:, :num_tokens].clone().requires_grad_()
+        loss = (exact_kl_loss_per_token(lp, old[:, :num_tokens], kl[:, :num_tokens], mask, cfg)
+                * mask).sum()
+        return torch.autograd.grad(loss, lp)[0][:, :3]
+
+    short = grad(3, torch.ones(1, 3, dtype=torch.float64))
+    padded = grad(4, torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64))
+    assert short.abs().min() > 0
+    assert torch.allclose(padded, short, atol=1e-15, rtol=0)
