@@ -22,6 +22,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "distributed: multi-process test over torch.distributed (gloo)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when none is present")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line("markers", "faults: fault injection (kills, signals, torn and damaged "
+                            "files, a full disk, bad rows and flags); docs/faults.md lists them")
     config.addinivalue_line("markers", "network: needs PyPI; skipped unless --run-network")
     config.addinivalue_line("markers", "server: starts real rollout server processes (vLLM / SGLang "
                             "venvs); skipped with a reason when a venv is absent")

@@ -375,3 +375,41 @@ def _adam_moments(pol) -> list[torch.Tensor]:
     optimizers = getattr(pol.optimizer, "chained_optimizers", [pol.optimizer])
     return [opt.optimizer.state[p]["exp_avg"] for opt in optimizers
             for g in opt.optimizer.param_groups for p in g["params"]]
+
+
+@pytest.mark.faults
+def test_kills_at_random_moments_of_back_to_back_saves_always_resume_a_matching_pair(
+        policy, tiny_qwen2, tmp_path):
+    """SIGKILL at seeded random moments of a process that does nothing but save run
+    checkpoints (policy + optimizer + reference; nearly every moment is inside a save), each
+    restart continuing after the newest complete one: after every kill the next start finds a
+    complete checkpoint no older than the last one it saw, its policy and reference of the same
+    step, and no partial save left behind."""
+    import random
+    import signal
+    import sys
+    import time
+
+    root, worker = str(tmp_path / "run"), os.path.join(os.path.dirname(__file__),
+                                                       "save_kill_worker.py")
+    rng, newest = random.Random(0), 0
+    reference = policy  # one module, loaded twice: the pair is compared step by step
+    for attempt in range(3):
+        proc = subprocess.Popen([sys.executable, worker, root, tiny_qwen2], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "saved"
+        time.sleep(rng.uniform(0.0, 1.5))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        found = checkpoint.complete_checkpoint(root)
+        assert found is not None and not any(n.startswith(".tmp-") for n in os.listdir(root))
+        step = int(found.rsplit("_", 1)[1])
+        assert step >= newest, (attempt, step, newest)
+        newest = step
+        checkpoint.load_checkpoint(found, policy, with_optimizer=False)
+        assert torch.all(_first(policy) == float(step)), (attempt, step)
+        ref = checkpoint.step_reference(found)
+        assert ref is not None, found
+        checkpoint.load_checkpoint(ref, reference, with_optimizer=False)
+        assert torch.all(_first(reference) == -float(step)), (attempt, step)
+    assert newest >= 2, "the saves never got going: the test did not exercise them"
