@@ -4,13 +4,23 @@ Markers: `distributed` (spawns processes / torch.distributed over gloo), `gpu` (
 skipped with a reason where it is absent), `slow` (deselect with -m "not slow"), `network`
 (needs PyPI; skipped unless `--run-network` or MEGATRON_RL_NETWORK_TESTS=1), `server` (starts
 real vLLM / SGLang server processes from their own venvs; skipped with a reason when absent),
-`hostsync` (counts host synchronisations of hot loops against budgets, megatron_rl.hostsync;
+`faults` (fault injection: the tests docs/faults.md names), `hostsync` (counts host
+synchronisations of hot loops against budgets, megatron_rl.hostsync;
 runs by default).
 """
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
+
+FAULTS_DOC = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
+
+
+def fault_test_ids() -> set[str]:
+    """The tests docs/faults.md names (`tests/...py::test_name`): the `faults` marker's."""
+    return set(re.findall(r"`(tests/[\w/]+\.py::\w+)`", FAULTS_DOC.read_text()))
 
 
 def pytest_addoption(parser):
@@ -32,6 +42,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    faults = fault_test_ids()
+    for item in items:
+        if item.nodeid.split("[")[0] in faults:
+            item.add_marker(pytest.mark.faults)
     if not (config.getoption("--run-network") or os.environ.get("MEGATRON_RL_NETWORK_TESTS") == "1"):
         skip_network = pytest.mark.skip(reason="needs the network: pass --run-network")
         for item in items:

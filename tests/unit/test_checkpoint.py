@@ -377,7 +377,6 @@ def _adam_moments(pol) -> list[torch.Tensor]:
             for g in opt.optimizer.param_groups for p in g["params"]]
 
 
-@pytest.mark.faults
 def test_kills_at_random_moments_of_back_to_back_saves_always_resume_a_matching_pair(
         policy, tiny_qwen2, tmp_path):
     """SIGKILL at seeded random moments of a process that does nothing but save run
