@@ -1,0 +1,27 @@
+"""docs/launch.md's SLURM job requeues into the same run: its --save does not depend on the
+job (a requeued job has the same id, but a resubmitted one does not, and an id in the path
+starts a new run either way), it requeues on the marker the trainer writes when it stops early
+and saved, and SLURM signals the trainer in time to save."""
+import re
+from pathlib import Path
+
+from megatron_rl.train import STOPPED_EARLY
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "launch.md"
+
+
+def _slurm_script() -> str:
+    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S)
+    scripts = [b for b in blocks if "#SBATCH" in b]
+    assert len(scripts) == 1, "docs/launch.md: expected one SLURM job script"
+    return scripts[0]
+
+
+def test_the_slurm_job_requeues_into_the_same_save():
+    script = _slurm_script()
+    save = re.search(r"^SAVE=(\S+)", script, re.M)
+    assert save and "SLURM" not in save.group(1) and "$" not in save.group(1), save
+    assert '--save "$SAVE"' in script
+    assert f'[ -f "$SAVE/{STOPPED_EARLY}" ]' in script and "scontrol requeue" in script
+    assert "#SBATCH --requeue" in script
+    assert re.search(r"#SBATCH --signal=TERM@\d+", script)
