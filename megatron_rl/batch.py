@@ -5,8 +5,9 @@ policy, recomputed by the trainer), `ref_logprobs` (reference policy), `logprobs
 policy, with grad), `loss_mask` (1 on response tokens), `advantages`.
 
 Placement: `pack_rollouts` builds the batch on the host from the engine's token ids;
-`RolloutBatch.to(device)` moves every tensor to the trainer's device in one place (train.py,
-right after packing). From there on, everything that meets the model stays on the device.
+`RolloutBatch.to(device)` moves every tensor to the trainer's device in one place
+(rollout/orchestrate.py, right after packing). From there on, everything that meets the model
+stays on the device.
 
 Shapes: B sequences = num_prompts * group_size, grouped contiguously (the samples of one prompt
 are adjacent, as RLOO/GRPO expect). Sequences are prompt + response, right-padded to L tokens;

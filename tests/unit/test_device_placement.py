@@ -22,7 +22,7 @@ import torch
 
 import megatron_rl.parallel as parallel
 import megatron_rl.rollout.local as local_engine
-import megatron_rl.train as train
+import megatron_rl.update as update
 from megatron_rl import metrics as global_metrics
 from megatron_rl.batch import pack_rollouts
 from megatron_rl.kl import KLConfig
@@ -37,7 +37,7 @@ PLACEMENTS = [("k1", "reward"), ("k1", "loss"), ("k3", "loss"), ("k3", "reward+l
 @pytest.fixture
 def on_accelerator(monkeypatch):
     """The trainer's device decision answers the stand-in accelerator."""
-    for module in (parallel, train, local_engine):
+    for module in (parallel, update, local_engine):
         monkeypatch.setattr(module, "device", lambda: DEV)
     return DEV
 
@@ -100,14 +100,14 @@ def test_rl_loss_function_forward_and_backward(on_accelerator, estimator, placem
                            batch.group_size)
     lay = Layout(packed=packed, micro_batch_size=2)
     (m,) = lay.microbatches(batch.tokens, batch.seq_lengths, [1, 2])
-    mb = train._microbatch(batch, adv, ref, m)
+    mb = update.loss_microbatch(batch, adv, ref, m)
     weight = torch.randn(16, 8, device=DEV, requires_grad=True)
     policy = types.SimpleNamespace(tp_group=None, vocab_start=0, fused_lm_head=packed,
                                    output_weight=lambda: weight)
     policy.score = functools.partial(Policy.score, policy)
     out = torch.randn(*m.inputs["tokens"].shape, 8 if packed else 16, device=DEV,
                       requires_grad=True)
-    loss_fn = train.make_rl_loss_fn(policy, cfg, num_global_tokens=7.0, num_global_seqs=4.0)
+    loss_fn = update.make_rl_loss_fn(policy, cfg, num_global_tokens=7.0, num_global_seqs=4.0)
     loss, metrics = loss_fn(mb, out)
     loss.backward()
     assert loss.device == DEV and out.grad.device == DEV
@@ -123,7 +123,7 @@ def test_nan_guard_flag_on_the_device(on_accelerator):
     """The NaN/inf guard builds its flag from device losses and gradients, for a device collective."""
     p = torch.nn.Parameter(torch.zeros(3, device=DEV))
     p.main_grad = torch.zeros(3, device=DEV)
-    flag = train.nonfinite_flag([{"loss": torch.zeros((), device=DEV)}], [p])
+    flag = update.nonfinite_flag([{"loss": torch.zeros((), device=DEV)}], [p])
     assert flag.device == DEV and flag.shape == (1,)
 
 

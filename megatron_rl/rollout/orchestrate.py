@@ -1,0 +1,210 @@
+"""A step's rollout batch, from the data to this rank's RolloutBatch: where generation runs, and
+what each rank trains on.
+
+    prompts (the step's records, and the data position before them)
+    -> generation and scoring: on every rank, each data-parallel replica its share (an engine
+       without a client rank: the in-process one), or the whole batch on the engine's client
+       rank (a server, a child process), under --async-level in a background thread
+    -> the groups dealt to the data-parallel ranks (by token count with --sequence-packing)
+    -> this rank's RolloutBatch on the device (batch.pack_rollouts), its behaviour log-probs
+       (update.behaviour_logprobs: the weights that generated it, at the time it is built) and
+       the rollout metrics
+
+`RolloutQueue` is what the training loop uses: each step's batch, generated up to --async-level
+steps ahead. `generate_batch(run, step)` builds one step's batch at once (tools, tests).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from megatron_rl import metrics as global_metrics
+from megatron_rl.batch import RolloutBatch, pack_rollouts
+from megatron_rl.packing import balance_groups
+from megatron_rl.parallel import data_parallel_group, device, dist_rank
+from megatron_rl.rollout.base import on_client
+from megatron_rl.rollout.threads import BackgroundThreads
+from megatron_rl.update import behaviour_logprobs
+
+if TYPE_CHECKING:
+    from megatron_rl.runtime import Run
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's batch on its way: the prompts taken from the data, and either the finished
+    (batch, metrics) or, for an engine with weights of its own under --async-level, its client
+    rank's generation running in a background thread (`future`). `version` is the weight
+    version that generates it."""
+    step: int
+    data_state: dict              # the data position before this batch (a resume re-takes it)
+    version: int
+    records: list
+    future: concurrent.futures.Future | None = None
+    done: tuple | None = None     # (RolloutBatch, metrics)
+
+
+def start_rollout(run: Run, step: int, threads: BackgroundThreads | None = None) -> Rollout:
+    """Take `step`'s prompts and start generating them. Generated once per batch: by an engine
+    without a client rank (the in-process one), each data-parallel replica's model-parallel
+    group generates its share together, here and now; an engine with one client gets the whole
+    batch from that rank -- in one of `threads` when given (--async-level >= 1), so that
+    generation overlaps training."""
+    data_state = run.train_data.state_dict()
+    records = run.train_data.next_batch(run.cfg.algorithm.num_prompts_per_step)
+    r = Rollout(step, data_state, run.engine.weight_version, records)
+    if threads is not None:
+        if dist_rank() == run.engine.client_rank:
+            r.future = threads.submit(_generate, run, records, _seed(run, step))
+    else:
+        r.done = _build_batch(run, r)
+    return r
+
+
+def finish_rollout(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
+    """The step's batch and its metrics (waits for a background generation): the rollout's
+    (reward errors, the engine's counters, the recompute's mismatch), its staleness (updates
+    between the generating weights and this step's) and the batch's rewards and lengths."""
+    batch, metrics = r.done if r.done is not None else _build_batch(run, r)
+    metrics["rollout/staleness"] = float(r.step - r.version)
+    metrics.update(global_metrics.batch_metrics(batch.rewards, batch.response_lengths,
+                                                batch.finish_reasons, data_parallel_group()))
+    return batch, metrics
+
+
+def generate_batch(run: Run, step: int) -> tuple[RolloutBatch, dict]:
+    """Sample group_size responses for this DP rank's prompts of `step` and score them."""
+    return finish_rollout(run, start_rollout(run, step))
+
+
+class RolloutQueue:
+    """The training loop's rollouts, in step order: each step's batch, with the batches of up
+    to --async-level later steps started ahead (none past --train-iters), so that they come
+    from weights up to k updates old. An engine with weights of its own generates them in
+    background threads of its client rank (TrainConfig.overlaps_rollout); the in-process engine
+    generates them in turn (stale, no overlap)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        k = run.cfg.algorithm.async_level
+        self.threads = BackgroundThreads(max(k, 1)) if run.cfg.overlaps_rollout() else None
+        self.pending: collections.deque[Rollout] = collections.deque()  # started ahead
+
+    def take(self, step: int) -> tuple[RolloutBatch, dict]:
+        """`step`'s batch and metrics (finish_rollout), the later ones started ahead."""
+        cfg = self.run.cfg
+        while (len(self.pending) <= cfg.algorithm.async_level
+               and step + len(self.pending) < cfg.train_iters):
+            self.pending.append(start_rollout(self.run, step + len(self.pending), self.threads))
+        current = self.pending.popleft()
+        assert current.step == step, (current.step, step)
+        return finish_rollout(self.run, current)
+
+    def finish_generations(self) -> None:
+        """Wait, on every rank, until the background generations started ahead are done (the
+        client's; the other ranks wait outside the collectives): before the weights change, so
+        that each request is served by one weight version. A failed one raises."""
+        if self.threads is None or not self.pending:
+            return
+        steps = ", ".join(str(r.step) for r in self.pending)
+        on_client(self.run.engine, self._wait_pending,
+                  f"generating the batches of steps {steps} ahead")
+
+    def _wait_pending(self) -> None:
+        for r in self.pending:
+            if r.future is not None:
+                r.future.result()
+
+    def data_state(self) -> dict | None:
+        """The data position a resume starts from: before the batches started ahead (they are
+        generated again), or None for the current one."""
+        return self.pending[0].data_state if self.pending else None
+
+    def close(self, wait: bool) -> None:
+        """Stop the background threads. wait=False (a failed or interrupted run): nothing waits
+        for a generation in flight; its daemon thread ends with the process, even when an
+        attached server never answers."""
+        if self.threads is not None:
+            self.threads.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _seed(run: Run, step: int) -> int:
+    return run.cfg.seed + 7919 * step
+
+
+def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
+    cfg, algo, engine = run.cfg, run.cfg.algorithm, run.engine
+    if engine.client_rank is None:
+        mine = r.records[run.dp_rank::run.dp_size]
+        prompt_ids, completions, rewards, reasons = _score(
+            run, mine, *_generate(run, mine, _seed(run, r.step) + run.dp_rank))
+        if algo.sequence_packing and run.dp_size > 1:  # re-deal the groups by token count
+            parts = _gather_dp((prompt_ids, completions, rewards))
+            whole = [sum((list(p[i]) for p in parts), []) for i in range(3)]
+            prompt_ids, completions, rewards = _deal_groups(run, *whole)
+        engine_stats: dict = {}
+    else:
+        def generate_and_score():
+            generated = (r.future.result() if r.future is not None
+                         else _generate(run, r.records, _seed(run, r.step)))
+            if cfg.rollout.rollout_release_memory:  # generated: the GPUs are the trainer's now
+                engine.release_memory()
+            return (*_score(run, r.records, *generated), engine.stats())
+
+        prompt_ids, completions, rewards, reasons, engine_stats = on_client(
+            engine, generate_and_score, f"generating and scoring step {r.step}'s batch")
+        prompt_ids, completions, rewards = _deal_groups(run, prompt_ids, completions, rewards)
+        reasons = reasons if run.dp_rank == 0 else {}  # counted once in the global sum
+    # the one host -> device boundary: from here on the batch lives where the model does
+    batch = pack_rollouts(prompt_ids, completions, rewards, run.codec.pad_id).to(device())
+    metrics = global_metrics.count_metrics(reasons, "reward_errors/", data_parallel_group())
+    metrics.update(engine_stats)
+    # behaviour policy = the weights that generated the batch (see --old-logprobs)
+    metrics.update(behaviour_logprobs(run.policy, cfg, batch))
+    return batch, metrics
+
+
+def _deal_groups(run: Run, prompt_ids, completions, rewards):
+    """This data-parallel rank's groups (prompt ids, completions, flat rewards) of the whole
+    batch: with --sequence-packing dealt by token count (packing.balance_groups), so that no rank
+    trains on a long tail the others wait for; else every dp_size-th group."""
+    g = run.cfg.algorithm.group_size
+    if run.cfg.algorithm.sequence_packing:
+        tokens = [sum(len(p) + len(c.token_ids) for c in grp)
+                  for p, grp in zip(prompt_ids, completions)]
+        mine = balance_groups(tokens, run.dp_size)[run.dp_rank]
+    else:
+        mine = list(range(len(prompt_ids)))[run.dp_rank::run.dp_size]
+    return ([prompt_ids[i] for i in mine], [completions[i] for i in mine],
+            [x for i in mine for x in rewards[i * g:(i + 1) * g]])
+
+
+def _gather_dp(obj) -> list:
+    """Every data-parallel rank's picklable `obj`, in rank order."""
+    group = data_parallel_group()
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _generate(run: Run, records, seed: int):
+    """(prompt ids, group_size completions per prompt) for `records`."""
+    prompt_ids = [run.codec.encode(r.text) for r in records]
+    return prompt_ids, run.engine.generate(prompt_ids, run.cfg.algorithm.group_size,
+                                           run.sampling_params(seed=seed))
+
+
+def _score(run: Run, records, prompt_ids, completions):
+    """(prompt ids, completions, flat rewards, reward-error counts) for `records`."""
+    g = run.cfg.algorithm.group_size
+    texts = [run.codec.decode(c.token_ids) for group in completions for c in group]
+    expand = lambda xs: [x for x in xs for _ in range(g)]  # noqa: E731
+    rewards, reasons = run.scorer.score_batch(texts, expand([r.answer for r in records]),
+                                              expand([r.task for r in records]),
+                                              expand([r.metadata for r in records]))
+    return prompt_ids, completions, list(rewards), dict(reasons)
