@@ -186,12 +186,13 @@ def make_batch(a, max_response: int, seed: int, num_sequences: int | None = None
                group_size: int | None = None, force_max: bool = False):
     """The RolloutBatch of step seed (on the host), as the rollout layer packs it."""
     from megatron_rl.batch import pack_rollouts
+    from megatron_rl.rollout.functions import single_turn_groups
 
     vocab = model_config(a)["vocab_size"]
     prompts, groups, rewards = synth_rollouts(num_sequences or a.num_sequences,
                                               group_size or a.group_size, max_response,
                                               a.prompt_len, vocab, a.length_sigma, seed, force_max)
-    return pack_rollouts(prompts, groups, rewards, PAD_ID)
+    return pack_rollouts(single_turn_groups(prompts, groups, rewards), PAD_ID)
 
 
 def parse_kl(spec: str):

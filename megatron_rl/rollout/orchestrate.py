@@ -1,10 +1,11 @@
-"""A step's rollout batch, from the data to this rank's RolloutBatch: where generation runs, and
+"""A step's rollout batch, from the data to this rank's RolloutBatch: where the rollout runs, and
 what each rank trains on.
 
     prompts (the step's records, and the data position before them)
-    -> generation and scoring: on every rank, each data-parallel replica its share (an engine
-       without a client rank: the in-process one), or the whole batch on the engine's client
-       rank (a server, a child process), under --async-level in a background thread
+    -> the rollout function (rollout/functions.py: generation and rewards, groups of
+       Trajectory): on every rank, each data-parallel replica its share (an engine without a
+       client rank: the in-process one), or the whole batch on the engine's client rank (a
+       server, a child process), under --async-level in a background thread
     -> the groups dealt to the data-parallel ranks (by token count with --sequence-packing)
     -> this rank's RolloutBatch on the device (batch.pack_rollouts), its behaviour log-probs
        (update.behaviour_logprobs: the weights that generated it, at the time it is built) and
@@ -27,7 +28,9 @@ from megatron_rl import metrics as global_metrics
 from megatron_rl.batch import RolloutBatch, pack_rollouts
 from megatron_rl.packing import balance_groups
 from megatron_rl.parallel import data_parallel_group, device, dist_rank
+from megatron_rl.rewards.types import REASONS
 from megatron_rl.rollout.base import on_client
+from megatron_rl.rollout.functions import RolloutContext, Trajectory, run_rollout
 from megatron_rl.rollout.threads import BackgroundThreads
 from megatron_rl.update import behaviour_logprobs
 
@@ -60,7 +63,7 @@ def start_rollout(run: Run, step: int, threads: BackgroundThreads | None = None)
     r = Rollout(step, data_state, run.engine.weight_version, records)
     if threads is not None:
         if dist_rank() == run.engine.client_rank:
-            r.future = threads.submit(_generate, run, records, _seed(run, step))
+            r.future = threads.submit(_rollout, run, records, _seed(run, step), step)
     else:
         r.done = _build_batch(run, r)
     return r
@@ -141,47 +144,56 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
     cfg, algo, engine = run.cfg, run.cfg.algorithm, run.engine
     if engine.client_rank is None:
         mine = r.records[run.dp_rank::run.dp_size]
-        prompt_ids, completions, rewards, reasons = _score(
-            run, mine, *_generate(run, mine, _seed(run, r.step) + run.dp_rank))
+        groups = _rollout(run, mine, _seed(run, r.step) + run.dp_rank, r.step)
         if algo.sequence_packing and run.dp_size > 1:  # re-deal the groups by token count
-            parts = _gather_dp((prompt_ids, completions, rewards))
-            whole = [sum((list(p[i]) for p in parts), []) for i in range(3)]
-            prompt_ids, completions, rewards = _deal_groups(run, *whole)
+            groups = _deal_groups(run, [g for part in _gather_dp(groups) for g in part])
         engine_stats: dict = {}
     else:
-        def generate_and_score():
-            generated = (r.future.result() if r.future is not None
-                         else _generate(run, r.records, _seed(run, r.step)))
+        def generate():
+            groups = (r.future.result() if r.future is not None
+                      else _rollout(run, r.records, _seed(run, r.step), r.step))
             if cfg.rollout.rollout_release_memory:  # generated: the GPUs are the trainer's now
                 engine.release_memory()
-            return (*_score(run, r.records, *generated), engine.stats())
+            return groups, engine.stats()
 
-        prompt_ids, completions, rewards, reasons, engine_stats = on_client(
-            engine, generate_and_score, f"generating and scoring step {r.step}'s batch")
-        prompt_ids, completions, rewards = _deal_groups(run, prompt_ids, completions, rewards)
-        reasons = reasons if run.dp_rank == 0 else {}  # counted once in the global sum
+        groups, engine_stats = on_client(engine, generate,
+                                         f"generating and scoring step {r.step}'s batch")
+        groups = _deal_groups(run, groups)
     # the one host -> device boundary: from here on the batch lives where the model does
-    batch = pack_rollouts(prompt_ids, completions, rewards, run.codec.pad_id).to(device())
-    metrics = global_metrics.count_metrics(reasons, "reward_errors/", data_parallel_group())
+    batch = pack_rollouts(groups, run.codec.pad_id).to(device())
+    metrics = global_metrics.count_metrics(_reward_errors(groups), "reward_errors/",
+                                           data_parallel_group())
     metrics.update(engine_stats)
     # behaviour policy = the weights that generated the batch (see --old-logprobs)
     metrics.update(behaviour_logprobs(run.policy, cfg, batch))
     return batch, metrics
 
 
-def _deal_groups(run: Run, prompt_ids, completions, rewards):
-    """This data-parallel rank's groups (prompt ids, completions, flat rewards) of the whole
-    batch: with --sequence-packing dealt by token count (packing.balance_groups), so that no rank
-    trains on a long tail the others wait for; else every dp_size-th group."""
-    g = run.cfg.algorithm.group_size
+def _rollout(run: Run, records: list, seed: int, step: int) -> list[list[Trajectory]]:
+    """The rollout function's groups of trajectories for `records`, sampled with `seed`."""
+    ctx = RolloutContext(run.engine, run.sampling_params(seed=seed), run.cfg.algorithm.group_size,
+                         run.codec, run.scorer, run.cfg, step)
+    return run_rollout("single-turn", ctx, records)
+
+
+def _reward_errors(groups: list[list[Trajectory]]) -> dict[str, int]:
+    """Trajectories by the reason their reward is 0 (rewards.types.REASONS, and any other a
+    rollout function gives), and their "total"."""
+    counts = collections.Counter(t.reward_error for g in groups for t in g
+                                 if t.reward_error is not None)
+    return {**dict.fromkeys(REASONS, 0), **counts, "total": sum(len(g) for g in groups)}
+
+
+def _deal_groups(run: Run, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+    """This data-parallel rank's groups of the whole batch: with --sequence-packing dealt by
+    token count (packing.balance_groups), so that no rank trains on a long tail the others
+    wait for; else every dp_size-th group."""
     if run.cfg.algorithm.sequence_packing:
-        tokens = [sum(len(p) + len(c.token_ids) for c in grp)
-                  for p, grp in zip(prompt_ids, completions)]
+        tokens = [sum(len(t.prompt_ids) + len(t.response_ids) for t in g) for g in groups]
         mine = balance_groups(tokens, run.dp_size)[run.dp_rank]
     else:
-        mine = list(range(len(prompt_ids)))[run.dp_rank::run.dp_size]
-    return ([prompt_ids[i] for i in mine], [completions[i] for i in mine],
-            [x for i in mine for x in rewards[i * g:(i + 1) * g]])
+        mine = list(range(len(groups)))[run.dp_rank::run.dp_size]
+    return [groups[i] for i in mine]
 
 
 def _gather_dp(obj) -> list:
@@ -190,21 +202,3 @@ def _gather_dp(obj) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def _generate(run: Run, records, seed: int):
-    """(prompt ids, group_size completions per prompt) for `records`."""
-    prompt_ids = [run.codec.encode(r.text) for r in records]
-    return prompt_ids, run.engine.generate(prompt_ids, run.cfg.algorithm.group_size,
-                                           run.sampling_params(seed=seed))
-
-
-def _score(run: Run, records, prompt_ids, completions):
-    """(prompt ids, completions, flat rewards, reward-error counts) for `records`."""
-    g = run.cfg.algorithm.group_size
-    texts = [run.codec.decode(c.token_ids) for group in completions for c in group]
-    expand = lambda xs: [x for x in xs for _ in range(g)]  # noqa: E731
-    rewards, reasons = run.scorer.score_batch(texts, expand([r.answer for r in records]),
-                                              expand([r.task for r in records]),
-                                              expand([r.metadata for r in records]))
-    return prompt_ids, completions, list(rewards), dict(reasons)

@@ -28,6 +28,7 @@ from megatron_rl.batch import pack_rollouts
 from megatron_rl.kl import KLConfig
 from megatron_rl.loss import LossConfig, build_advantages
 from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.functions import single_turn_groups
 
 DEV = torch.device("meta")
 PLACEMENTS = [("k1", "reward"), ("k1", "loss"), ("k3", "loss"), ("k3", "reward+loss"),
@@ -46,7 +47,8 @@ def _host_batch():
     """Two prompts x two samples, as the engine returns them (token ids and log-probs on the host)."""
     groups = [[Completion([5, 6, 7], [-0.5, -0.7, -0.1], "stop"), Completion([8], [-0.2], "length")],
               [Completion([9, 2], [-1.0, -0.3], "stop"), Completion([3, 4, 5, 6], [-0.4] * 4, "stop")]]
-    return pack_rollouts([[1, 2, 3], [4]], groups, [1.0, 0.0, 0.0, 1.0], pad_token_id=0)
+    return pack_rollouts(single_turn_groups([[1, 2, 3], [4]], groups, [1.0, 0.0, 0.0, 1.0]),
+                         pad_token_id=0)
 
 
 def _loss_cfg(estimator="k1", placement="reward", aggregation="token-sum-over-batch-tokens"):
