@@ -1,5 +1,5 @@
 """Evaluation: mean@k and pass@k per task with any rollout engine, through a rollout function
-(rollout/functions.py: single-turn).
+(rollout/functions.py: --rollout-function, in training and in `megatron-rl eval`).
 
 mean@k = average reward-correctness over k samples per prompt (the paper: mean@32, temperature
 1.0, top_p 1.0); pass@k = fraction of prompts with at least one correct sample among k. Used by
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_rl.parallel import all_reduce, data_parallel_group
 from megatron_rl.rollout.base import SamplingParams, on_client
-from megatron_rl.rollout.functions import RolloutContext, run_rollout
+from megatron_rl.rollout.functions import RolloutContext, resolve_rollout_function, run_rollout
 
 if TYPE_CHECKING:
     from megatron_rl.runtime import Run
@@ -71,14 +71,14 @@ def evaluate(run: Run, step: int) -> dict:
     rank)."""
     if run.eval_data is None:
         return {}
-    cfg, engine = run.cfg, run.engine
+    cfg, engine, rollout = run.cfg, run.engine, run.cfg.rollout.rollout_function
     ctx = lambda seed: RolloutContext(engine, run.sampling_params(seed=seed),  # noqa: E731
                                       cfg.eval.eval_samples, run.codec, run.scorer, cfg, step,
                                       evaluation=True)
     if engine.client_rank is not None:
         def on_the_client():
             records, _ = _eval_records(run, cfg.eval.eval_max_prompts, share=False)
-            return evaluate_engine(ctx(cfg.seed + 104729), records)
+            return evaluate_engine(ctx(cfg.seed + 104729), records, rollout)
 
         res = on_client(engine, on_the_client, f"evaluating at step {step}")
         return reduce_eval_results(res, sorted(res), group=None)
@@ -87,7 +87,7 @@ def evaluate(run: Run, step: int) -> dict:
     share = run.policy.ep_size == 1
     records, tasks = _eval_records(run, cfg.eval.eval_max_prompts, share=share)
     seed = cfg.seed + 104729 + (run.dp_rank if share else 0)
-    res = evaluate_engine(ctx(seed), records)
+    res = evaluate_engine(ctx(seed), records, rollout)
     return reduce_eval_results(res, tasks, data_parallel_group() if share else None)
 
 
@@ -174,6 +174,11 @@ def main(argv=None) -> None:
         "give each prompt as the bare problem text, without its task's answer-format "
         "instruction (e.g. math: the final answer in \\boxed{}) and, for mmlu, without the "
         "listed choices (default: off, the instruction is added)"))
+    p.add_argument("--rollout-function", default="single-turn", help=(
+        "what turns the prompts into scored trajectories: a built-in (single-turn: one "
+        "response per sample) or the import path `module:function` of a rollout function "
+        "(megatron_rl/rollout/functions.py; its context's config is None here) "
+        "(default: %(default)s)"))
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help=(
         "tensor-parallel size of the evaluated model; more than one process: run under "
         "torchrun, with a world size divisible by TP x PP (default: %(default)s)"))
@@ -186,6 +191,7 @@ def main(argv=None) -> None:
         "unset, the table is only printed)"))
     a = p.parse_args(argv)
     check_sampling(a.temperature, a.top_p)
+    resolve_rollout_function(a.rollout_function)  # a bad name fails before the model is built
     for flag, value in (("--samples", a.samples), ("--max-new-tokens", a.max_new_tokens)):
         if value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1")
@@ -217,7 +223,7 @@ def main(argv=None) -> None:
                                     seed=seed)
             all_seeds.append(evaluate_engine(
                 RolloutContext(engine, params, a.samples, codec, scorer, evaluation=True),
-                records))
+                records, a.rollout_function))
     merged = {t: {"mean_at_k": sum(r[t]["mean_at_k"] for r in all_seeds) / len(all_seeds),
                   "pass_at_k": sum(r[t]["pass_at_k"] for r in all_seeds) / len(all_seeds),
                   "num_prompts": all_seeds[0][t]["num_prompts"]} for t in all_seeds[0]}

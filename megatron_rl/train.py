@@ -2,8 +2,9 @@
 
 The loop, top-down, one RL step at a time:
 
-    rollout (rollout.orchestrate: prompts -> generation -> rewards -> this rank's batch and its
-             behaviour log-probs; generated up to --async-level steps ahead)
+    rollout (rollout.orchestrate: prompts -> the rollout function, --rollout-function:
+             generation and rewards -> this rank's batch and its behaviour log-probs; up to
+             --async-level steps ahead)
     -> update (update.train_on_batch: reference log-probs -> advantages, with the KL in the
               reward when placed there -> PPO epochs over minibatches, with the KL in the loss
               when placed there)

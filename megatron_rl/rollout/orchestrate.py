@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 class Rollout:
     """One step's batch on its way: the prompts taken from the data, and either the finished
     (batch, metrics) or, for an engine with weights of its own under --async-level, its client
-    rank's generation running in a background thread (`future`). `version` is the weight
-    version that generates it."""
+    rank's rollout function running in a background thread (`future`: the groups of
+    trajectories). `version` is the weight version that generates it."""
     step: int
     data_state: dict              # the data position before this batch (a resume re-takes it)
     version: int
@@ -53,11 +53,11 @@ class Rollout:
 
 
 def start_rollout(run: Run, step: int, threads: BackgroundThreads | None = None) -> Rollout:
-    """Take `step`'s prompts and start generating them. Generated once per batch: by an engine
+    """Take `step`'s prompts and start their rollout. Rolled out once per batch: with an engine
     without a client rank (the in-process one), each data-parallel replica's model-parallel
-    group generates its share together, here and now; an engine with one client gets the whole
-    batch from that rank -- in one of `threads` when given (--async-level >= 1), so that
-    generation overlaps training."""
+    group rolls out its share together, here and now; with an engine that has one client, that
+    rank rolls out the whole batch -- in one of `threads` when given (--async-level >= 1), so
+    that generation overlaps training."""
     data_state = run.train_data.state_dict()
     records = run.train_data.next_batch(run.cfg.algorithm.num_prompts_per_step)
     r = Rollout(step, data_state, run.engine.weight_version, records)
@@ -81,7 +81,7 @@ def finish_rollout(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
 
 
 def generate_batch(run: Run, step: int) -> tuple[RolloutBatch, dict]:
-    """Sample group_size responses for this DP rank's prompts of `step` and score them."""
+    """`step`'s batch and metrics on this rank, rolled out here and now (tools, tests)."""
     return finish_rollout(run, start_rollout(run, step))
 
 
@@ -141,6 +141,9 @@ def _seed(run: Run, step: int) -> int:
 
 
 def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
+    """This rank's RolloutBatch of `r` on the device, its behaviour log-probs filled, and the
+    rollout's metrics (reward errors, the engine's counters, the recompute's). Collective over
+    all ranks."""
     cfg, algo, engine = run.cfg, run.cfg.algorithm, run.engine
     if engine.client_rank is None:
         mine = r.records[run.dp_rank::run.dp_size]
@@ -170,10 +173,10 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
 
 
 def _rollout(run: Run, records: list, seed: int, step: int) -> list[list[Trajectory]]:
-    """The rollout function's groups of trajectories for `records`, sampled with `seed`."""
+    """--rollout-function's groups of trajectories for `records`, sampled with `seed`."""
     ctx = RolloutContext(run.engine, run.sampling_params(seed=seed), run.cfg.algorithm.group_size,
                          run.codec, run.scorer, run.cfg, step)
-    return run_rollout("single-turn", ctx, records)
+    return run_rollout(run.cfg.rollout.rollout_function, ctx, records)
 
 
 def _reward_errors(groups: list[list[Trajectory]]) -> dict[str, int]:
