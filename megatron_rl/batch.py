@@ -2,11 +2,12 @@
 
 Glossary (used everywhere): `rollout_logprobs` (from the engine), `old_logprobs` (behaviour
 policy, recomputed by the trainer), `ref_logprobs` (reference policy), `logprobs` (current
-policy, with grad), `loss_mask` (1 on response tokens), `advantages`.
+policy, with grad), `loss_mask` (1 on the response tokens the policy sampled), `advantages`.
 
-Placement: `pack_rollouts` builds the batch on the host from the engine's token ids;
-`RolloutBatch.to(device)` moves every tensor to the trainer's device in one place (train.py,
-right after packing). From there on, everything that meets the model stays on the device.
+Placement: `pack_rollouts` builds the batch on the host from the rollout function's
+trajectories (rollout/functions.py); `RolloutBatch.to(device)` moves every tensor to the
+trainer's device in one place (rollout/orchestrate.py, right after packing). From there on,
+everything that meets the model stays on the device.
 
 Shapes: B sequences = num_prompts * group_size, grouped contiguously (the samples of one prompt
 are adjacent, as RLOO/GRPO expect). Sequences are prompt + response, right-padded to L tokens;
@@ -21,7 +22,7 @@ from typing import Sequence
 import torch
 
 from megatron_rl.models.routing import fill_routes
-from megatron_rl.rollout.base import Completion
+from megatron_rl.rollout.functions import Trajectory
 
 
 def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
@@ -37,8 +38,9 @@ def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class RolloutBatch:
     tokens: torch.Tensor            # [B, L] int64, right-padded
-    loss_mask: torch.Tensor         # [B, L-1] float, 1 where the target token is a response token
-    rollout_logprobs: torch.Tensor  # [B, L-1] float, engine log-probs at response positions, else 0
+    loss_mask: torch.Tensor         # [B, L-1] float, 1 where the target token is a response
+    #                                 token the policy sampled (response_mask), else 0
+    rollout_logprobs: torch.Tensor  # [B, L-1] float, engine log-probs where loss_mask is 1, else 0
     rewards: torch.Tensor           # [B] task rewards
     group_size: int
     prompt_lengths: list[int]
@@ -86,39 +88,46 @@ class RolloutBatch:
                             else self.routed_experts[idx_t.to(self.routed_experts.device)])
 
 
-def pack_rollouts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Completion]],
-                  rewards: Sequence[float], pad_token_id: int, pad_to_multiple: int = 8) -> RolloutBatch:
-    """Assemble a RolloutBatch from prompts, their groups of completions and flat rewards [B]."""
-    group_size = len(completions[0])
-    if any(len(g) != group_size for g in completions):
-        raise ValueError("every prompt needs the same number of completions")
-    rows, lps, plens, rlens, reasons = [], [], [], [], []
-    for p, group in zip(prompts, completions):
-        for c in group:
-            rows.append(list(p) + list(c.token_ids))
-            plens.append(len(p))
-            rlens.append(len(c.token_ids))
-            reasons.append(c.finish_reason)
-            lps.append(c.rollout_logprobs)
+def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,
+                  pad_to_multiple: int = 8) -> RolloutBatch:
+    """Assemble a RolloutBatch from groups of trajectories (one group per prompt, the rollout
+    function's output): row b is trajectory b's prompt + response tokens; loss_mask and
+    rollout_logprobs carry its response_mask and the engine's log-probs at the positions that
+    score its response tokens (position t scores token t+1), 0 elsewhere -- a response token
+    from the environment (mask 0) is context, not trained on."""
+    group_size = len(groups[0])
+    if any(len(g) != group_size for g in groups):
+        raise ValueError("every prompt needs the same number of trajectories")
+    trajectories = [t for group in groups for t in group]
+    rows = [t.tokens for t in trajectories]
+    plens = [len(t.prompt_ids) for t in trajectories]
+    rlens = [len(t.response_ids) for t in trajectories]
+    for t in trajectories:
+        if not len(t.response_mask) == len(t.rollout_logprobs) == len(t.response_ids):
+            raise ValueError(f"a trajectory of {len(t.response_ids)} response tokens has "
+                             f"{len(t.response_mask)} mask values and {len(t.rollout_logprobs)} "
+                             "log-probs (one each)")
     L = max(len(r) for r in rows)
     L = -(-L // pad_to_multiple) * pad_to_multiple
     B = len(rows)
-    if len(rewards) != B:
-        raise ValueError(f"{len(rewards)} rewards for {B} sequences")
     tokens = torch.full((B, L), pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros(B, L - 1)
     rollout_lp = torch.zeros(B, L - 1)
-    for i, r in enumerate(rows):
+    for i, (r, t) in enumerate(zip(rows, trajectories)):
         tokens[i, :len(r)] = torch.tensor(r)
         start, n = plens[i] - 1, rlens[i]  # position t predicts token t+1
-        loss_mask[i, start:start + n] = 1.0
-        rollout_lp[i, start:start + n] = torch.tensor(lps[i], dtype=torch.float32)
+        mask = torch.tensor(t.response_mask, dtype=torch.float32)
+        loss_mask[i, start:start + n] = mask
+        rollout_lp[i, start:start + n] = torch.where(
+            mask > 0, torch.tensor(t.rollout_logprobs, dtype=torch.float32), 0.0)
     routes = None
-    records = [c.routed_experts for group in completions for c in group]
+    records = [t.routed_experts for t in trajectories]
     if any(r is not None for r in records):
         if any(r is None for r in records):
-            raise ValueError("some completions carry routed experts and some do not")
+            raise ValueError("some trajectories carry routed experts and some do not")
         _, M, k = records[0].shape
         routes = fill_routes(records, L, M, k)
-    return RolloutBatch(tokens, loss_mask, rollout_lp, torch.tensor(rewards, dtype=torch.float32),
-                        group_size, plens, rlens, reasons, routed_experts=routes)
+    return RolloutBatch(tokens, loss_mask, rollout_lp,
+                        torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+                        group_size, plens, rlens, [t.finish_reason for t in trajectories],
+                        routed_experts=routes)

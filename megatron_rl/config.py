@@ -4,7 +4,7 @@
       model       ModelConfig      hf/ref checkpoints, bf16, options: ModelOptions (recompute, fusions)
       parallel    ParallelConfig   TP, PP, sequence parallelism, distributed optimizer
       data        DataConfig       prompt files and how prompts are built
-      rollout     RolloutConfig    engine and sampling
+      rollout     RolloutConfig    engine, sampling and the rollout function
       algorithm   AlgorithmConfig  batch shape, PPO minibatches, loss: LossConfig (with its KLConfig)
       optimizer   OptimConfig      Adam and the learning-rate schedule
       eval        EvalConfig       periodic evaluation
@@ -49,6 +49,7 @@ from megatron_rl.models.optim import OptimConfig
 from megatron_rl.parallel import ParallelConfig, use_cuda
 from megatron_rl.rollout.base import check_sampling
 from megatron_rl.rollout.factory import ENGINES
+from megatron_rl.rollout.functions import resolve_rollout_function
 
 _field = dataclasses.field
 
@@ -180,6 +181,12 @@ class RolloutConfig:
         "in (0, 1] (1: the whole distribution); rollouts and evaluation"))
     max_new_tokens: int = _opt(256, min=1, help=(
         "tokens per response at most (rollouts and evaluation)"))
+    rollout_function: str = _opt("single-turn", help=(
+        "what turns a step's prompts into scored trajectories, in training and evaluation: "
+        "a built-in (single-turn: one response per trajectory from one generate call, scored "
+        "by its task's verifier) or the import path `module:function` of a function "
+        "fn(ctx, records) -> groups of Trajectory, e.g. a multi-turn agent loop "
+        "(megatron_rl/rollout/functions.py: the signature; docs/rollout.md)"))
 
     def __post_init__(self):
         # YAML may give one URL as a string (and None for none)
@@ -193,6 +200,7 @@ class RolloutConfig:
     def validate(self) -> None:
         """The engine's capabilities (rollout.factory.ENGINES) against the settings for it."""
         check_sampling(self.temperature, self.top_p)
+        resolve_rollout_function(self.rollout_function)  # imports it: a bad path fails here
         engine, sync = self.rollout_engine, self.weight_sync
         spec = ENGINES[engine]
         servers = " or ".join(name for name, s in ENGINES.items() if s.servers)

@@ -1,4 +1,5 @@
-"""Evaluation: mean@k and pass@k per task with any rollout engine.
+"""Evaluation: mean@k and pass@k per task with any rollout engine, through a rollout function
+(rollout/functions.py: --rollout-function, in training and in `megatron-rl eval`).
 
 mean@k = average reward-correctness over k samples per prompt (the paper: mean@32, temperature
 1.0, top_p 1.0); pass@k = fraction of prompts with at least one correct sample among k. Used by
@@ -8,6 +9,7 @@ the trainer (periodic eval) and by `megatron-rl eval`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections import defaultdict
@@ -18,30 +20,29 @@ import torch.distributed as dist
 
 from megatron_rl.parallel import all_reduce, data_parallel_group
 from megatron_rl.rollout.base import SamplingParams, on_client
+from megatron_rl.rollout.functions import RolloutContext, resolve_rollout_function, run_rollout
 
 if TYPE_CHECKING:
     from megatron_rl.runtime import Run
 
 
-def evaluate_engine(engine, records, encode, decode, scorer, k: int, params: SamplingParams,
+def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
                     batch_prompts: int = 16) -> dict:
-    """Per-task {"mean_at_k", "pass_at_k", "num_prompts"} plus "all"; reward >= 1 is correct.
+    """Per-task {"mean_at_k", "pass_at_k", "num_prompts"} plus "all", k = ctx.group_size; a
+    reward >= 1 is correct. The rollout function `rollout` (a --rollout-function value,
+    rollout/functions.py) samples and scores `batch_prompts` records at a time, with
+    ctx.params' seed + the chunk's first index, as an evaluation (no routed experts).
 
     Collective when the engine is (local engine under TP/PP): every rank passes the same records.
     """
     per_task = defaultdict(lambda: [0.0, 0.0, 0])  # sum of mean correctness, passes, prompts
+    params = ctx.params
     for start in range(0, len(records), batch_prompts):
         chunk = records[start:start + batch_prompts]
-        ids = [encode(r.text) for r in chunk]
         p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + start,
                               "return_routed_experts": False})
-        groups = engine.generate(ids, k, p)
-        texts = [decode(c.token_ids) for g in groups for c in g]
-        golds = [r.answer for r in chunk for _ in range(k)]
-        tasks = [r.task for r in chunk for _ in range(k)]
-        metas = [r.metadata for r in chunk for _ in range(k)]
-        rewards, _ = scorer.score_batch(texts, golds, tasks, metas)
-        correct = torch.tensor(rewards).reshape(len(chunk), k) >= 1.0
+        groups = run_rollout(rollout, dataclasses.replace(ctx, params=p, evaluation=True), chunk)
+        correct = torch.tensor([[t.reward for t in g] for g in groups]) >= 1.0
         for r, row in zip(chunk, correct):
             for key in (r.task, "all"):
                 acc = per_task[key]
@@ -70,13 +71,14 @@ def evaluate(run: Run, step: int) -> dict:
     rank)."""
     if run.eval_data is None:
         return {}
-    cfg, engine = run.cfg, run.engine
-    k = cfg.eval.eval_samples
+    cfg, engine, rollout = run.cfg, run.engine, run.cfg.rollout.rollout_function
+    ctx = lambda seed: RolloutContext(engine, run.sampling_params(seed=seed),  # noqa: E731
+                                      cfg.eval.eval_samples, run.codec, run.scorer, cfg, step,
+                                      evaluation=True)
     if engine.client_rank is not None:
         def on_the_client():
             records, _ = _eval_records(run, cfg.eval.eval_max_prompts, share=False)
-            return evaluate_engine(engine, records, run.codec.encode, run.codec.decode,
-                                   run.scorer, k, run.sampling_params(seed=cfg.seed + 104729))
+            return evaluate_engine(ctx(cfg.seed + 104729), records, rollout)
 
         res = on_client(engine, on_the_client, f"evaluating at step {step}")
         return reduce_eval_results(res, sorted(res), group=None)
@@ -85,8 +87,7 @@ def evaluate(run: Run, step: int) -> dict:
     share = run.policy.ep_size == 1
     records, tasks = _eval_records(run, cfg.eval.eval_max_prompts, share=share)
     seed = cfg.seed + 104729 + (run.dp_rank if share else 0)
-    res = evaluate_engine(engine, records, run.codec.encode, run.codec.decode, run.scorer, k,
-                          run.sampling_params(seed=seed))
+    res = evaluate_engine(ctx(seed), records, rollout)
     return reduce_eval_results(res, tasks, data_parallel_group() if share else None)
 
 
@@ -129,6 +130,7 @@ def main(argv=None) -> None:
     from megatron_rl.rewards import RewardScorer
     from megatron_rl.rollout.base import check_sampling
     from megatron_rl.rollout.local import LocalEngine
+    from megatron_rl.runtime import Codec
 
     p = argparse.ArgumentParser(prog="megatron-rl eval", description=main.__doc__)
     p.add_argument("--hf-checkpoint", required=True, help=(
@@ -172,6 +174,11 @@ def main(argv=None) -> None:
         "give each prompt as the bare problem text, without its task's answer-format "
         "instruction (e.g. math: the final answer in \\boxed{}) and, for mmlu, without the "
         "listed choices (default: off, the instruction is added)"))
+    p.add_argument("--rollout-function", default="single-turn", help=(
+        "what turns the prompts into scored trajectories: a built-in (single-turn: one "
+        "response per sample) or the import path `module:function` of a rollout function "
+        "(megatron_rl/rollout/functions.py; its context's config is None here) "
+        "(default: %(default)s)"))
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help=(
         "tensor-parallel size of the evaluated model; more than one process: run under "
         "torchrun, with a world size divisible by TP x PP (default: %(default)s)"))
@@ -184,6 +191,7 @@ def main(argv=None) -> None:
         "unset, the table is only printed)"))
     a = p.parse_args(argv)
     check_sampling(a.temperature, a.top_p)
+    resolve_rollout_function(a.rollout_function)  # a bad name fails before the model is built
     for flag, value in (("--samples", a.samples), ("--max-new-tokens", a.max_new_tokens)):
         if value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1")
@@ -205,6 +213,7 @@ def main(argv=None) -> None:
     records = [data.record(0, i) for i in range(n)]
     eos = tok.eos_token_id
     engine = LocalEngine(policy, pad_token_id=tok.pad_token_id or 0)
+    codec = Codec.from_tokenizer(tok, a.chat_template)
     all_seeds = []
     with RewardScorer(num_workers=2) as scorer:
         for seed in a.seeds:
@@ -213,9 +222,8 @@ def main(argv=None) -> None:
                                     stop_token_ids=(eos,) if isinstance(eos, int) else tuple(eos),
                                     seed=seed)
             all_seeds.append(evaluate_engine(
-                engine, records,
-                lambda t: tok(t, add_special_tokens=not a.chat_template)["input_ids"],
-                lambda ids: tok.decode(ids, skip_special_tokens=True), scorer, a.samples, params))
+                RolloutContext(engine, params, a.samples, codec, scorer, evaluation=True),
+                records, a.rollout_function))
     merged = {t: {"mean_at_k": sum(r[t]["mean_at_k"] for r in all_seeds) / len(all_seeds),
                   "pass_at_k": sum(r[t]["pass_at_k"] for r in all_seeds) / len(all_seeds),
                   "num_prompts": all_seeds[0][t]["num_prompts"]} for t in all_seeds[0]}

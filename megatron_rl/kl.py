@@ -71,13 +71,13 @@ In the trainer (`--kl-estimator exact`, any placement; "reward+loss" is the unbi
   each microbatch through the reference's stage under no_grad in the same forward step; under
   pipeline parallelism the reference's activations travel with the policy's (see its docstring).
 - Reward side: at the start of the RL step one forward-only pass of policy + reference
-  (`train.score_reference_exact`) gives KL_t at the current weights (= the behaviour policy's
+  (`update.score_reference_exact`) gives KL_t at the current weights (= the behaviour policy's
   on-policy; with stale batches, --async-level, still the current policy's KL, which the
   derivation asks for, where K1's reward side uses the behaviour log-probs) and the reference's
   token log-probs; the return of token t is R - beta sum_{s>t} KL_s
   (`kl_reward_to_go_penalty`: later positions only for "exact", whatever --kl-reward-to-go), then the
   baseline. Loss side: the loss function computes KL_t with its gradient from the policy's and
-  the reference's logits of the microbatch (`train.make_rl_loss_fn`). "seq-is" takes the
+  the reference's logits of the microbatch (`update.make_rl_loss_fn`). "seq-is" takes the
   reward side out of the advantage as for K1 (`kl_reward_is_surrogate`, per-decision weights
   over the later positions). Cost: one extra policy forward per batch for the reward side, and a
   reference forward per microbatch and optimizer step for the loss side.

@@ -226,6 +226,12 @@ def data_parallel_group():
     return ps.get_data_parallel_group()
 
 
+def data_parallel_sum(x) -> float:
+    """Sum of a number (or a scalar tensor) over the data-parallel ranks, in float64."""
+    return float(all_reduce(torch.as_tensor(x, dtype=torch.float64).reshape(1),
+                            data_parallel_group()))
+
+
 def set_seed(seed: int) -> None:
     """Seed python, numpy and torch (and megatron's CUDA RNG tracker on GPU)."""
     random.seed(seed)

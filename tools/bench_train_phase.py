@@ -2,7 +2,7 @@
 """Benchmark: the training phase of one RL step, packed rows + fused LM head against padded rows
 + logits.
 
-The trainer has two layouts (megatron_rl/train.py):
+The trainer has two layouts (megatron_rl/update.py):
   packed+fused   --sequence-packing --fused-lm-head (the defaults): packing.Layout packs a
                  microbatch's sequences into one row of <= --max-tokens-per-microbatch tokens
                  (THD attention), log-probs / entropy / KL come from the final hidden states
@@ -27,11 +27,11 @@ of a configuration trains on the batch drawn from seed + k, so every configurati
 same batches.
 
 What runs is the trainer's own code: the policy, the reference and a TrainConfig (no engine,
-data, tokenizer or scorer: train_on_batch takes none of them), the old log-probs as train._build_batch computes them
-(`policy.token_logprobs(batch.tokens, train.layout(cfg), seq_lengths=...)`, reproduced: that
-one line, since _build_batch needs an engine), then `train.train_on_batch` itself: reference
-log-probs (train.score_reference_exact for the exact estimator), advantages, forward+backward
-through Policy.forward_backward with train.make_rl_loss_fn, the optimizer step (Adam's state is
+data, tokenizer or scorer: train_on_batch takes none of them), the old log-probs as update.behaviour_logprobs computes them
+(`policy.token_logprobs(batch.tokens, update.layout(cfg), seq_lengths=...)`, reproduced: that
+one line, without the mismatch metrics), then `update.train_on_batch` itself: reference
+log-probs (update.score_reference_exact for the exact estimator), advantages, forward+backward
+through Policy.forward_backward with update.make_rl_loss_fn, the optimizer step (Adam's state is
 allocated before timing by one step on zero gradients, which changes no weight, so the timed
 step is a steady-state one, not the first of a run). Phases are timed
 by wrapping the Policy objects' methods (outermost call only: token_logprobs runs
@@ -184,14 +184,15 @@ def synth_rollouts(num_sequences: int, group_size: int, max_response: int, promp
 
 def make_batch(a, max_response: int, seed: int, num_sequences: int | None = None,
                group_size: int | None = None, force_max: bool = False):
-    """The RolloutBatch of step seed (on the host), as train._build_batch packs it."""
+    """The RolloutBatch of step seed (on the host), as the rollout layer packs it."""
     from megatron_rl.batch import pack_rollouts
+    from megatron_rl.rollout.functions import single_turn_groups
 
     vocab = model_config(a)["vocab_size"]
     prompts, groups, rewards = synth_rollouts(num_sequences or a.num_sequences,
                                               group_size or a.group_size, max_response,
                                               a.prompt_len, vocab, a.length_sigma, seed, force_max)
-    return pack_rollouts(prompts, groups, rewards, PAD_ID)
+    return pack_rollouts(single_turn_groups(prompts, groups, rewards), PAD_ID)
 
 
 def parse_kl(spec: str):
@@ -415,7 +416,7 @@ class PhaseTimer:
 def run_train_worker(a) -> dict:
     import torch
 
-    from megatron_rl import train
+    from megatron_rl import update
     from megatron_rl.parallel import device
 
     ctx = {"combo": a.combo, "kl": a.kl[0], "max_response": a.max_response[0]}
@@ -433,7 +434,7 @@ def run_train_worker(a) -> dict:
     timer.wrap(policy, "collect_per_token", "ref_lp")  # score_reference_exact's pass
     timer.wrap(policy, "forward_backward", "fwd_bwd")
     timer.wrap(policy, "step", "optim")
-    lay = train.layout(cfg)
+    lay = update.layout(cfg)
     steps = []
     for k in range(a.warmup + a.steps):
         batch = make_batch(a, ctx["max_response"], a.seed + k).to(device())
@@ -441,11 +442,11 @@ def run_train_worker(a) -> dict:
         timer.seconds = dict.fromkeys(PHASES, 0.0)
         bvt._sync()
         t0 = time.perf_counter()
-        # train._build_batch's recompute of the behaviour policy's log-probs
+        # update.behaviour_logprobs's recompute of the behaviour policy's log-probs
         batch.old_logprobs = policy.token_logprobs(batch.tokens, lay,
                                                       seq_lengths=batch.seq_lengths)
         metrics: dict = {}
-        ok = train.train_on_batch(policy, reference, cfg, batch, metrics)
+        ok = update.train_on_batch(policy, reference, cfg, batch, metrics)
         bvt._sync()
         total = time.perf_counter() - t0
         timer.seconds["other"] = total - sum(v for p, v in timer.seconds.items() if p != "other")
@@ -491,7 +492,7 @@ def fit_microbatch(a, tokens: int, packed: bool):
 def run_fit_worker(a) -> dict:
     import torch
 
-    from megatron_rl import train
+    from megatron_rl import update
     from megatron_rl.parallel import device
 
     ctx = {"combo": a.combo, "kl": a.kl[0], "target_tokens": a.fit_tokens}
@@ -507,11 +508,11 @@ def run_fit_worker(a) -> dict:
     ref_lp = torch.zeros_like(batch.loss_mask)
     loss_cfg = cfg.loss
     reference = reference if loss_cfg.kl.exact_kl_in_loss else None
-    loss_fn = train.make_rl_loss_fn(policy, loss_cfg, float(batch.loss_mask.sum()),
+    loss_fn = update.make_rl_loss_fn(policy, loss_cfg, float(batch.loss_mask.sum()),
                                     float(batch.num_sequences), reference)
     bvt._sync()
     t0 = time.perf_counter()
-    policy.forward_backward([train._microbatch(batch, advantages, ref_lp, m)], loss_fn,
+    policy.forward_backward([update.loss_microbatch(batch, advantages, ref_lp, m)], loss_fn,
                                reference=reference, for_scoring=True)
     bvt._sync()
     return {**ctx, "status": "ok", "tokens": m.num_tokens, "sequences": len(m.rows),
@@ -688,7 +689,7 @@ def run_find_max(a) -> dict:
 
 def dry_run(a) -> dict:
     """The batches' layouts and estimated FLOPs, without building a model."""
-    from megatron_rl import train
+    from megatron_rl import update
 
     args = model_args(a)
     combos = list(COMBOS) if a.all_combos else list(MAIN_COMBOS)
@@ -701,7 +702,7 @@ def dry_run(a) -> dict:
                        "all_tokens": 0}
                 for k in range(a.warmup, a.warmup + a.steps):
                     batch = make_batch(a, max_resp, a.seed + k)
-                    shapes = microbatch_shapes(batch, train.layout(cfg))
+                    shapes = microbatch_shapes(batch, update.layout(cfg))
                     tot["microbatches"] += len(shapes)
                     tot["model_tokens"] += sum(sum(s) for s in shapes)
                     tot["flops"] += step_flops(args, shapes, COMBOS[combo][1], cfg.loss.kl)
@@ -754,8 +755,8 @@ def notes(a) -> list[str]:
            else "micro-batch-size x the batch's padded length (the same token budget)"),
         f"{a.warmup} warm-up + {a.steps} timed step(s) per configuration, "
         "each configuration in its own process (peak RSS: the whole process)",
-        "phases via the trainer's own train.train_on_batch with the policy, "
-        "reference and TrainConfig; old log-probs as train._build_batch recomputes them; "
+        "phases via the trainer's own update.train_on_batch with the policy, "
+        "reference and TrainConfig; old log-probs as update.behaviour_logprobs recomputes them; "
         "Adam's state allocated before timing (one step on zero gradients)",
     ]
 

@@ -294,7 +294,7 @@ def run_megatron_worker(argv: list[str]) -> None:
     for engine_cls in (ProcessEngine, VLLMEngine, SGLangEngine):
         timed(engine_cls, "generate", "phase/generate")
         timed(engine_cls, "update_weights", "phase/weight_sync")
-    timed(RewardScorer, "score_batch", "phase/reward")
+    timed(RewardScorer, "score", "phase/reward")
     # reference log-probs, plus the behaviour policy's where recomputed (--old-logprobs)
     timed(Policy, "token_logprobs", "phase/logprobs")
     timed(Policy, "forward_backward", "phase/train_forward_backward")

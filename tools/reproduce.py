@@ -361,7 +361,7 @@ def write_report(a, toy: dict | None, specs: list[ex.RunSpec], summaries: list[d
                 by_fig.setdefault((spec.regime, beta), {}).setdefault(spec.config, []).append(
                     all_rows[s["run_id"]])
         for (regime, beta), runs in sorted(by_fig.items(), key=lambda kv: (
-                ex._regime_order(kv[0][0]), kv[0][1])):
+                ex.regime_order(kv[0][0]), kv[0][1])):
             name = f"{px}curves_{regime}_beta{beta:g}.png"
             plot_group(runs, os.path.join(figures, name),
                        f"{regime}-policy, beta={beta:g} (mean over seeds; 'none' has no KL)",

@@ -209,7 +209,7 @@ def _run_rl_config(policy, args, spec, tokens, mask, idx, lay, lengths, referenc
 
     from megatron_rl.kl import KLConfig
     from megatron_rl.loss import LossConfig, build_advantages
-    from megatron_rl.train import _microbatch, make_rl_loss_fn, score_reference_exact
+    from megatron_rl.update import loss_microbatch, make_rl_loss_fn, score_reference_exact
 
     old, ref, rewards, group_size = data
     estimator, placement = spec.split(":")
@@ -221,7 +221,7 @@ def _run_rl_config(policy, args, spec, tokens, mask, idx, lay, lengths, referenc
         ref_lp, token_kl = score_reference_exact(policy, reference[0], tokens, lay, lengths)
     adv = build_advantages(rewards, old, ref_lp, mask, cfg, group_size, token_kl=token_kl)
     batch = _RLRows(tokens, mask, old)
-    micro = [_microbatch(batch, adv, ref_lp, mb)
+    micro = [loss_microbatch(batch, adv, ref_lp, mb)
              for mb in lay.microbatches(tokens, lengths, idx, policy.pad_multiple,
                                         policy.pp_size > 1)]
     ref_model = reference[0] if cfg.kl.exact_kl_in_loss else None
@@ -236,7 +236,7 @@ def _run_rl_config(policy, args, spec, tokens, mask, idx, lay, lengths, referenc
 
 
 class _RLRows:
-    """The per-row tensors train._microbatch reads from a RolloutBatch."""
+    """The per-row tensors update.loss_microbatch reads from a RolloutBatch."""
 
     def __init__(self, tokens, loss_mask, old_logprobs):
         self.tokens, self.loss_mask, self.old_logprobs = tokens, loss_mask, old_logprobs

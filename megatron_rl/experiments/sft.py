@@ -15,6 +15,7 @@ from megatron_rl.batch import next_token_targets, pack_rollouts
 from megatron_rl.parallel import all_reduce, data_parallel_group, device
 from megatron_rl.progress import progress as progress_display
 from megatron_rl.rollout.base import Completion
+from megatron_rl.rollout.functions import single_turn_groups
 
 
 def sft(policy, pairs: Sequence[tuple[list[int], list[int]]], *, steps: int, batch_size: int,
@@ -32,9 +33,11 @@ def sft(policy, pairs: Sequence[tuple[list[int], list[int]]], *, steps: int, bat
     bar = progress_display(range(steps), desc="SFT warm-up", disable=not show, unit="step")
     for _ in bar:
         chosen = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)][dp_rank::dp]
-        batch = pack_rollouts([p for p, _ in chosen],
-                              [[Completion(t, [0.0] * len(t), "stop")] for _, t in chosen],
-                              [0.0] * len(chosen), pad_token_id=0).to(device())
+        batch = pack_rollouts(single_turn_groups([p for p, _ in chosen],
+                                                 [[Completion(t, [0.0] * len(t), "stop")]
+                                                  for _, t in chosen],
+                                                 [0.0] * len(chosen)),
+                              pad_token_id=0).to(device())
         n_tok = all_reduce(batch.loss_mask.sum(), data_parallel_group())
         micro = [{"tokens": batch.tokens[i:i + micro_batch_size],
                   "loss_mask": batch.loss_mask[i:i + micro_batch_size]}

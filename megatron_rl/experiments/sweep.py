@@ -319,7 +319,7 @@ def aggregate(summaries: Iterable[dict]) -> list[dict]:
     order = list(CONFIGS) + [c for c in ASYNC_CONFIGS if c not in CONFIGS]
     out = []
     for (config, beta, regime), runs in sorted(
-            groups.items(), key=lambda kv: (_regime_order(kv[0][2]), order.index(kv[0][0])
+            groups.items(), key=lambda kv: (regime_order(kv[0][2]), order.index(kv[0][0])
                                             if kv[0][0] in order else len(order), kv[0][1])):
         row = {"config": config, "beta": beta, "regime": regime, "num_seeds": len(runs),
                "seeds": sorted(r["seed"] for r in runs)}
@@ -334,7 +334,8 @@ def aggregate(summaries: Iterable[dict]) -> list[dict]:
     return out
 
 
-def _regime_order(regime: str) -> tuple[int, int]:
+def regime_order(regime: str) -> tuple[int, int]:
+    """Sort key of a regime: on-policy, off-policy, then the others by their number."""
     if regime == "on":
         return (0, 0)
     if regime == "off":

@@ -1,13 +1,18 @@
-"""Batch scoring for the trainer: ``score_batch(responses, golds, tasks, metadata) -> (rewards, stats)``.
+"""Batch scoring for the trainer: ``score(responses, golds, tasks, metadata) -> [Scored]`` (each
+response's reward and, for a reward of 0 with a countable cause, its reason), and
+``score_batch(...) -> (rewards, stats)``.
 
 Never raises for a response's sake: a timeout, a verifier error, an over-long answer or a
 missing answer scores 0 and is counted in ``stats`` under ``timeout``, ``error``, ``too_long``
 or ``no_answer`` (``total`` is the batch size). Sandboxed tasks (math) run in a ``VerifierPool``
-that the scorer keeps between calls; ``close()`` or the context manager stops it.
+that the scorer keeps between calls; ``close()`` or the context manager stops it. One scorer
+serves several threads (the trainer's background rollouts under --async-level): their calls
+take turns.
 """
 from __future__ import annotations
 
 import atexit
+import threading
 from typing import Any, Sequence
 
 from megatron_rl.rewards.pool import VerifierPool, default_num_workers
@@ -43,6 +48,7 @@ class RewardScorer:
             memory_limit_mb=memory_limit_mb,
             warmup=("megatron_rl.rewards.math_verifier", "warmup"),
         )
+        self._lock = threading.Lock()  # one call at a time: the pool serves one caller
 
     def score_batch(
         self,
@@ -52,12 +58,33 @@ class RewardScorer:
         metadata: Sequence[dict[str, Any] | None] | None = None,
     ) -> tuple[list[float], dict[str, int]]:
         """Rewards in input order and counts by reason. Raises only if the lengths differ."""
+        results = self.score(responses, golds, tasks, metadata)
+        stats = {reason: 0 for reason in REASONS}
+        stats["total"] = len(results)
+        for r in results:
+            if r.reason is not None:
+                stats[r.reason] += 1
+        return [float(r.reward) for r in results], stats
+
+    def score(
+        self,
+        responses: Sequence[str],
+        golds: Sequence[str],
+        tasks: Sequence[str],
+        metadata: Sequence[dict[str, Any] | None] | None = None,
+    ) -> list[Scored]:
+        """Each response's Scored (reward, reason) in input order. Raises only if the lengths
+        differ. Thread-safe: calls from several threads take turns."""
+        with self._lock:
+            return self._score(responses, golds, tasks, metadata)
+
+    def _score(self, responses, golds, tasks, metadata) -> list[Scored]:
         n = len(responses)
         if metadata is None:
             metadata = [None] * n
         if not (len(golds) == len(tasks) == len(metadata) == n):
             raise ValueError(
-                f"score_batch needs equal lengths: {n} responses, {len(golds)} golds, "
+                f"scoring needs equal lengths: {n} responses, {len(golds)} golds, "
                 f"{len(tasks)} tasks, {len(metadata)} metadata"
             )
         results: list[Scored | None] = [None] * n
@@ -85,15 +112,7 @@ class RewardScorer:
                 verified = [Scored(0.0, ERROR)] * len(items)
             for (i, _), result in zip(items, verified):
                 results[i] = result
-        stats = {reason: 0 for reason in REASONS}
-        stats["total"] = n
-        rewards = []
-        for r in results:
-            r = r if r is not None else Scored(0.0, ERROR)
-            rewards.append(float(r.reward))
-            if r.reason is not None:
-                stats[r.reason] += 1
-        return rewards, stats
+        return [r if r is not None else Scored(0.0, ERROR) for r in results]
 
     def close(self) -> None:
         self.pool.close()

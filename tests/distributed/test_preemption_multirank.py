@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megatron_rl.rollout.net import free_port
-from megatron_rl.train import STOPPED_EARLY
+from megatron_rl.stopping import STOPPED_EARLY
 
 pytestmark = pytest.mark.distributed
 

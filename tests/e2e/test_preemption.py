@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import read_metrics, train_args, train_cmd, train_env  # tests/e2e/conftest.py
-from megatron_rl.train import EXIT_RESUMABLE, STOPPED_EARLY
+from megatron_rl.stopping import EXIT_RESUMABLE, STOPPED_EARLY
 
 pytestmark = pytest.mark.distributed  # torch.distributed (world size 1) in subprocesses
 

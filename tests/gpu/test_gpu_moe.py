@@ -29,6 +29,7 @@ def moe_policy(tmp_path_factory):
 
 def test_kv_decoding_and_routes_on_the_gpu(moe_policy):
     from megatron_rl.batch import pack_rollouts
+    from megatron_rl.rollout.functions import single_turn_groups
     from megatron_rl.packing import Layout
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.local import LocalEngine
@@ -37,7 +38,7 @@ def test_kv_decoding_and_routes_on_the_gpu(moe_policy):
     assert engine.kv_cache
     groups = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=8, seed=1,
                                                         return_routed_experts=True))
-    batch = pack_rollouts(PROMPTS, groups, [0.0] * 6, pad_token_id=0)
+    batch = pack_rollouts(single_turn_groups(PROMPTS, groups, [0.0] * 6), pad_token_id=0)
     mask = batch.loss_mask
     lay = Layout(packed=True)
     own: list = []

@@ -221,3 +221,21 @@ def test_a_runs_config_json_is_usable_as_config(tmp_path):
     again = parse_config(["--config", str(path)])
     assert to_flat_dict(again) == to_flat_dict(cfg)
     assert again.optimizer.adam_eps == 1e-8
+
+
+def test_rollout_function_is_resolved_when_the_config_is_read():
+    """--rollout-function: the built-in by default, an import path from the command line or a
+    YAML file; a path that does not import stops the run before anything is built, naming the
+    flag and what is wrong."""
+    assert parse_config(BASE).rollout.rollout_function == "single-turn"
+    path = "megatron_rl.rollout.functions:single_turn"
+    assert parse_config(BASE + ["--rollout-function", path]).rollout.rollout_function == path
+    with pytest.raises(ValueError, match=r"--rollout-function 'no_such_agent_module:loop': "
+                                         r"cannot import module 'no_such_agent_module'"):
+        parse_config(BASE + ["--rollout-function", "no_such_agent_module:loop"])
+    with pytest.raises(ValueError, match=r"--rollout-function 'megatron_rl.rollout.functions:"
+                                         r"agent_loop': 'megatron_rl.rollout.functions' has no "
+                                         r"attribute 'agent_loop'"):
+        parse_config(BASE + ["--rollout-function", "megatron_rl.rollout.functions:agent_loop"])
+    with pytest.raises(ValueError, match=r"--rollout-function 'multi_turn': neither a built-in"):
+        parse_config(BASE + ["--rollout-function", "multi_turn"])

@@ -22,12 +22,13 @@ import torch
 
 import megatron_rl.parallel as parallel
 import megatron_rl.rollout.local as local_engine
-import megatron_rl.train as train
+import megatron_rl.update as update
 from megatron_rl import metrics as global_metrics
 from megatron_rl.batch import pack_rollouts
 from megatron_rl.kl import KLConfig
 from megatron_rl.loss import LossConfig, build_advantages
 from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.functions import single_turn_groups
 
 DEV = torch.device("meta")
 PLACEMENTS = [("k1", "reward"), ("k1", "loss"), ("k3", "loss"), ("k3", "reward+loss"),
@@ -37,7 +38,7 @@ PLACEMENTS = [("k1", "reward"), ("k1", "loss"), ("k3", "loss"), ("k3", "reward+l
 @pytest.fixture
 def on_accelerator(monkeypatch):
     """The trainer's device decision answers the stand-in accelerator."""
-    for module in (parallel, train, local_engine):
+    for module in (parallel, update, local_engine):
         monkeypatch.setattr(module, "device", lambda: DEV)
     return DEV
 
@@ -46,7 +47,8 @@ def _host_batch():
     """Two prompts x two samples, as the engine returns them (token ids and log-probs on the host)."""
     groups = [[Completion([5, 6, 7], [-0.5, -0.7, -0.1], "stop"), Completion([8], [-0.2], "length")],
               [Completion([9, 2], [-1.0, -0.3], "stop"), Completion([3, 4, 5, 6], [-0.4] * 4, "stop")]]
-    return pack_rollouts([[1, 2, 3], [4]], groups, [1.0, 0.0, 0.0, 1.0], pad_token_id=0)
+    return pack_rollouts(single_turn_groups([[1, 2, 3], [4]], groups, [1.0, 0.0, 0.0, 1.0]),
+                         pad_token_id=0)
 
 
 def _loss_cfg(estimator="k1", placement="reward", aggregation="token-sum-over-batch-tokens"):
@@ -100,14 +102,14 @@ def test_rl_loss_function_forward_and_backward(on_accelerator, estimator, placem
                            batch.group_size)
     lay = Layout(packed=packed, micro_batch_size=2)
     (m,) = lay.microbatches(batch.tokens, batch.seq_lengths, [1, 2])
-    mb = train._microbatch(batch, adv, ref, m)
+    mb = update.loss_microbatch(batch, adv, ref, m)
     weight = torch.randn(16, 8, device=DEV, requires_grad=True)
     policy = types.SimpleNamespace(tp_group=None, vocab_start=0, fused_lm_head=packed,
                                    output_weight=lambda: weight)
     policy.score = functools.partial(Policy.score, policy)
     out = torch.randn(*m.inputs["tokens"].shape, 8 if packed else 16, device=DEV,
                       requires_grad=True)
-    loss_fn = train.make_rl_loss_fn(policy, cfg, num_global_tokens=7.0, num_global_seqs=4.0)
+    loss_fn = update.make_rl_loss_fn(policy, cfg, num_global_tokens=7.0, num_global_seqs=4.0)
     loss, metrics = loss_fn(mb, out)
     loss.backward()
     assert loss.device == DEV and out.grad.device == DEV
@@ -123,7 +125,7 @@ def test_nan_guard_flag_on_the_device(on_accelerator):
     """The NaN/inf guard builds its flag from device losses and gradients, for a device collective."""
     p = torch.nn.Parameter(torch.zeros(3, device=DEV))
     p.main_grad = torch.zeros(3, device=DEV)
-    flag = train.nonfinite_flag([{"loss": torch.zeros((), device=DEV)}], [p])
+    flag = update.nonfinite_flag([{"loss": torch.zeros((), device=DEV)}], [p])
     assert flag.device == DEV and flag.shape == (1,)
 
 

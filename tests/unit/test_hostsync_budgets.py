@@ -10,7 +10,7 @@ and none grows with the number of layers, experts or tokens (each is checked at 
 - a packed forward of the trainer's model (local spec, SDPAttention, megatron's unfused RoPE):
   1, cu_seqlens read to the host once; 0 when the caller has its values on the host
   (make_packed_seq_params); the backward: 0.
-- the RL loss of a microbatch (train.make_rl_loss_fn: Policy.score through the fused log-prob
+- the RL loss of a microbatch (update.make_rl_loss_fn: Policy.score through the fused log-prob
   op or its torch reference, policy_loss with the KL in the reward, in the loss, or exact),
   forward and backward: 0; the advantages of a batch (build_advantages): 0.
 
@@ -160,7 +160,7 @@ def test_packed_forward_budget_does_not_grow_with_layers(dist_env):
 
 # -- the RL loss -----------------------------------------------------------------------------
 def _microbatches(policy, packed: bool):
-    """Two microbatches of a batch of 6 sequences in the trainer's layout, as train.py hands
+    """Two microbatches of a batch of 6 sequences in the trainer's layout, as update.py hands
     them to the loss function (without the model outputs)."""
     from megatron_rl.packing import Layout
 
@@ -197,7 +197,7 @@ def test_rl_loss_of_a_microbatch_has_no_host_sync(dist_env, monkeypatch, backend
     from megatron_rl.loss import LossConfig
     from megatron_rl.models.config import ModelOptions
     from megatron_rl.ops import logprob_kl
-    from megatron_rl.train import make_rl_loss_fn
+    from megatron_rl.update import make_rl_loss_fn
 
     # auto: the compiled kernel for the device (megatron_rl._C) where built, else torch
     monkeypatch.setenv(logprob_kl.BACKEND_ENV_VAR, backend)

@@ -5,7 +5,7 @@ and saved, and SLURM signals the trainer in time to save."""
 import re
 from pathlib import Path
 
-from megatron_rl.train import STOPPED_EARLY
+from megatron_rl.stopping import STOPPED_EARLY
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "launch.md"
 

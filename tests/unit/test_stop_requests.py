@@ -1,4 +1,4 @@
-"""StopRequests (train.py): what a signal asks of the training loop. The first SIGTERM or SIGINT
+"""StopRequests (stopping.py): what a signal asks of the training loop. The first SIGTERM or SIGINT
 asks for a stop at the next step boundary; repeated SIGTERMs (torchrun forwards the scheduler's
 to its workers) change nothing; a second Ctrl-C stops at once unless it is the copy that
 torchrun forwards right after the first; the previous handlers come back afterwards."""
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from megatron_rl.train import StopRequests
+from megatron_rl.stopping import StopRequests
 
 
 def _send(sig):

@@ -48,13 +48,14 @@ def _policy(path):
 def _rollout(policy, seed=1, max_new_tokens=7):
     """(batch, completions) of 2 samples per prompt from the local engine, routes recorded."""
     from megatron_rl.batch import pack_rollouts
+    from megatron_rl.rollout.functions import single_turn_groups
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.local import LocalEngine
 
     engine = LocalEngine(policy)
     groups = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=max_new_tokens, seed=seed,
                                                         return_routed_experts=True))
-    batch = pack_rollouts(PROMPTS, groups, [0.0] * 6, pad_token_id=0)
+    batch = pack_rollouts(single_turn_groups(PROMPTS, groups, [0.0] * 6), pad_token_id=0)
     return batch, [c for g in groups for c in g]
 
 

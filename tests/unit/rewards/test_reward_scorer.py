@@ -115,3 +115,32 @@ def test_pool_kills_stuck_worker_and_survives_dying_one():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_threads_scoring_at_once_each_get_their_own_rewards(scorer):
+    """Two threads scoring math at the same time (background rollouts under --async-level, one
+    thread per batch in flight) share the scorer's pool: each call gets its own responses'
+    rewards and reasons."""
+    import threading
+
+    n = 24
+    correct = [rf"\boxed{{{i}}}" for i in range(n)]  # against golds 0..n-1: all right
+    wrong = [rf"\boxed{{{i + 1000}}}" for i in range(n)]  # all wrong
+    golds = [str(i) for i in range(n)]
+    got: dict[str, list] = {"correct": [], "wrong": []}
+
+    def score(name, responses):
+        for _ in range(3):
+            got[name].append(scorer.score(responses, golds, ["math"] * n))
+
+    # daemons: a pool that mixes the two callers up can hang them, which must fail the test,
+    # not hold the interpreter at exit
+    threads = [threading.Thread(target=score, args=("correct", correct), daemon=True),
+               threading.Thread(target=score, args=("wrong", wrong), daemon=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(got["correct"]) == len(got["wrong"]) == 3
+    assert all(s.reward == 1.0 and s.reason is None for r in got["correct"] for s in r)
+    assert all(s.reward == 0.0 and s.reason is None for r in got["wrong"] for s in r)

@@ -1,0 +1,226 @@
+"""Rollout functions: what turns prompts into scored trajectories, and the trajectory itself.
+
+The signature every rollout function has:
+
+    def rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[list[Trajectory]]
+
+    records  the prompts to roll out (data.prompts.PromptRecord: the rendered prompt `text`, its
+             `task`, the gold `answer`, the row's `metadata`)
+    ctx      what a rollout works with (RolloutContext): the engine (RolloutEngine.generate:
+             token ids in, Completions out), this call's sampling params (its seed included),
+             the group size, the tokenizer's codec (encode, decode; codec.tokenizer for a chat
+             template), the reward scorer, the run's configuration, the step, and whether it
+             is an evaluation
+    returns  for each record, in order, ctx.group_size Trajectory: the group its advantage
+             baseline is taken from, each scored (`reward` set)
+
+A Trajectory is the token sequence the trainer trains on: `prompt_ids`, then `response_ids`,
+in which `response_mask` marks the tokens the policy sampled (1: trained on, with the engine's
+log-prob in `rollout_logprobs`) and the tokens that came from elsewhere (0: a tool's output, an
+environment's message, a user turn; context only, never trained on). The built-in
+"single-turn" (`single_turn`) makes one from each engine completion, mask 1 over all of it. A
+multi-turn agent loop appends turns to one trajectory: the policy's completion (mask 1, its
+log-probs), the environment's answer (mask 0, log-prob 0), and so on, and scores the whole.
+
+Chosen by --rollout-function: a name of ROLLOUT_FUNCTIONS, or the `module:function` import path
+of a function with this signature (`resolve_rollout_function`). Where it runs
+(rollout/orchestrate.py): with the in-process engine on every rank, each data-parallel replica
+its share of the prompts -- generate is collective over the replica's model-parallel group, so
+every rank of a group makes the same generate calls with the same prompts; with an engine that
+has a client rank (the process engine, servers) on that rank alone, for the whole batch, and
+under --async-level in a background thread, one per batch in flight (the scorer takes calls
+from several threads). The trainer's periodic evaluation calls the same function
+(ctx.evaluation True; mean@k and pass@k count a reward >= 1 as correct).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+
+from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_rl.config import TrainConfig
+    from megatron_rl.data.prompts import PromptRecord
+    from megatron_rl.rewards import RewardScorer
+    from megatron_rl.runtime import Codec
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One sampled sequence and its reward: what batch.pack_rollouts makes a row of.
+
+    prompt_ids: the prompt's P tokens (never trained on).
+    response_ids: the T tokens after the prompt: the policy's and, in a multi-turn rollout,
+        the environment's between them.
+    response_mask: T values, 1 where the policy sampled the token (trained on, its loss_mask),
+        0 where it came from elsewhere.
+    rollout_logprobs: T values, log pi_rollout(token | prefix) from the engine where the mask is
+        1 (ignored where it is 0: write 0).
+    finish_reason: how it ended: "stop" or "length" (counted as truncated), or the rollout
+        function's own reason.
+    reward: the scalar reward of the whole trajectory.
+    reward_error: why the reward is 0 when the scorer counts a cause (rewards.types.REASONS:
+        timeout, error, too_long, no_answer), logged as reward_errors/<reason>; None otherwise.
+    routed_experts: the engine's experts for every token it forwarded, [P + T - 1, M, k]
+        (Completion.routed_experts), for routing replay; None without a record.
+    metadata: anything else the rollout function keeps (turns, tool calls); not used in
+        training.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: str
+    reward: float
+    reward_error: str | None = None
+    routed_experts: torch.Tensor | None = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        """prompt_ids + response_ids."""
+        return [*self.prompt_ids, *self.response_ids]
+
+    @classmethod
+    def single_turn(cls, prompt_ids: list[int], completion: Completion, reward: float,
+                    reward_error: str | None = None) -> "Trajectory":
+        """The trajectory of one engine completion of `prompt_ids`: all of it the policy's."""
+        return cls(prompt_ids, completion.token_ids, [1] * len(completion.token_ids),
+                   completion.rollout_logprobs, completion.finish_reason, reward, reward_error,
+                   completion.routed_experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutContext:
+    """What a rollout function works with (see the module docstring).
+
+    engine: generates (RolloutEngine.generate(prompt ids, n, params) -> Completions).
+    params: this call's sampling settings (--temperature, --top-p, --max-new-tokens, the stop
+        ids, the seed of this step and rank; routed experts asked for under --routing-replay).
+    group_size: trajectories per prompt (--group-size; --eval-samples in evaluation).
+    codec: text <-> token ids with the run's tokenizer (runtime.Codec).
+    scorer: the rewards (rewards.RewardScorer.score: a Scored per response).
+    config: the run's configuration (None outside a training run: `megatron-rl eval`).
+    step: the RL step the rollout is for (the step evaluated at, in evaluation).
+    evaluation: True when the rollout is for the periodic evaluation, not for training.
+    """
+
+    engine: RolloutEngine
+    params: SamplingParams
+    group_size: int
+    codec: Codec
+    scorer: RewardScorer
+    config: TrainConfig | None = None
+    step: int = 0
+    evaluation: bool = False
+
+
+RolloutFunction = Callable[[RolloutContext, Sequence["PromptRecord"]], list[list[Trajectory]]]
+
+
+def single_turn(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[list[Trajectory]]:
+    """One response per trajectory: each prompt encoded, group_size completions of it from the
+    engine in one generate call for all prompts, each decoded and scored by its task's
+    verifier against the record's answer."""
+    prompt_ids = [ctx.codec.encode(r.text) for r in records]
+    groups = ctx.engine.generate(prompt_ids, ctx.group_size, ctx.params)
+    texts = [ctx.codec.decode(c.token_ids) for group in groups for c in group]
+    each = lambda xs: [x for x in xs for _ in range(ctx.group_size)]  # noqa: E731
+    scored = ctx.scorer.score(texts, each([r.answer for r in records]),
+                              each([r.task for r in records]),
+                              each([r.metadata for r in records]))
+    return single_turn_groups(prompt_ids, groups, [s.reward for s in scored],
+                              [s.reason for s in scored])
+
+
+def single_turn_groups(prompt_ids: Sequence[list[int]], groups: Sequence[Sequence[Completion]],
+                       rewards: Sequence[float], reward_errors: Sequence[str | None] | None = None
+                       ) -> list[list[Trajectory]]:
+    """Each prompt's completions as single-turn trajectories (Trajectory.single_turn), with the
+    flat rewards (and reward errors) of all completions in order."""
+    out, b = [], 0
+    for p, group in zip(prompt_ids, groups):
+        out.append([])
+        for c in group:
+            out[-1].append(Trajectory.single_turn(p, c, rewards[b],
+                                                  reward_errors[b] if reward_errors else None))
+            b += 1
+    if b != len(rewards):
+        raise ValueError(f"{len(rewards)} rewards for {b} completions")
+    return out
+
+
+ROLLOUT_FUNCTIONS: dict[str, RolloutFunction] = {"single-turn": single_turn}
+"""The built-in rollout functions by --rollout-function name."""
+
+
+def resolve_rollout_function(name: str) -> RolloutFunction:
+    """The rollout function --rollout-function `name` names: a ROLLOUT_FUNCTIONS key, or
+    `module:function` (the function may be an attribute path: `module:Class.method`). Raises
+    ValueError naming the flag when it is neither, or does not import."""
+    flag = f"--rollout-function {name!r}"
+    if name in ROLLOUT_FUNCTIONS:
+        return ROLLOUT_FUNCTIONS[name]
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{flag}: neither a built-in rollout function ("
+                         + ", ".join(ROLLOUT_FUNCTIONS) + ") nor an import path "
+                         "`module:function`")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # the module is the user's: any error in it is a configuration one
+        raise ValueError(f"{flag}: cannot import module {module_name!r} ({type(e).__name__}: "
+                         f"{e})") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{flag}: {getattr(obj, '__name__', module_name)!r} has no "
+                             f"attribute {part!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{flag}: {attr!r} in {module_name!r} is a {type(obj).__name__}, not "
+                         "a function")
+    return cast(RolloutFunction, obj)
+
+
+def check_groups(groups: Any, num_prompts: int, group_size: int, name: str) -> None:
+    """Raise ValueError, naming --rollout-function `name` and the first problem, unless
+    `groups` is what a rollout function must return for `num_prompts` prompts: group_size
+    Trajectory per prompt, each with a prompt, one mask value (0 or 1) and one log-prob per
+    response token."""
+    flag = f"--rollout-function {name}"
+    if not isinstance(groups, list) or len(groups) != num_prompts:
+        got = f"{len(groups)} groups" if isinstance(groups, list) else type(groups).__name__
+        raise ValueError(f"{flag} returned {got} for {num_prompts} prompts (a list of groups, "
+                         "one per prompt, in order)")
+    for i, group in enumerate(groups):
+        if not isinstance(group, list) or len(group) != group_size:
+            got = len(group) if isinstance(group, list) else type(group).__name__
+            raise ValueError(f"{flag}: prompt {i}: {got} trajectories, --group-size is "
+                             f"{group_size}")
+        for j, t in enumerate(group):
+            where = f"{flag}: prompt {i} trajectory {j}"
+            if not isinstance(t, Trajectory):
+                raise ValueError(f"{where}: a {type(t).__name__}, not a Trajectory")
+            if not t.prompt_ids:
+                raise ValueError(f"{where}: no prompt tokens")
+            n = len(t.response_ids)
+            if len(t.response_mask) != n or len(t.rollout_logprobs) != n:
+                raise ValueError(f"{where}: {n} response tokens, {len(t.response_mask)} mask "
+                                 f"values, {len(t.rollout_logprobs)} log-probs (one each)")
+            if any(m not in (0, 1) for m in t.response_mask):
+                raise ValueError(f"{where}: response_mask holds values other than 0 and 1")
+
+
+def run_rollout(name: str, ctx: RolloutContext,
+                records: Sequence[PromptRecord]) -> list[list[Trajectory]]:
+    """The groups of trajectories rollout function `name` (a --rollout-function value) returns
+    for `records`, checked (check_groups)."""
+    groups = resolve_rollout_function(name)(ctx, records)
+    check_groups(groups, len(records), ctx.group_size, name)
+    return groups
