@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from megatron_rl.models.routing import fill_routes
+from megatron_rl.parallel import to_device
 from megatron_rl.rollout.functions import Trajectory
 
 
@@ -77,7 +78,7 @@ class RolloutBatch:
 
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
         """Rows `idx` (e.g. a PPO minibatch), keeping the padding length."""
-        idx_t = torch.as_tensor(list(idx), dtype=torch.long, device=self.device)
+        idx_t = to_device(list(idx), self.device, torch.long)
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         return RolloutBatch(self.tokens[idx_t], self.loss_mask[idx_t],
                             self.rollout_logprobs[idx_t], self.rewards[idx_t], self.group_size,

@@ -22,7 +22,10 @@ What counts (PyTorch's behaviour on CUDA):
   tensor of at least 10 * elements.numel() ** 0.145 entries), `torch.equal`;
 - device -> host copies (`.cpu()`, `.to("cpu")`, `.tolist()`, `.numpy()`) that are not
   non_blocking, and host -> device copies that are not non_blocking (PyTorch waits for the
-  stream after the copy: `at::cuda::memcpy_and_sync`).
+  stream after the copy: `at::cuda::memcpy_and_sync`), including a tensor made on the device
+  from host data: `torch.tensor(data, device=d)`, `torch.as_tensor` / `torch.asarray` of a list
+  or array with a device (the copy runs below the dispatcher: it is counted where Python calls
+  the factory).
 Not counted: `torch.cuda.synchronize()` and event or stream waits (not tensor ops), and
 collectives.
 
@@ -34,7 +37,8 @@ Two modes, by `device_type`:
   (`.tolist()`, `.numpy()`, `.cpu()`) are counted where Python calls them (a
   TorchFunctionMode). Copies made with `.to(device)` cannot be told apart here (on a CPU
   machine the device is the host: `t.to(dev)` is a no-op whose direction the code does not
-  say), so they are not counted: a hot loop that keeps host data as Python values rather than
+  say), so they are not counted, while a factory given an explicit device
+  (`torch.tensor(data, device=dev)`) is: the code says where the data goes: a hot loop that keeps host data as Python values rather than
   CPU tensors is counted exactly; one that reads a host tensor is counted as if that tensor
   were on the device (an upper bound).
 """
@@ -67,6 +71,8 @@ _COPIES = {_aten._to_copy, _aten.to, _aten.copy_, _aten.copy}
 # Python-level reads of a tensor's data on the host (the "cpu" mode's view of D2H copies)
 _HOST_READS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy",
                torch.Tensor.cpu: "cpu"}
+# factories that copy host data (a list, a number, an array) onto the device they are given
+_FROM_HOST = {torch.tensor, torch.as_tensor, torch.asarray}  # (data, *, device=...)
 
 _SKIP_FRAMES = (os.path.dirname(torch.__file__), __file__)
 
@@ -205,6 +211,13 @@ class HostSyncCounter:
             return "copy host->device (blocking)"
         return None
 
+    def _from_host(self, func, args, kwargs) -> bool:
+        """Whether a factory call (`_FROM_HOST`) copies host data onto this counter's device."""
+        device = kwargs.get("device")
+        if device is None or (args and isinstance(args[0], torch.Tensor)):
+            return False  # a tensor's own copy is dispatched (and counted) as one
+        return torch.device(device).type == self.device_type
+
     # -- the modes --------------------------------------------------------------------------
     def __enter__(self) -> "HostSyncCounter":
         counter = self
@@ -223,14 +236,15 @@ class HostSyncCounter:
 
         class _Function(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
-                name = _HOST_READS.get(func)
+                kwargs = kwargs or {}
+                name = _HOST_READS.get(func) if counter.device_type == "cpu" else None
                 if name is not None and args and counter._on_device(args[0]):
-                    counter._record(name)
-                return func(*args, **(kwargs or {}))
+                    counter._record(name)  # on a GPU these reach the dispatcher as copies
+                elif func in _FROM_HOST and counter._from_host(func, args, kwargs):
+                    counter._record("tensor from host data (blocking copy)")
+                return func(*args, **kwargs)
 
-        self._modes = [_Dispatch()]
-        if self.device_type == "cpu":  # on a GPU these reach the dispatcher as copies
-            self._modes.insert(0, _Function())
+        self._modes = [_Function(), _Dispatch()]
         for mode in self._modes:
             mode.__enter__()
         return self

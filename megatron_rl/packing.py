@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from megatron_rl.batch import next_token_targets
+from megatron_rl.parallel import to_device
 
 
 def balance_groups(group_tokens: Sequence[int], num_parts: int) -> list[list[int]]:
@@ -131,7 +132,7 @@ def padded_microbatches(tokens: torch.Tensor, rows: Sequence[int], micro_batch_s
     out = []
     rows = list(rows)
     for i in range(0, len(rows), micro_batch_size):
-        r = torch.as_tensor(rows[i:i + micro_batch_size], dtype=torch.long, device=tokens.device)
+        r = to_device(rows[i:i + micro_batch_size], tokens.device, torch.long)
         take = r
         if equal_shapes and len(r) < micro_batch_size:
             take = torch.cat([r, r[:1].expand(micro_batch_size - len(r))])

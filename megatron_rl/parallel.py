@@ -113,6 +113,14 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def to_device(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data (a list, a number, a host tensor) as a tensor on `device`, without making the
+    host wait for the device. `torch.tensor(data, device=cuda)` and a blocking `.to(cuda)`
+    synchronise the stream after the copy; a non_blocking copy from pageable memory is staged
+    by the driver before the call returns, so the source may be freed at once."""
+    return torch.as_tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
 def process_group_backend() -> str:
     """The default process group's backend: NCCL for device tensors with gloo beside it for
     host tensors on a CUDA build (so a stray host tensor in a collective still works), gloo on

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_rl.models import routing
 from megatron_rl.models.gpt import thd_params
+from megatron_rl.parallel import to_device
 
 if TYPE_CHECKING:
     from megatron_rl.models.policy import Policy
@@ -85,7 +86,8 @@ def match_expert_peers(microbatches: list[dict], group) -> list[dict]:
             extra = s - s0
             segs = padding_segments(extra)
             cu = mb["cu_seqlens"]
-            ends = cu[-1] + torch.cumsum(torch.tensor(segs, dtype=cu.dtype), 0).to(cu.device)
+            ends = cu[-1] + to_device(torch.cumsum(torch.tensor(segs, dtype=cu.dtype), 0),
+                                      cu.device)
             mb.update(tokens=torch.cat([tokens, tokens.new_zeros(1, extra)], dim=1),
                       position_ids=torch.cat([mb["position_ids"], torch.cat(
                           [torch.arange(n_, device=tokens.device) for n_ in segs])[None]], dim=1),

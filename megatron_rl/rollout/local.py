@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models.decode import KVDecoder, unsupported_reason
-from megatron_rl.parallel import device
+from megatron_rl.parallel import device, to_device
 from megatron_rl.rollout.base import Completion, SamplingParams
 
 
@@ -151,12 +151,12 @@ class LocalEngine:
         for i, p in enumerate(seqs):
             tokens[i, P - len(p):P] = torch.tensor(p)
             valid[i, P - len(p):P] = True
-        tokens, valid = tokens.to(dev), valid.to(dev)
+        tokens, valid = to_device(tokens, dev), to_device(valid, dev)
         # an explicit seed makes the samples a function of (seed, prompts, weights) alone, so a
         # resumed run draws exactly what the uninterrupted run would have drawn
         seed = params.seed if params.seed is not None else torch.seed() % (2 ** 31)
         gen = torch.Generator(device=dev).manual_seed(seed)
-        stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=dev)
+        stop_ids = to_device(sorted(set(params.stop_token_ids)), dev, torch.long)
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
         new_logprobs = torch.zeros(B, params.max_new_tokens, device=dev)
         lengths = torch.zeros(B, dtype=torch.long, device=dev)
@@ -164,7 +164,7 @@ class LocalEngine:
         eye = torch.eye(max_len, dtype=torch.bool, device=dev)
         causal = torch.ones(max_len, max_len, dtype=torch.bool, device=dev).tril()
         # positions counted from each prompt's first real token (pads left of it: 0, masked)
-        pads = torch.tensor([P - len(p) for p in seqs], device=dev)
+        pads = to_device([P - len(p) for p in seqs], dev)
         pos = (torch.arange(max_len, device=dev)[None, :] - pads[:, None]).clamp(min=0)
         decoder = KVDecoder(self.policy, len(prompts), max_len) if self.kv_cache else None
         routes = None  # [B, max_len, M, k]: the experts each forwarded position was routed to

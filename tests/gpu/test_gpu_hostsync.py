@@ -18,6 +18,9 @@ def _cases() -> tuple[dict, dict]:
     mask = x > 2
     ones = torch.ones(6, dtype=torch.long, device=d)
     pinned = torch.ones(6).pin_memory()
+    # made here, not in a case: torch.tensor(list, device=d) is itself a blocking copy
+    index, few = torch.tensor([0, 2], device=d), torch.tensor([3, 7], device=d)
+    y = x.clone()  # torch.equal(x, x) answers from the alias alone, without reading the data
     syncing = {
         "item": lambda: x[0].item(),
         "bool": lambda: bool(x[0]),
@@ -29,7 +32,8 @@ def _cases() -> tuple[dict, dict]:
         "masked_select": lambda: x.masked_select(mask),
         "unique": lambda: x.unique(),
         "repeat_interleave": lambda: x.repeat_interleave(ones),
-        "equal": lambda: torch.equal(x, x),
+        "equal": lambda: torch.equal(x, y),
+        "tensor from a list, on the device": lambda: torch.tensor([0, 2], device=d),
         "bincount": lambda: torch.bincount(ones, minlength=4),
         "isin, sorting": lambda: torch.isin(torch.arange(64, device=d),
                                             torch.arange(20, device=d)),
@@ -38,10 +42,9 @@ def _cases() -> tuple[dict, dict]:
         "arithmetic": lambda: (x * 2).sum().exp(),
         "masked_fill": lambda: x.masked_fill(mask, 0.0),
         "x[mask] = scalar": lambda: x.clone().__setitem__(mask, 0.0),
-        "integer index": lambda: x[torch.tensor([0, 2], device=d)],
+        "integer index": lambda: x[index],
         "repeat_interleave with output_size": lambda: x.repeat_interleave(ones, output_size=6),
-        "isin, broadcast compare": lambda: torch.isin(torch.arange(64, device=d),
-                                                      torch.tensor([3, 7], device=d)),
+        "isin, broadcast compare": lambda: torch.isin(torch.arange(64, device=d), few),
         "sort, topk, searchsorted": lambda: (x.sort(), x.topk(2), torch.searchsorted(x, x)),
         "sampling": lambda: torch.multinomial(x.softmax(-1)[None], 1),
         "pinned host to device, non_blocking": lambda: pinned.to(d, non_blocking=True),

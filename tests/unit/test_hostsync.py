@@ -45,6 +45,11 @@ SYNCS = {
     "bincount": (lambda: torch.bincount(torch.tensor([1, 2]), minlength=4), "bincount"),
     "isin, sorting": (lambda: torch.isin(torch.arange(64), torch.arange(20)),
                       "isin (sorting: unique)"),
+    "tensor from a list, on the device": (lambda: torch.tensor([0, 2], device=X.device),
+                                          "tensor from host data (blocking copy)"),
+    "as_tensor of a list, on the device": (
+        lambda: torch.as_tensor([0, 2], dtype=torch.long, device=X.device),
+        "tensor from host data (blocking copy)"),
 }
 
 NO_SYNCS = {
@@ -61,6 +66,7 @@ NO_SYNCS = {
     "sort, topk, searchsorted, split by ints": lambda: (
         X.sort(), X.topk(2), torch.searchsorted(X, X), X.split([2, 4])),
     "sampling": lambda: torch.multinomial(X.softmax(-1)[None], 1),
+    "tensor from a list on the host (no device given)": lambda: torch.tensor([0, 2]),
 }
 
 
