@@ -297,13 +297,15 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, deterministic: bool 
         if use_cuda():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if "WORLD_SIZE" in os.environ:  # launched by torchrun: MASTER_ADDR/PORT from the env
-            init_method = "env://"
-        else:  # a plain single process: a private port, and the environment left untouched
-            from megatron_rl.rollout.net import free_port  # standard library only
-
-            init_method = f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(backend=process_group_backend(), init_method=init_method, rank=rank,
-                                world_size=world, timeout=timeout)
+            dist.init_process_group(backend=process_group_backend(), init_method="env://",
+                                    rank=rank, world_size=world, timeout=timeout)
+        else:  # a plain single process: its own store on a port the kernel picks while binding
+            # it (a port probed free and bound later can be taken in between by a process
+            # beside this one), and the environment left untouched
+            store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+                "127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
+            dist.init_process_group(backend=process_group_backend(), store=store, rank=0,
+                                    world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
