@@ -84,7 +84,14 @@ def test_train_bf16_three_steps_then_exact_resume(placement, inputs, tmp_path):
     assert [r["step"] for r in first] == [1, 2, 3]
     for r in first:
         assert all(v == v and abs(v) != float("inf") for v in r.values()), r
-        assert r["grad_norm"] > 0 and r["skipped_update"] == 0.0, r
+        assert r["skipped_update"] == 0.0, r
+        # with a KL term the different reference moves the policy; without one, a step whose
+        # rewards are all 0 (the random model finds no answer) has zero advantages and so an
+        # exactly zero gradient
+        if placement == "none" and r["reward/mean"] == 0.0:
+            assert r["grad_norm"] == 0.0, r
+        else:
+            assert r["grad_norm"] > 0, r
 
     _rewind_to(save, 2)
     _run(args)

@@ -23,7 +23,7 @@ pytest.importorskip("megatron.core")
 from megatron_rl.models.config import ModelArgs, ModelOptions  # noqa: E402
 from megatron_rl.models.optim import OptimConfig  # noqa: E402
 from megatron_rl.models.policy import Policy  # noqa: E402
-from megatron_rl.parallel import ParallelConfig  # noqa: E402
+from megatron_rl.parallel import ParallelConfig, set_seed  # noqa: E402
 
 TINY = dict(architecture="Qwen2ForCausalLM", vocab_size=96, hidden_size=32, intermediate_size=64,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -40,7 +40,7 @@ def _loss_fn(batch, logits):
 
 
 def _policy(args, weights=None, **kw):
-    torch.manual_seed(0)
+    set_seed(0)  # on a GPU megatron initialises from its own CUDA RNG tracker: seeded here
     policy = Policy(args, trainable=True, **kw)
     if weights is not None:
         policy.load_full_state_dict(weights)

@@ -4,7 +4,7 @@ Both paths run on the same Policy object in one process (gloo, world size 1): fo
 they must draw the same tokens (same generator use) with log-probs within 1e-5, on prompts of
 unequal length (left padding), with stop tokens and with max_new_tokens.
 """
-
+import dataclasses
 import os
 
 import pytest
@@ -72,12 +72,14 @@ def test_stop_tokens_and_truncated_sampling(policy):
     from megatron_rl.rollout.base import SamplingParams
 
     prompts = _prompts()
-    # stop on tokens the unconstrained run actually draws, so that some sequences stop early
-    probe = _both(policy, prompts, 2, SamplingParams(max_new_tokens=10, seed=3))[0]
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=50, top_p=0.9, seed=3)
+    # stop on tokens this very sampling draws without stop tokens: with the same seed the run
+    # with them draws the same tokens until its first stop, so some sequences stop early
+    # (whatever the device's random stream)
+    probe = _both(policy, prompts, 2, params)[0]
     drawn = [t for g in probe for c in g for t in c.token_ids[1:6]]
     stop = sorted(set(drawn[::7]))[:4]
-    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=50, top_p=0.9, seed=3,
-                            stop_token_ids=stop)
+    params = dataclasses.replace(params, stop_token_ids=stop)
     kv, full = _both(policy, prompts, 2, params)
     _assert_same(kv, full)
     comps = [c for g in kv for c in g]
