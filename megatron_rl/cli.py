@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     found = commands()
     if not found:
         print(f"no {GROUP!r} entry points are registered: install megatron-rl "
-              "(pip install --no-build-isolation -e .)", file=sys.stderr)
+              "(pip install --no-build-isolation -e .; a checkout used from PYTHONPATH without "
+              "installing: python setup.py egg_info there)", file=sys.stderr)
         return 2
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in found:
         print(usage(found))

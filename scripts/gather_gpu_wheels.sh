@@ -19,6 +19,8 @@
 #   module level, so it must travel (0.5 MB, with dill and multiprocess); 5.x needs
 #   pyarrow >= 24 while 4.8.5 needs >= 21, the same floor as TRL, so the machine's own pyarrow
 #   (45 MB as a wheel) is used and not carried.
+# - fsspec 2026.2.0 is carried: datasets 4.8.5 needs fsspec <= 2026.2.0 and the machine has
+#   2026.7.0 (read there 2026-11-26); the carried one comes first on PYTHONPATH.
 # - reasoning-gym is not carried: three of its pinned dependencies (cellpylib, pycosat, zss) have
 #   no wheels. Nothing in the GPU kit needs it (tools/bench_vs_trl.py makes its own prompts when
 #   it is missing); data preparation stays on the CPU machine.

@@ -18,7 +18,9 @@
 #   build            python setup.py build_ext --inplace: megatron_rl/_C with the CUDA kernels
 #                    (the build that `pip install --no-build-isolation -e .` runs, without
 #                    writing into the machine's site-packages); fails unless "cuda" is built;
-#                    seconds when megatron_rl/_C already has the CUDA kernels (a carried .so)
+#                    seconds when megatron_rl/_C already has the CUDA kernels (a carried .so);
+#                    then setup.py egg_info: the package's metadata in the checkout (on
+#                    PYTHONPATH), so that `python -m megatron_rl.cli` finds its commands
 #   env              OUT_DIR/env.json: device, driver, torch / CUDA / nvcc, package versions
 #   gpu-tests        pytest -m gpu tests (tests/gpu and the gpu-marked tests elsewhere)
 #   cpu-tier-on-gpu  CPU-tier test files that run the package's own device choice, run again
@@ -33,7 +35,10 @@
 #                    N = 16384 and 65536, with the exact KL
 #   bench-train-phase  tools/bench_train_phase.py: one RL step's training phase, packed + fused
 #                    LM head vs padded + logits, Qwen2.5-0.5B (24 layers, bf16), responses up
-#                    to 4096 tokens, each worker allowed all of the GPU's memory
+#                    to 4096 tokens, each worker allowed all of the GPU's memory; one untimed
+#                    step first (a first step on a GPU pays one-time costs, e.g. megatron's
+#                    torch.compile'd SwiGLU compiling once per new shape, which packed
+#                    microbatches of varying lengths meet more often than padded ones)
 #   bench-rl         tools/bench_vs_trl.py --device cuda: Qwen2.5-0.5B-shaped RL steps vs TRL
 #   bench-weight-sync  tools/bench_weight_sync.py --engines process: s/GB of a 1 GB model's sync
 #   summary          tools/gpu_summary.py write OUT_DIR (also when the kit is stopped: below)
@@ -65,17 +70,18 @@
 # last 2 MiB if needed), DEST/summary.md, DEST/summary.json and, when this command built the
 # extension, DEST/extension.tgz (megatron_rl/_C.cpython-312-x86_64-linux-gnu.so, stripped).
 #
-# Recipe for the lent H100 / H200 (device README: one command <= 600 s, 30 min of device time a
-# session counting each fresh machine's ~1-2 min start and 30 s idle after each call, 64 MiB
-# carried; the machine is given back when idle, so each call installs again). Three calls of
-# 540 + 480 + 300 s of commands, ~1.5 min to start each: 28 min at most. Carry .whl, and from
-# the second call on the extension the first one built:
-#   1 timeout_s 600: GPU_CHECK_TIME_LIMIT=540 bash scripts/gpu_check.sh /tmp/gc --pack $OUT \
-#        --only gpu-tests                        # install ~20 s, build ~2 min, env, the gpu tier
-#     here: tar xzf <files_at>/extension.tgz; carry megatron_rl/_C.cpython-312-x86_64-linux-gnu.so
-#   2 timeout_s 540: GPU_CHECK_TIME_LIMIT=480 ... --only cpu-tier-on-gpu,bench-kernel,bench-exact-kl
-#   3 timeout_s 360: GPU_CHECK_TIME_LIMIT=300 ... --only bench-lm-head,bench-train-phase,bench-weight-sync
-#   here: python tools/gpu_summary.py merge gpu_results <call 1, 2, 3>/gpu_check.tgz
+# Recipe for the lent H100 / H200 (device README: one command <= 600 s, 15 min of device time a
+# session counting the fresh machine's ~1-2 min start and 30 s idle after each call, 64 MiB
+# carried). A machine kept warm keeps $SITE and the built extension, so a second call made
+# at once needs no setup. Two calls (as run on an H200, 2026-11-26: build 55 s, gpu tier 169 s,
+# CPU-tier files on the GPU 260 s, kernel + exact-KL + LM-head benchmarks 86 s), carrying .whl:
+#   1 timeout_s 600: GPU_CHECK_TIME_LIMIT=565 bash scripts/gpu_check.sh /tmp/gc --pack $OUT \
+#        --only gpu-tests,cpu-tier-on-gpu
+#   2 at once, timeout_s 270: GPU_CHECK_TIME_LIMIT=250 GPU_CHECK_RESERVE=25 bash \
+#        scripts/gpu_check.sh /tmp/gc2 --pack $OUT --no-setup \
+#        --only bench-kernel,bench-exact-kl,bench-lm-head
+#   here: python tools/gpu_summary.py merge gpu_results <call 1, 2>/gpu_check.tgz
+# bench-train-phase, bench-weight-sync and bench-rl need a later session's call.
 # A step its call's time limit cut or skipped says so in the summary; run it in a later
 # session's call (--only NAME) and merge that archive too. bench-rl (RL steps vs TRL, minutes)
 # needs a call of its own. Without a per-command limit: GPU_CHECK_TIME_LIMIT=0 runs everything.
@@ -332,7 +338,8 @@ assert 'cuda' in b, 'megatron_rl._C was built without the CUDA kernels'"
         echo 'megatron_rl._C already has the CUDA kernels: not rebuilt'; else \
         command -v nvcc && echo TORCH_CUDA_ARCH_LIST=\$TORCH_CUDA_ARCH_LIST && \
         '$PYTHON' setup.py build_ext --inplace && '$PYTHON' -c 'import torch, megatron_rl._C' && \
-        '$PYTHON' -c \"$has_cuda_kernels\"; fi"
+        '$PYTHON' -c \"$has_cuda_kernels\"; fi && \
+        '$PYTHON' setup.py -q egg_info >/dev/null"
     step env 60 "$PYTHON" tools/gpu_summary.py env "$OUT" --require-cuda --wheels "$WHEELS"
     pytest_step gpu-tests 720 -m gpu --junitxml "$OUT/junit_gpu.xml" tests
     pytest_step cpu-tier-on-gpu 480 -m "not server and not network" \
@@ -350,8 +357,8 @@ assert 'cuda' in b, 'megatron_rl._C was built without the CUDA kernels'"
         step bench-lm-head 400 "$PYTHON" tools/bench_lm_head.py --device cuda \
             --tokens 16384 65536 --dtypes bf16 --exact --json "$OUT/bench_lm_head.json"
         step bench-train-phase 600 "$PYTHON" tools/bench_train_phase.py --bf16 --num-layers 24 \
-            --max-response 1024 4096 --num-sequences 64 --micro-batch-size 2 \
-            --kl k3:loss exact:reward+loss --workdir "$WORK/bench_train_phase" \
+            --max-response 1024 4096 --num-sequences 64 --micro-batch-size 2 --warmup 1 \
+            --kl k3:loss --workdir "$WORK/bench_train_phase" \
             --json "$OUT/bench_train_phase.json"
         step bench-rl 600 "$PYTHON" tools/bench_vs_trl.py --device cuda \
             --out "$WORK/bench_vs_trl" --json "$OUT/bench_vs_trl.json"
