@@ -144,25 +144,19 @@ def test_process_engine_batches_do_not_depend_on_the_layout(char_model, char_ref
 
 
 @pytest.mark.server
-def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tmp_path, torchrun):
-    """TP1, TP2 and TP2xPP2 trainers against a real vLLM server: global rank 0 is the one client
-    (one generate request per step, whatever the layout), the batch is broadcast to the
-    model-parallel group and the weights gathered from every rank reach the server. All three
-    log the same samples and TP1's losses for 3 steps."""
-    from megatron_rl.experiments.tiny_model import make_char_model
-    from megatron_rl.rollout.vllm_engine import vllm_python
+def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tmp_path, torchrun,
+                                                            served_models, shared_servers):
+    """TP1, TP2 and TP2xPP2 trainers against a real vLLM server (attached, --rollout-url):
+    global rank 0 is the one client (one generate request per step, whatever the layout), the
+    batch is broadcast to the model-parallel group and the weights gathered from every rank
+    reach the server. All three log the same samples and TP1's losses for 3 steps."""
+    policy, ref = served_models  # vLLM's CPU attention needs head_dim >= 32; TP2 splits 2 KV heads
 
-    if vllm_python() is None:
-        pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
+    def run(n, name, flags):  # each trainer starts with the server serving the initial weights
+        return _train_metrics(torchrun, n, str(tmp_path / name), policy, ref, arithmetic_jsonl,
+                              ["--rollout-engine", "vllm", "--rollout-url",
+                               shared_servers.vllm(), *flags])
 
-    def model(name, seed):  # vLLM's CPU attention needs head_dim >= 32; TP2 splits 2 KV heads
-        return make_char_model(str(tmp_path / name), seed, hidden_size=128,
-                               intermediate_size=256)
-
-    policy, ref = model("model", 0), model("ref", 1)
-    run = lambda n, name, flags: _train_metrics(torchrun, n, str(tmp_path / name), policy, ref,  # noqa: E731
-                                                arithmetic_jsonl,
-                                                ["--rollout-engine", "vllm", *flags])
     tp1 = run(1, "tp1", [])
     layouts = {"tp2": run(2, "tp2", ["--tensor-model-parallel-size", "2"]),
                "tp2pp2": run(4, "tp2pp2", ["--tensor-model-parallel-size", "2",
