@@ -64,29 +64,22 @@ def two_nodes(nproc: int, args: list[str], timeout: int = 300) -> str:
     return "\n".join(outs)
 
 
-def test_two_node_tp2_saves_resumes_and_logs_tp1_metrics(tmp_path, torchrun):
-    from megatron_rl.data.records import TaskExample, write_jsonl
-    from megatron_rl.experiments.tiny_model import make_char_model
-
-    model = make_char_model(str(tmp_path / "model"), 0)
-    ref = make_char_model(str(tmp_path / "ref"), 1)  # KL has a gradient from step 1
-    data = str(tmp_path / "train.jsonl")
-    write_jsonl(data, [TaskExample(f"Calculate {a}+{b}.", str(a + b), "arithmetic")
-                       for a in range(8) for b in range(8)])
+def test_two_node_tp2_saves_resumes_and_logs_tp1_metrics(tmp_path, char_model, char_ref,
+                                                         arithmetic_jsonl, tp1_metrics):
     tp2 = ["--tensor-model-parallel-size", "2"]
     run = lambda launch, nproc, name, iters, flags: _train_metrics(
-        launch, nproc, str(tmp_path / name), model, ref, data, flags, iters=iters)
+        launch, nproc, str(tmp_path / name), char_model, char_ref, arithmetic_jsonl, flags,
+        iters=iters)
 
     t0 = time.monotonic()
-    tp1 = run(torchrun, 1, "tp1", 3, [])
+    tp1 = tp1_metrics  # the uninterrupted TP1 run (3 steps)
     first = run(two_nodes, 2, "tp2", 2, tp2 + ["--save-interval", "2"])
     save = tmp_path / "tp2"
     assert (save / "latest").read_text().strip() == "iter_0000002"
     for rank in (0, 1):  # each node wrote its part of the checkpoint
         assert (save / "iter_0000002" / f"extra_rank{rank}.pt").exists()
     resumed = run(two_nodes, 2, "tp2", 3, tp2 + ["--save-interval", "2"])
-    print(f"TP1 (3 steps) and two-node TP2 (2 steps, save, resume for the 3rd) in "
-          f"{time.monotonic() - t0:.1f} s")
+    print(f"two-node TP2 (2 steps, save, resume for the 3rd) in {time.monotonic() - t0:.1f} s")
 
     assert [r["step"] for r in tp1] == [1, 2, 3] and tp1[-1]["grad_norm"] > 1e-4
     assert resumed[:2] == first and [r["step"] for r in resumed] == [1, 2, 3]

@@ -22,20 +22,6 @@ pytestmark = pytest.mark.distributed
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2": []}
 
 
-def _char_model(path, seed):
-    """The tiny character-level Qwen2 of tests/e2e (4 heads, 2 KV groups: TP2 splits both)."""
-    from megatron_rl.experiments.tiny_model import make_char_model
-
-    return make_char_model(path, seed)
-
-
-@pytest.fixture(scope="module")
-def char_ref(tmp_path_factory):
-    """A different random model of the same shape as the reference: the KL term has a gradient
-    from the first step (a random policy earns no reward on arithmetic)."""
-    return _char_model(str(tmp_path_factory.mktemp("char_ref")), seed=1)
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_rank_train_runs_two_steps_and_saves(layout, char_model, char_ref, arithmetic_jsonl,
                                                  tmp_path, torchrun, export_hf):
@@ -99,12 +85,12 @@ def _train_metrics(torchrun, nproc, save, model, ref, data, layout_flags, iters=
 
 
 def test_model_parallel_layouts_log_tp1_metrics(char_model, char_ref, arithmetic_jsonl, tmp_path,
-                                                torchrun):
+                                                torchrun, tp1_metrics):
     """3 RL steps at TP1, TP2 and TP2xPP2 (local engine): the same samples (rewards, lengths:
     equal) and the same losses, KL and gradient norms up to float reduction order."""
     run = lambda n, name, flags: _train_metrics(torchrun, n, str(tmp_path / name), char_model,  # noqa: E731
                                                 char_ref, arithmetic_jsonl, flags)
-    tp1 = run(1, "tp1", [])
+    tp1 = tp1_metrics
     layouts = {"tp2": run(2, "tp2", ["--tensor-model-parallel-size", "2"]),
                "tp2pp2": run(4, "tp2pp2", ["--tensor-model-parallel-size", "2",
                                            "--pipeline-model-parallel-size", "2"])}
