@@ -147,21 +147,36 @@ def test_a_run_resumes_on_its_data_with_a_row_removed(tiny_char_model, arithmeti
 
 
 def test_a_resume_with_another_lr_is_refused_or_applied_and_recorded(tiny_char_model,
-                                                                    arithmetic_jsonl, tmp_path):
+                                                                    arithmetic_jsonl, tmp_path,
+                                                                    monkeypatch):
     """A run restarted with another --lr is refused before it builds anything, naming the
     change and the flag that accepts it. With --allow-config-change the resumed optimizer
     trains at the new rate (not the checkpoint's) and <save>/config_history.jsonl records the
     change; a longer --train-iters alone resumes without the flag."""
+    from megatron_rl.config import parse_config
+    from megatron_rl.models import policy
+    from megatron_rl.parallel import destroy_distributed
+    from megatron_rl.runtime import setup_run
+
     save = str(tmp_path / "run")
     first = train_args(tiny_char_model, arithmetic_jsonl, save, 1)  # --lr 1e-2
     subprocess.run(train_cmd(*first), check=True, env=train_env(), capture_output=True,
                    timeout=600)
     changed = train_args(tiny_char_model, arithmetic_jsonl, save, 2, ["--lr", "5e-3"])
-    refused = subprocess.run(train_cmd(*changed), env=train_env(), capture_output=True,
-                             text=True, timeout=600)
-    assert refused.returncode != 0
-    assert "--lr: 0.01 -> 0.005" in refused.stderr and "--allow-config-change" in refused.stderr
-    assert "--train-iters" not in refused.stderr.split("ValueError")[-1]  # free to change
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the resume was refused")
+
+    with monkeypatch.context() as m:  # the trainer's startup, in this process
+        m.setattr(policy, "Policy", built)
+        try:
+            with pytest.raises(ValueError) as refused:
+                setup_run(parse_config(changed))
+        finally:
+            destroy_distributed()
+    assert "--lr: 0.01 -> 0.005" in str(refused.value)
+    assert "--allow-config-change" in str(refused.value)
+    assert "--train-iters" not in str(refused.value)  # free to change
     assert [r["step"] for r in read_metrics(save)] == [1]
     subprocess.run(train_cmd(*changed, "--allow-config-change"), check=True, env=train_env(),
                    capture_output=True, timeout=600)
