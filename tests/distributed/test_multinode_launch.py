@@ -64,29 +64,22 @@ def two_nodes(nproc: int, args: list[str], timeout: int = 300) -> str:
     return "\n".join(outs)
 
 
-def test_two_node_tp2_saves_resumes_and_logs_tp1_metrics(tmp_path, torchrun):
-    from megatron_rl.data.records import TaskExample, write_jsonl
-    from megatron_rl.experiments.tiny_model import make_char_model
-
-    model = make_char_model(str(tmp_path / "model"), 0)
-    ref = make_char_model(str(tmp_path / "ref"), 1)  # KL has a gradient from step 1
-    data = str(tmp_path / "train.jsonl")
-    write_jsonl(data, [TaskExample(f"Calculate {a}+{b}.", str(a + b), "arithmetic")
-                       for a in range(8) for b in range(8)])
+def test_two_node_tp2_saves_resumes_and_logs_tp1_metrics(tmp_path, char_model, char_ref,
+                                                         arithmetic_jsonl, tp1_metrics):
     tp2 = ["--tensor-model-parallel-size", "2"]
     run = lambda launch, nproc, name, iters, flags: _train_metrics(
-        launch, nproc, str(tmp_path / name), model, ref, data, flags, iters=iters)
+        launch, nproc, str(tmp_path / name), char_model, char_ref, arithmetic_jsonl, flags,
+        iters=iters)
 
     t0 = time.monotonic()
-    tp1 = run(torchrun, 1, "tp1", 3, [])
+    tp1 = tp1_metrics  # the uninterrupted TP1 run (3 steps)
     first = run(two_nodes, 2, "tp2", 2, tp2 + ["--save-interval", "2"])
     save = tmp_path / "tp2"
     assert (save / "latest").read_text().strip() == "iter_0000002"
     for rank in (0, 1):  # each node wrote its part of the checkpoint
         assert (save / "iter_0000002" / f"extra_rank{rank}.pt").exists()
     resumed = run(two_nodes, 2, "tp2", 3, tp2 + ["--save-interval", "2"])
-    print(f"TP1 (3 steps) and two-node TP2 (2 steps, save, resume for the 3rd) in "
-          f"{time.monotonic() - t0:.1f} s")
+    print(f"two-node TP2 (2 steps, save, resume for the 3rd) in {time.monotonic() - t0:.1f} s")
 
     assert [r["step"] for r in tp1] == [1, 2, 3] and tp1[-1]["grad_norm"] > 1e-4
     assert resumed[:2] == first and [r["step"] for r in resumed] == [1, 2, 3]
@@ -100,77 +93,54 @@ def test_two_node_tp2_saves_resumes_and_logs_tp1_metrics(tmp_path, torchrun):
 
 
 @pytest.mark.server
-def test_trainer_attached_to_a_separately_started_vllm_server(tmp_path):
+def test_trainer_attached_to_a_separately_started_vllm_server(tmp_path, served_models,
+                                                              shared_servers):
     """The server runs as its own process with the flags docs/launch.md gives for a server on
-    another node; the trainer only knows its URL. Weights go by disk sync: the trainer exports
-    each step's weights under --save and the server reloads them from that path, so trainer and
-    server need one file system (here the same machine; across nodes a shared mount). The
-    server's log-probs match the trainer's recomputation at every step (it serves the current
-    weights); afterwards its workers report the last synced version and its log-probs are those
-    of the last export."""
+    another node (tests/conftest.py: vllm_server_argv); the trainer only knows its URL. Weights
+    go by disk sync: the trainer exports each step's weights under --save and the server
+    reloads them from that path, so trainer and server need one file system (here the same
+    machine; across nodes a shared mount). The server's log-probs match the trainer's
+    recomputation at every step (it serves the current weights); afterwards its workers report
+    the last synced version and its log-probs are those of the last export."""
     from megatron_rl.data.records import TaskExample, write_jsonl
-    from megatron_rl.experiments.tiny_model import make_char_model
     from megatron_rl.rollout.base import SamplingParams
-    from megatron_rl.rollout.managed_server import ManagedServer
-    from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
+    from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
 
-    python = vllm_python()
-    if python is None:
-        pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
-    # vLLM's CPU attention needs head_dim >= 32: 2 heads of 32
-    tiny = {"num_attention_heads": 2, "num_key_value_heads": 1}
-    model = make_char_model(str(tmp_path / "model"), 0, **tiny)
-    ref = make_char_model(str(tmp_path / "ref"), 1, **tiny)
+    model, ref = served_models
     data = str(tmp_path / "train.jsonl")
     write_jsonl(data, [TaskExample(f"Calculate {a}+{b}.", str(a + b), "arithmetic")
                        for a in range(8) for b in range(8)])
+    url = shared_servers.vllm()
+    save = str(tmp_path / "run")
+    args = ["--hf-checkpoint", model, "--ref-checkpoint", ref, "--train-data", data,
+            "--save", save, "--train-iters", "2", "--num-prompts-per-step", "4",
+            "--group-size", "2", "--max-new-tokens", "3", "--lr", "1e-2",
+            "--micro-batch-size", "8", "--prompt-template", "{prompt}=",
+            "--no-task-instruction", "--seed", "3", "--kl-placement", "reward+loss",
+            "--kl-estimator", "k3", "--kl-coef", "1.0",
+            "--rollout-engine", "vllm", "--rollout-url", url, "--weight-sync", "disk"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.train", *args],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["grad_norm"] > 1e-4 for r in rows)  # the weights change every step
+    for r in rows:  # step 2 was sampled from step 1's weights, synced by path
+        assert r["mismatch/abs_delta_max"] < 1e-3, (r["step"], r["mismatch/abs_delta_max"])
 
-    def argv(model_path, host, port):
-        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                "--served-model-name", "policy", "--skip-tokenizer-init",
-                "--logprobs-mode", "processed_logprobs", "--dtype", "float32",
-                "--host", host, "--port", str(port), "--enforce-eager",
-                "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-                "--worker-extension-cls", "megatron_rl.rollout.vllm_worker.WeightSyncExtension"]
-
-    server = ManagedServer("vllm", argv, model, log_dir=str(tmp_path / "server"),
-                           env={"PYTHONPATH": REPO, "VLLM_SERVER_DEV_MODE": "1"},
-                           host="0.0.0.0", max_restarts=0)
-    try:
-        server.start()
-        url = f"http://127.0.0.1:{server.port}"
-        save = str(tmp_path / "run")
-        args = ["--hf-checkpoint", model, "--ref-checkpoint", ref, "--train-data", data,
-                "--save", save, "--train-iters", "2", "--num-prompts-per-step", "4",
-                "--group-size", "2", "--max-new-tokens", "3", "--lr", "1e-2",
-                "--micro-batch-size", "8", "--prompt-template", "{prompt}=",
-                "--no-task-instruction", "--seed", "3", "--kl-placement", "reward+loss",
-                "--kl-estimator", "k3", "--kl-coef", "1.0",
-                "--rollout-engine", "vllm", "--rollout-url", url, "--weight-sync", "disk"]
-        proc = subprocess.run([sys.executable, "-m", "megatron_rl.train", *args],
-                              env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                              text=True, timeout=600, check=False)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        with open(os.path.join(save, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f]
-        assert [r["step"] for r in rows] == [1, 2]
-        assert all(r["grad_norm"] > 1e-4 for r in rows)  # the weights change every step
-        for r in rows:  # step 2 was sampled from step 1's weights, synced by path
-            assert r["mismatch/abs_delta_max"] < 1e-3, (r["step"], r["mismatch/abs_delta_max"])
-
-        # the trainer is gone, the server stays: a client attached as the trainer was finds the
-        # last synced version in its workers and samples with the last export's log-probs
-        exported = os.path.join(save, "vllm", "weights")
-        final = os.path.join(exported, max(os.listdir(exported)))  # v000002
-        client = VLLMEngine(final, VLLMConfig(work_dir=str(tmp_path / "client"), url=url))
-        assert client.server_weight_version() == 2
-        prompt = [5, 17, 30, 42]
-        sample = client.generate([prompt], 1, SamplingParams(max_new_tokens=4, seed=0))[0][0]
-        delta = lambda hf: max(abs(a - b) for a, b in zip(
-            _hf_logprobs(hf, prompt, sample.token_ids), sample.rollout_logprobs))
-        assert delta(final) < 1e-3 and delta(model) > 1e-2  # the trained weights, not the initial
-    finally:
-        server.stop()
+    # the trainer is gone, the server stays: a client attached as the trainer was finds the
+    # last synced version in its workers and samples with the last export's log-probs
+    exported = os.path.join(save, "vllm", "weights")
+    final = os.path.join(exported, max(os.listdir(exported)))  # v000002
+    client = VLLMEngine(final, VLLMConfig(work_dir=str(tmp_path / "client"), url=url))
+    assert client.server_weight_version() == 2
+    prompt = [5, 17, 30, 42]
+    sample = client.generate([prompt], 1, SamplingParams(max_new_tokens=4, seed=0))[0][0]
+    delta = lambda hf: max(abs(a - b) for a, b in zip(
+        _hf_logprobs(hf, prompt, sample.token_ids), sample.rollout_logprobs))
+    assert delta(final) < 1e-3 and delta(model) > 1e-2  # the trained weights, not the initial
 
 
 def _hf_logprobs(hf_dir: str, prompt: list[int], response: list[int]) -> list[float]:

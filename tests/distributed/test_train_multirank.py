@@ -22,20 +22,6 @@ pytestmark = pytest.mark.distributed
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2": []}
 
 
-def _char_model(path, seed):
-    """The tiny character-level Qwen2 of tests/e2e (4 heads, 2 KV groups: TP2 splits both)."""
-    from megatron_rl.experiments.tiny_model import make_char_model
-
-    return make_char_model(path, seed)
-
-
-@pytest.fixture(scope="module")
-def char_ref(tmp_path_factory):
-    """A different random model of the same shape as the reference: the KL term has a gradient
-    from the first step (a random policy earns no reward on arithmetic)."""
-    return _char_model(str(tmp_path_factory.mktemp("char_ref")), seed=1)
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_rank_train_runs_two_steps_and_saves(layout, char_model, char_ref, arithmetic_jsonl,
                                                  tmp_path, torchrun, export_hf):
@@ -99,12 +85,12 @@ def _train_metrics(torchrun, nproc, save, model, ref, data, layout_flags, iters=
 
 
 def test_model_parallel_layouts_log_tp1_metrics(char_model, char_ref, arithmetic_jsonl, tmp_path,
-                                                torchrun):
+                                                torchrun, tp1_metrics):
     """3 RL steps at TP1, TP2 and TP2xPP2 (local engine): the same samples (rewards, lengths:
     equal) and the same losses, KL and gradient norms up to float reduction order."""
     run = lambda n, name, flags: _train_metrics(torchrun, n, str(tmp_path / name), char_model,  # noqa: E731
                                                 char_ref, arithmetic_jsonl, flags)
-    tp1 = run(1, "tp1", [])
+    tp1 = tp1_metrics
     layouts = {"tp2": run(2, "tp2", ["--tensor-model-parallel-size", "2"]),
                "tp2pp2": run(4, "tp2pp2", ["--tensor-model-parallel-size", "2",
                                            "--pipeline-model-parallel-size", "2"])}
@@ -144,25 +130,19 @@ def test_process_engine_batches_do_not_depend_on_the_layout(char_model, char_ref
 
 
 @pytest.mark.server
-def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tmp_path, torchrun):
-    """TP1, TP2 and TP2xPP2 trainers against a real vLLM server: global rank 0 is the one client
-    (one generate request per step, whatever the layout), the batch is broadcast to the
-    model-parallel group and the weights gathered from every rank reach the server. All three
-    log the same samples and TP1's losses for 3 steps."""
-    from megatron_rl.experiments.tiny_model import make_char_model
-    from megatron_rl.rollout.vllm_engine import vllm_python
+def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tmp_path, torchrun,
+                                                            served_models, shared_servers):
+    """TP1, TP2 and TP2xPP2 trainers against a real vLLM server (attached, --rollout-url):
+    global rank 0 is the one client (one generate request per step, whatever the layout), the
+    batch is broadcast to the model-parallel group and the weights gathered from every rank
+    reach the server. All three log the same samples and TP1's losses for 3 steps."""
+    policy, ref = served_models  # vLLM's CPU attention needs head_dim >= 32; TP2 splits 2 KV heads
 
-    if vllm_python() is None:
-        pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
+    def run(n, name, flags):  # each trainer starts with the server serving the initial weights
+        return _train_metrics(torchrun, n, str(tmp_path / name), policy, ref, arithmetic_jsonl,
+                              ["--rollout-engine", "vllm", "--rollout-url",
+                               shared_servers.vllm(), *flags])
 
-    def model(name, seed):  # vLLM's CPU attention needs head_dim >= 32; TP2 splits 2 KV heads
-        return make_char_model(str(tmp_path / name), seed, hidden_size=128,
-                               intermediate_size=256)
-
-    policy, ref = model("model", 0), model("ref", 1)
-    run = lambda n, name, flags: _train_metrics(torchrun, n, str(tmp_path / name), policy, ref,  # noqa: E731
-                                                arithmetic_jsonl,
-                                                ["--rollout-engine", "vllm", *flags])
     tp1 = run(1, "tp1", [])
     layouts = {"tp2": run(2, "tp2", ["--tensor-model-parallel-size", "2"]),
                "tp2pp2": run(4, "tp2pp2", ["--tensor-model-parallel-size", "2",

@@ -16,6 +16,7 @@ from megatron_rl.rollout.mismatch import logprob_mismatch, pad_ragged
 TINY = dict(num_attention_heads=2, num_key_value_heads=1)
 TOL = 1e-3  # max |logp_server - logp_trainer|, fp32 on both sides
 PROMPTS = [[5, 17, 300, 42], [9, 100], [250, 7, 7, 7, 31, 64]]
+CHAR_PROMPTS = [[5, 17, 30, 42], [9, 100], [25, 7, 7, 7, 31, 64]]  # the character vocabulary (128)
 
 
 def make_policy(path, lr=3e-2):

