@@ -10,12 +10,13 @@
       eval        EvalConfig       periodic evaluation
       checkpoint  CheckpointConfig save / load / finetune
       logging     LoggingConfig    Weights & Biases (metrics_log.py)
+      agent       AgentConfig      tools and limits of --rollout-function agent (agent/loop.py)
       train_iters, seed, deterministic_mode
 
 Each setting is declared once, in the dataclass of the module that consumes it (ParallelConfig in
 parallel.py, ModelOptions in models/config.py, OptimConfig in models/optim.py, LossConfig in
-loss.py, KLConfig in kl.py, LoggingConfig in metrics_log.py), its flag's help text (and its
-valid "choices" and "min", where declared) in the field's metadata. The command line and YAML
+loss.py, KLConfig in kl.py, LoggingConfig in metrics_log.py, AgentConfig in agent/loop.py), its
+flag's help text (and its valid "choices" and "min", where declared) in the field's metadata. The command line and YAML
 keep one flat namespace: a field's flag is
 `--<field-name>` with '_' -> '-', prefixed by its group's `prefix` metadata where a name would be
 ambiguous (KLConfig's fields are `--kl-*`) or renamed by its `flag` metadata (`--loss-aggregation`).
@@ -42,6 +43,7 @@ from typing import Any
 import yaml
 
 from megatron_rl.advantages import GROUP_BASELINE_ESTIMATORS
+from megatron_rl.agent.loop import AgentConfig
 from megatron_rl.loss import LossConfig
 from megatron_rl.metrics_log import LoggingConfig
 from megatron_rl.models.config import ModelOptions
@@ -387,6 +389,7 @@ class TrainConfig:
     eval: EvalConfig = _field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = _field(default_factory=CheckpointConfig)
     logging: LoggingConfig = _field(default_factory=LoggingConfig)
+    agent: AgentConfig = _field(default_factory=AgentConfig)
     train_iters: int = _opt(100, min=0, help=(
         "RL steps (a rollout batch and its updates each); a resumed run continues to this step"))
     seed: int = _opt(1234, help=(
@@ -446,6 +449,7 @@ class TrainConfig:
         self.checkpoint.validate()
         self.optimizer.validate()
         self.logging.validate()
+        self.agent.validate()
         if self.loss.rollout_correction.enabled and self.use_rollout_logprobs():
             raise ValueError(f"--rollout-correction {self.loss.rollout_correction.mode} weighs "
                              "the engine's samples by pi_old/mu, but the behaviour log-probs are "
@@ -459,6 +463,10 @@ class TrainConfig:
                              "the behaviour log-probs are the engine's (--old-logprobs auto or "
                              "rollout), not a recompute, unless --rollout-correction weighs the "
                              "engine's samples against the recompute")
+        if self.algorithm.routing_replay and self.rollout.rollout_function == "agent":
+            raise ValueError("--routing-replay with --rollout-function agent: the engine's "
+                             "experts are recorded per generate call, and an episode's turns "
+                             "are several calls; replay is for single-turn rollouts")
         if self.algorithm.routing_replay:
             engine = self.rollout.rollout_engine
             if not ENGINES[engine].routed_experts:

@@ -225,9 +225,14 @@ def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
     from megatron_rl.rollout.factory import context_limit
 
     d = cfg.data
+    tools = None
+    if cfg.rollout.rollout_function == "agent":  # the tools' schemas in the chat template
+        from megatron_rl.agent.loop import tool_registry
+
+        tools = tool_registry(cfg.agent).schemas()
     builder = PromptBuilder(tokenizer=codec.tokenizer if d.chat_template else None,
                             template=d.prompt_template, use_chat_template=d.chat_template,
-                            task_instruction=d.task_instruction)
+                            task_instruction=d.task_instruction, tools=tools)
     train = PromptDataset.from_jsonl(d.train_data, builder, seed=cfg.seed)
     evals = PromptDataset.from_jsonl(d.eval_data, builder, shuffle=False) if d.eval_data else None
     limit = ContextLimit(*context_limit(cfg.rollout, max_position_embeddings),

@@ -87,6 +87,9 @@ class PromptBuilder:
     use_chat_template: bool = True
     countdown_require_all: bool = False
     task_instruction: bool = True  # False: the bare problem text (e.g. for tiny demo models)
+    # tool schemas (OpenAI function convention) the chat template puts in the system prompt
+    # (--rollout-function agent); the plain template has no place for them
+    tools: list[dict] | None = None
 
     def __post_init__(self):
         if isinstance(self.tokenizer, (str, Path)):
@@ -111,7 +114,8 @@ class PromptBuilder:
             if self.system_prompt:
                 messages.append({"role": "system", "content": self.system_prompt})
             messages.append({"role": "user", "content": user})
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                      add_generation_prompt=True)
         return self.template.format(prompt=user, system=self.system_prompt or "")
 
 

@@ -68,8 +68,9 @@ class Trajectory:
         timeout, error, too_long, no_answer), logged as reward_errors/<reason>; None otherwise.
     routed_experts: the engine's experts for every token it forwarded, [P + T - 1, M, k]
         (Completion.routed_experts), for routing replay; None without a record.
-    metadata: anything else the rollout function keeps (turns, tool calls); not used in
-        training.
+    metadata: anything else the rollout function keeps; not used in training. Its "counts"
+        ({name: number}, e.g. the agent loop's agent/turns) are averaged over the batch's
+        trajectories and logged as rollout/<name>.
     """
 
     prompt_ids: list[int]
@@ -157,7 +158,11 @@ def single_turn_groups(prompt_ids: Sequence[list[int]], groups: Sequence[Sequenc
 
 
 ROLLOUT_FUNCTIONS: dict[str, RolloutFunction] = {"single-turn": single_turn}
-"""The built-in rollout functions by --rollout-function name."""
+"""The built-in rollout functions by --rollout-function name (with BUILT_IN_PATHS)."""
+
+BUILT_IN_PATHS = {"agent": "megatron_rl.agent.loop:agent_rollout"}
+"""Built-in rollout functions of other packages, imported when chosen: "agent", the multi-turn
+tool-calling loop (megatron_rl/agent/loop.py)."""
 
 
 def resolve_rollout_function(name: str) -> RolloutFunction:
@@ -167,10 +172,11 @@ def resolve_rollout_function(name: str) -> RolloutFunction:
     flag = f"--rollout-function {name!r}"
     if name in ROLLOUT_FUNCTIONS:
         return ROLLOUT_FUNCTIONS[name]
+    name = BUILT_IN_PATHS.get(name, name)
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{flag}: neither a built-in rollout function ("
-                         + ", ".join(ROLLOUT_FUNCTIONS) + ") nor an import path "
+                         + ", ".join([*ROLLOUT_FUNCTIONS, *BUILT_IN_PATHS]) + ") nor an import path "
                          "`module:function`")
     try:
         obj: Any = importlib.import_module(module_name)

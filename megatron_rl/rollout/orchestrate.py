@@ -166,6 +166,9 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
     batch = pack_rollouts(groups, run.codec.pad_id).to(device())
     metrics = global_metrics.count_metrics(_reward_errors(groups), "reward_errors/",
                                            data_parallel_group())
+    counts = global_metrics.count_metrics(_trajectory_counts(groups), "rollout/",
+                                          data_parallel_group())
+    metrics.update({k: v / metrics["reward_errors/total"] for k, v in counts.items()})
     metrics.update(engine_stats)
     # behaviour policy = the weights that generated the batch (see --old-logprobs)
     metrics.update(behaviour_logprobs(run.policy, cfg, batch))
@@ -185,6 +188,15 @@ def _reward_errors(groups: list[list[Trajectory]]) -> dict[str, int]:
     counts = collections.Counter(t.reward_error for g in groups for t in g
                                  if t.reward_error is not None)
     return {**dict.fromkeys(REASONS, 0), **counts, "total": sum(len(g) for g in groups)}
+
+
+def _trajectory_counts(groups: list[list[Trajectory]]) -> dict[str, float]:
+    """The sum over trajectories of their metadata["counts"] (Trajectory.metadata)."""
+    total: collections.Counter = collections.Counter()
+    for g in groups:
+        for t in g:
+            total.update(t.metadata.get("counts", {}))
+    return dict(total)
 
 
 def _deal_groups(run: Run, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:

@@ -19,7 +19,7 @@ def test_built_in_and_import_path_name_the_same_function():
 
 @pytest.mark.parametrize("name, message", [
     ("multi-turn", r"--rollout-function 'multi-turn': neither a built-in rollout function "
-                   r"\(single-turn\) nor an import path `module:function`"),
+                   r"\(single-turn, agent\) nor an import path `module:function`"),
     ("no_such_module_xyz:rollout", r"--rollout-function 'no_such_module_xyz:rollout': cannot "
                                    r"import module 'no_such_module_xyz' \(ModuleNotFoundError"),
     ("megatron_rl.rollout.functions:no_such", r"--rollout-function "
