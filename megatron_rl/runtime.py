@@ -237,6 +237,10 @@ def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
     evals = PromptDataset.from_jsonl(d.eval_data, builder, shuffle=False) if d.eval_data else None
     limit = ContextLimit(*context_limit(cfg.rollout, max_position_embeddings),
                          max_new_tokens=cfg.rollout.max_new_tokens)
+    if tools is not None and cfg.agent.agent_max_tokens > limit.tokens:
+        raise ValueError(f"--agent-max-tokens {cfg.agent.agent_max_tokens}: an episode longer "
+                         f"than {limit.source} cannot be generated; lower it to at most "
+                         f"{limit.tokens}")
     checks = [(train, "--train-data", 0)]
     if evals is not None and cfg.eval.eval_interval:  # evaluation reads --eval-max-prompts rows
         checks.append((evals, "--eval-data", cfg.eval.eval_max_prompts))

@@ -117,7 +117,7 @@ def main() -> int:
         "--save-interval", str(a.eval_interval), "--seed", "1",
         "--prompt-template", PROMPT_TEMPLATE, "--no-task-instruction"])
     # base-model accuracy, measured with exactly the evaluation the trainer runs
-    base_metrics = _evaluate_weights(cfg)
+    base_metrics = evaluate_weights(cfg)
     train(cfg)
     rows = [json.loads(line) for line in open(os.path.join(rl_dir, "metrics.jsonl"))]
     final = [r for r in rows if "eval/mean_at_k" in r][-1]
@@ -132,7 +132,7 @@ def main() -> int:
     return 0 if final["eval/mean_at_k"] > base_metrics["eval/mean_at_k"] else 1
 
 
-def _evaluate_weights(cfg) -> dict:
+def evaluate_weights(cfg) -> dict:
     """Evaluate the initial weights (step 0) once; cached in <save>/base_eval.json."""
     path = os.path.join(cfg.checkpoint.save, "base_eval.json")
     if os.path.exists(path):

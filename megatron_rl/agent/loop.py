@@ -226,11 +226,11 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[
             seeded = params if params.seed is None else dataclasses.replace(
                 params, seed=params.seed + 1_000_003 * turn)
             if turn == 0:  # all prompts at once, n = group size: each prompt prefilled once
-                completions = [c for g in ctx.engine.generate(prompt_ids, ctx.group_size, seeded)
-                               for c in g]
+                completions = _generate(ctx.engine, prompt_ids, ctx.group_size, seeded,
+                                        config.agent_max_tokens)
             else:
                 contexts = [e.prompt_ids + e.response_ids for e in active]
-                completions = [g[0] for g in ctx.engine.generate(contexts, 1, seeded)]
+                completions = _generate(ctx.engine, contexts, 1, seeded, config.agent_max_tokens)
             calls_of = [_take_turn(e, c, config, marker, decode, turn) for e, c in
                         zip(active, completions)]
             _run_tools(tools, active, calls_of, fmt, config, decode, ctx.codec.tokenizer)
@@ -250,6 +250,28 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[
                                      e.finish_reason, s.reward, s.reason,
                                      metadata={"counts": e.counts, "end": e.end}))
     return groups
+
+
+def _generate(engine, contexts: list[list[int]], n: int, params, max_tokens: int
+              ) -> list[Completion]:
+    """n completions of each context, flat, none of them past `max_tokens` tokens with its
+    context: contexts with room for --max-new-tokens in one generate call, those nearer the
+    limit in a second one with the smallest room among them (a turn with no room at all gets
+    an empty completion, ended as "length")."""
+    from megatron_rl.rollout.base import Completion
+
+    rooms = [max_tokens - len(c) for c in contexts]
+    full = [i for i, r in enumerate(rooms) if r >= params.max_new_tokens]
+    near = [i for i, r in enumerate(rooms) if 0 < r < params.max_new_tokens]
+    out: list[list[Completion]] = [[Completion([], [], "length")] * n for _ in contexts]
+    for idx, max_new in ((full, params.max_new_tokens),
+                         (near, min((rooms[i] for i in near), default=0))):
+        if idx:
+            groups = engine.generate([contexts[i] for i in idx], n,
+                                     dataclasses.replace(params, max_new_tokens=max_new))
+            for i, g in zip(idx, groups):
+                out[i] = list(g)
+    return [c for g in out for c in g]
 
 
 def _take_turn(e: _Episode, c: Completion, config: AgentConfig, marker: str | None, decode,

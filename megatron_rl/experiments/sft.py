@@ -1,7 +1,9 @@
 """Supervised warm-up: maximise log pi(answer + eos | prompt) with the same Policy machinery as RL.
 
-Used to turn a random tiny model into a weak base model for the CPU demo; works in any TP/PP/DP
-layout like the RL loss (normalised by the global number of answer tokens).
+Used to turn a random tiny model into a weak base model for the CPU demos; works in any TP/PP/DP
+layout like the RL loss (normalised by the global number of answer tokens). A target may carry
+a mask (a tool-use trace: the policy's turns 1, the tool responses between them 0), and only its
+1 tokens are trained on, as in RL.
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ import torch.distributed as dist
 from megatron_rl.batch import next_token_targets, pack_rollouts
 from megatron_rl.parallel import all_reduce, data_parallel_group, device
 from megatron_rl.progress import progress as progress_display
-from megatron_rl.rollout.base import Completion
-from megatron_rl.rollout.functions import single_turn_groups
+from megatron_rl.rollout.functions import Trajectory
 
 
-def sft(policy, pairs: Sequence[tuple[list[int], list[int]]], *, steps: int, batch_size: int,
-        micro_batch_size: int, seed: int = 0, progress: bool = True) -> list[float]:
-    """Train on (prompt ids, target ids) pairs (targets include the stop token). This DP rank
-    uses its share of each global batch. Returns the per-step mean token NLL."""
+def sft(policy, pairs: Sequence[tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]],
+        *, steps: int, batch_size: int, micro_batch_size: int, seed: int = 0,
+        progress: bool = True) -> list[float]:
+    """Train on (prompt ids, target ids[, target mask]) (targets include the stop token; the
+    mask, all 1 when absent, says which target tokens are trained on). This DP rank uses its
+    share of each global batch. Returns the per-step mean NLL of the trained tokens."""
     from megatron.core import parallel_state as ps
 
     from megatron_rl.ops import vocab_parallel_logprobs
@@ -33,10 +36,9 @@ def sft(policy, pairs: Sequence[tuple[list[int], list[int]]], *, steps: int, bat
     bar = progress_display(range(steps), desc="SFT warm-up", disable=not show, unit="step")
     for _ in bar:
         chosen = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)][dp_rank::dp]
-        batch = pack_rollouts(single_turn_groups([p for p, _ in chosen],
-                                                 [[Completion(t, [0.0] * len(t), "stop")]
-                                                  for _, t in chosen],
-                                                 [0.0] * len(chosen)),
+        batch = pack_rollouts([[Trajectory(list(c[0]), list(c[1]),
+                                           list(c[2]) if len(c) > 2 else [1] * len(c[1]),
+                                           [0.0] * len(c[1]), "stop", 0.0)] for c in chosen],
                               pad_token_id=0).to(device())
         n_tok = all_reduce(batch.loss_mask.sum(), data_parallel_group())
         micro = [{"tokens": batch.tokens[i:i + micro_batch_size],

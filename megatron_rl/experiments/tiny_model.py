@@ -7,6 +7,7 @@ safetensors + config.json, exactly like a real checkpoint.
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import torch
 
@@ -76,9 +77,11 @@ def make_char_model(path: str, seed: int = 0, family: str = "qwen2", **overrides
     return path
 
 
-def make_char_tokenizer(path: str, vocab_size: int = 128) -> str:
+def make_char_tokenizer(path: str, vocab_size: int = 128, special: Sequence[str] = ()) -> str:
     """Save a character-level HF tokenizer (printable ASCII + newline, one token per character;
-    <pad>=0, <eos>=1, <unk>=2) to `path`, padded to `vocab_size` entries."""
+    <pad>=0, <eos>=1, <unk>=2) to `path`, padded to `vocab_size` entries. `special`: strings
+    that are one token each, after the characters (e.g. "</tool_call>", so that generation can
+    stop on it as on Qwen's)."""
     import string
 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -88,6 +91,8 @@ def make_char_tokenizer(path: str, vocab_size: int = 128) -> str:
     vocab = {t: i for i, t in enumerate(CHAR_SPECIALS)}
     for c in chars:
         vocab[c] = len(vocab)
+    for t in special:
+        vocab[t] = len(vocab)
     if len(vocab) > vocab_size:
         raise ValueError(f"character vocabulary needs {len(vocab)} entries > {vocab_size}")
     for i in range(len(vocab), vocab_size):
@@ -97,6 +102,8 @@ def make_char_tokenizer(path: str, vocab_size: int = 128) -> str:
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    unk_token="<unk>")
+    if special:
+        fast.add_special_tokens({"additional_special_tokens": list(special)})
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)
     return path

@@ -134,7 +134,9 @@ def server_configs(cfg, args, longest_prompt: int | None, cuda: bool,
     context_len: int | None = None  # attached servers: theirs
     if not r.rollout_url:
         assert longest_prompt is not None, "started servers need the longest prompt"
-        context_len = server_context_len(r, longest_prompt, args.max_position_embeddings)
+        episode = cfg.agent.agent_max_tokens if r.rollout_function == "agent" else 0
+        context_len = server_context_len(r, longest_prompt, args.max_position_embeddings,
+                                         episode)
         if cuda:
             gpus = [(g,) for g in r.server_gpus()]
             if mem is not None:
@@ -187,22 +189,32 @@ def context_limit(r, max_position_embeddings: int) -> tuple[int, str]:
     return max_position_embeddings, f"the model's max_position_embeddings ({max_position_embeddings})"
 
 
-def server_context_len(r, longest_prompt: int, max_position_embeddings: int) -> int:
+def server_context_len(r, longest_prompt: int, max_position_embeddings: int,
+                       episode_tokens: int = 0) -> int:
     """Tokens of one sequence (prompt and response) a server started for the rollout settings
     `r` (a RolloutConfig) takes: --rollout-max-context-len, or `longest_prompt` (the run's
-    longest prompt in tokens) + --max-new-tokens. ValueError where a prompt would not fit or
-    the model has fewer positions."""
-    need = longest_prompt + r.max_new_tokens
+    longest prompt in tokens) + --max-new-tokens, or `episode_tokens` (a multi-turn episode's
+    limit, --agent-max-tokens) where larger. ValueError where a prompt or an episode would not
+    fit or the model has fewer positions."""
+    need = max(longest_prompt + r.max_new_tokens, episode_tokens)
     context_len = r.rollout_max_context_len or need
     if context_len < need:
+        if episode_tokens > longest_prompt + r.max_new_tokens:
+            raise ValueError(f"--rollout-max-context-len {context_len} is shorter than an "
+                             f"episode of --agent-max-tokens {episode_tokens}: raise it, or "
+                             "lower --agent-max-tokens")
         raise ValueError(f"--rollout-max-context-len {context_len} holds prompts of up to "
                          f"{context_len - r.max_new_tokens} tokens with --max-new-tokens "
                          f"{r.max_new_tokens}; the longest prompt of --train-data / --eval-data "
                          f"has {longest_prompt}: raise it, or shorten the prompts")
     if context_len > max_position_embeddings:
-        what = (f"--rollout-max-context-len {context_len}" if r.rollout_max_context_len else
-                f"the longest prompt ({longest_prompt} tokens) + --max-new-tokens "
-                f"({r.max_new_tokens}) = {context_len}")
+        if r.rollout_max_context_len:
+            what = f"--rollout-max-context-len {context_len}"
+        elif episode_tokens == need:
+            what = f"--agent-max-tokens {episode_tokens}"
+        else:
+            what = (f"the longest prompt ({longest_prompt} tokens) + --max-new-tokens "
+                    f"({r.max_new_tokens}) = {context_len}")
         raise ValueError(f"{what} exceeds the model's max_position_embeddings "
                          f"({max_position_embeddings})")
     return context_len

@@ -59,6 +59,17 @@ def test_rollout_max_context_len_is_the_limit_of_started_servers(tmp_path, char_
     assert len(_load(tmp_path, char_tokenizer_dir, train, *servers, *attached)[0]) == 3
 
 
+def test_an_agent_episode_longer_than_the_model_is_refused_before_any_model(tmp_path,
+                                                                           char_tokenizer_dir):
+    train = _jsonl(tmp_path / "train.jsonl", [10, 20])
+    agent = ["--rollout-function", "agent", "--agent-max-tokens", "100"]
+    with pytest.raises(ValueError, match=r"--agent-max-tokens 100: an episode longer than the "
+                                         r"model's max_position_embeddings \(64\) cannot be "
+                                         r"generated; lower it to at most 64"):
+        _load(tmp_path, char_tokenizer_dir, train, *agent)
+    assert len(_load(tmp_path, char_tokenizer_dir, train, *agent, positions=128)[0]) == 2
+
+
 def test_filter_overlong_prompts_and_the_evaluated_rows(tmp_path, char_tokenizer_dir, caplog):
     """--filter-overlong-prompts skips overlong rows of the training and the evaluated data;
     evaluation data is checked only where evaluated (--eval-interval), in its first

@@ -47,17 +47,21 @@ def scorer():
 class ScriptedEngine:
     """generate(contexts, n, params): for each context, n completions of the text
     `policy(decoded context, call index)`, cut at the first stop id (kept, "stop") or at
-    max_new_tokens ("length"); token t's log-prob is -(t + 1) / 100. Records every call."""
+    max_new_tokens ("length"); token t's log-prob is -(t + 1) / 100. Like the local engine it
+    refuses a context that max_new_tokens would take past its `positions`. Records every
+    call."""
 
     client_rank = None
 
-    def __init__(self, tokenizer, policy):
-        self.tokenizer, self.policy, self.calls = tokenizer, policy, []
+    def __init__(self, tokenizer, policy, positions=10_000):
+        self.tokenizer, self.policy, self.positions, self.calls = tokenizer, policy, positions, []
 
     def generate(self, contexts, n, params):
         self.calls.append((contexts, n, params))
         out = []
         for ctx in contexts:
+            if len(ctx) + params.max_new_tokens > self.positions:
+                raise ValueError(f"prompt ({len(ctx)}) + max_new_tokens exceeds the positions")
             text = self.policy(self.tokenizer.decode(ctx, skip_special_tokens=False),
                                len(self.calls) - 1)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -84,7 +88,7 @@ def _run(tokenizer, scorer, policy, config=None, *, group_size=2, prompts=("Q: 1
          max_new_tokens=200):
     config = config or AgentConfig()
     codec = Codec.from_tokenizer(tokenizer, chat_template=False)
-    engine = ScriptedEngine(tokenizer, policy)
+    engine = ScriptedEngine(tokenizer, policy, positions=config.agent_max_tokens)
     cfg = type("Cfg", (), {"agent": config})()
     ctx = RolloutContext(engine, SamplingParams(max_new_tokens=max_new_tokens, seed=5,
                                                 stop_token_ids=codec.stop_ids),
@@ -205,11 +209,19 @@ def test_limits_end_episodes_with_their_reason(tokenizer, scorer):
     t = groups[0][0]
     assert t.metadata["end"] == "max_tool_calls" and 0 not in t.response_mask
 
-    groups, _, _ = _run(tokenizer, scorer, calculator_then_answer,
-                        AgentConfig(agent_max_tokens=60), group_size=1)
+    # a short episode limit: every turn asks for no more tokens than are left (the engine
+    # refuses more), and the episode ends when the tools' text leaves no room for a turn
+    groups, engine, _ = _run(tokenizer, scorer, calculator_then_answer,
+                             AgentConfig(agent_max_tokens=150), group_size=1, max_new_tokens=100)
     t = groups[0][0]
-    assert t.metadata["end"] == "max_tokens" and len(t.tokens) <= 60
-    assert t.finish_reason == "length" and t.reward == 0.0
+    used = [len(t.prompt_ids), len(_encode(tokenizer, CALL)),
+            len(_encode(tokenizer, "\n<tool_response>\n408\n</tool_response>\n"))]
+    assert [p.max_new_tokens for _, _, p in engine.calls] == [100, 150 - sum(used)]
+    assert t.metadata["end"] == "answer" and len(t.tokens) <= 150 and t.reward == 1.0
+    groups, _, _ = _run(tokenizer, scorer, calculator_then_answer,
+                        AgentConfig(agent_max_tokens=100), group_size=1, max_new_tokens=90)
+    t = groups[0][0]
+    assert t.metadata["end"] == "max_tokens" and len(t.tokens) <= 100 and 0 not in t.response_mask
 
     # a turn that runs out of --max-new-tokens without a call
     groups, _, _ = _run(tokenizer, scorer, lambda c, _: "thinking " * 50, group_size=1,

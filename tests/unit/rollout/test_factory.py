@@ -179,6 +179,24 @@ def test_context_length_is_the_runs_not_the_models(tmp_path):
         server_context_len(r, 1500, 2048)
 
 
+def test_a_multi_turn_episode_sets_the_context_length(tmp_path):
+    """--rollout-function agent: a started server holds a whole episode (--agent-max-tokens),
+    more than a prompt and one turn; an episode longer than the model's positions or than
+    --rollout-max-context-len is refused up front."""
+    from megatron_rl.rollout.factory import server_context_len
+
+    r = _cfg(tmp_path, "--rollout-engine", "vllm").rollout
+    assert server_context_len(r, 700, 131072, episode_tokens=4096) == 4096
+    assert server_context_len(r, 700, 131072, episode_tokens=1000) == 1724
+    with pytest.raises(ValueError, match="--agent-max-tokens 4096 exceeds the model's "
+                                         "max_position_embeddings .2048."):
+        server_context_len(r, 700, 2048, episode_tokens=4096)
+    r = _cfg(tmp_path, "--rollout-engine", "vllm", "--rollout-max-context-len", "3072").rollout
+    with pytest.raises(ValueError, match="--rollout-max-context-len 3072 is shorter than an "
+                                         "episode of --agent-max-tokens 4096"):
+        server_context_len(r, 700, 131072, episode_tokens=4096)
+
+
 def test_servers_on_gpus_get_their_device_context_and_share(tmp_path):
     """Pretending a CUDA run: server i on device i (or --rollout-gpus), the run's context
     length, vLLM the share as is, SGLang the share in its own terms."""
