@@ -12,12 +12,13 @@ import argparse
 import dataclasses
 import json
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.metrics import count_metrics
 from megatron_rl.parallel import all_reduce, data_parallel_group
 from megatron_rl.rollout.base import SamplingParams, on_client
 from megatron_rl.rollout.functions import RolloutContext, resolve_rollout_function, run_rollout
@@ -27,11 +28,13 @@ if TYPE_CHECKING:
 
 
 def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
-                    batch_prompts: int = 16) -> dict:
+                    batch_prompts: int = 16, counts: Counter | None = None) -> dict:
     """Per-task {"mean_at_k", "pass_at_k", "num_prompts"} plus "all", k = ctx.group_size; a
     reward >= 1 is correct. The rollout function `rollout` (a --rollout-function value,
     rollout/functions.py) samples and scores `batch_prompts` records at a time, with
     ctx.params' seed + the chunk's first index, as an evaluation (no routed experts).
+    `counts`, where given, accumulates the trajectories' metadata["counts"] (the agent loop's
+    turns, tool calls, ...) and their number under "trajectories".
 
     Collective when the engine is (local engine under TP/PP): every rank passes the same records.
     """
@@ -43,6 +46,10 @@ def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
                               "return_routed_experts": False})
         groups = run_rollout(rollout, dataclasses.replace(ctx, params=p, evaluation=True), chunk)
         correct = torch.tensor([[t.reward for t in g] for g in groups]) >= 1.0
+        if counts is not None:
+            for t in (t for g in groups for t in g):
+                counts.update(t.metadata.get("counts", {}))
+                counts["trajectories"] += 1
         for r, row in zip(chunk, correct):
             for key in (r.task, "all"):
                 acc = per_task[key]
@@ -75,20 +82,30 @@ def evaluate(run: Run, step: int) -> dict:
     ctx = lambda seed: RolloutContext(engine, run.sampling_params(seed=seed),  # noqa: E731
                                       cfg.eval.eval_samples, run.codec, run.scorer, cfg, step,
                                       evaluation=True)
+    counts: Counter = Counter()
     if engine.client_rank is not None:
         def on_the_client():
             records, _ = _eval_records(run, cfg.eval.eval_max_prompts, share=False)
-            return evaluate_engine(ctx(cfg.seed + 104729), records, rollout)
+            return evaluate_engine(ctx(cfg.seed + 104729), records, rollout, counts=counts), counts
 
-        res = on_client(engine, on_the_client, f"evaluating at step {step}")
-        return reduce_eval_results(res, sorted(res), group=None)
+        res, counts = on_client(engine, on_the_client, f"evaluating at step {step}")
+        return {**reduce_eval_results(res, sorted(res), group=None), **_count_means(counts)}
     # expert-parallel ranks exchange tokens inside every forward, so they must generate the
     # same number of batches: each evaluates the whole set (with one seed) instead of a share
     share = run.policy.ep_size == 1
     records, tasks = _eval_records(run, cfg.eval.eval_max_prompts, share=share)
     seed = cfg.seed + 104729 + (run.dp_rank if share else 0)
-    res = evaluate_engine(ctx(seed), records, rollout)
-    return reduce_eval_results(res, tasks, data_parallel_group() if share else None)
+    res = evaluate_engine(ctx(seed), records, rollout, counts=counts)
+    group = data_parallel_group() if share else None
+    if share:
+        counts = Counter(count_metrics(counts, "", group))  # summed over the DP ranks
+    return {**reduce_eval_results(res, tasks, group), **_count_means(counts)}
+
+
+def _count_means(counts: Counter) -> dict[str, float]:
+    """eval/rollout/<name>: the trajectories' counts (evaluate_engine) per trajectory."""
+    n = counts.pop("trajectories", 0)
+    return {f"eval/rollout/{k}": v / n for k, v in sorted(counts.items())} if n else {}
 
 
 def reduce_eval_results(res: dict, tasks: list[str], group=None) -> dict[str, float]:

@@ -158,6 +158,29 @@ def _rank_wait_group():
     return _wait_group[1]
 
 
+def model_parallel_source(fn: Callable[[], T]) -> T:
+    """`fn()` run on the first rank of this rank's model-parallel group (TP x PP) alone, its
+    picklable result on every rank of the group. For work each rank of a group would
+    otherwise do on its own with results that may differ (a tool's answer under a time limit)
+    where the group's ranks must go on identically (the in-process engine's generate calls are
+    collective over the group, with the same prompts on every rank). `fn` must not call
+    collectives; it should take seconds, not minutes (the others wait in the broadcast, under
+    --distributed-timeout-minutes). Without model parallelism: fn()."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return fn()
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return fn()
+    group = ps.get_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return fn()
+    src = dist.get_global_rank(group, 0)
+    box: list = [fn() if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 def run_on_rank(src: int, fn: Callable[[], T], what: str) -> T:
     """Collective: `fn()` run on global rank `src` alone, its picklable result on every rank.
     `what` names the work in the other ranks' errors ("generating step 3's batch").

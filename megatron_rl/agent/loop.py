@@ -25,7 +25,9 @@ Episodes advance together, one turn at a time: one generate call per turn for al
 still running (the first for all prompts with n = group size, so that an engine shares each
 prompt's prefill), then every tool call of that turn at once on ToolExecutor's threads (one
 sandbox process each for the Python tool), so a slow tool holds the others only until the
-slowest call of the turn returns.
+slowest call of the turn returns. With the in-process engine the loop runs on every rank of a
+model-parallel group; the tools run on the group's first rank and the others take its answers
+(parallel.model_parallel_source), so that the group's generate calls stay identical.
 
 Limits (AgentConfig), each ending an episode with its reason, counted as
 rollout/agent/end_<reason>:
@@ -52,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from megatron_rl.agent.parsing import TOOL_CALL_FORMATS, parse_tool_calls
 from megatron_rl.agent.tools import OUTCOMES, ToolExecutor, ToolRegistry, ToolResult
+from megatron_rl.parallel import model_parallel_source
 from megatron_rl.rollout.functions import Trajectory
 
 if TYPE_CHECKING:
@@ -233,7 +236,8 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[
                 completions = _generate(ctx.engine, contexts, 1, seeded, config.agent_max_tokens)
             calls_of = [_take_turn(e, c, config, marker, decode, turn) for e, c in
                         zip(active, completions)]
-            _run_tools(tools, active, calls_of, fmt, config, decode, ctx.codec.tokenizer)
+            _run_tools(tools, active, calls_of, fmt, config, decode, ctx.codec.tokenizer,
+                       everywhere=ctx.engine.client_rank is None)
         for e in episodes:
             if e.end is None:  # still calling tools after its last allowed turn
                 e.end = "max_turns"
@@ -309,20 +313,30 @@ def _take_turn(e: _Episode, c: Completion, config: AgentConfig, marker: str | No
 
 
 def _run_tools(tools: ToolExecutor, active: list[_Episode], calls_of: list[list], fmt: ChatFormat,
-               config: AgentConfig, decode, tokenizer) -> None:
+               config: AgentConfig, decode, tokenizer, everywhere: bool) -> None:
     """Every call of this turn at once; each episode's responses appended as its environment
-    tokens (mask 0)."""
-    start = time.monotonic()
-    futures = [[tools.submit(call) for call in calls] for calls in calls_of]
-    for e, calls in zip(active, futures):
-        if not calls:
+    tokens (mask 0). `everywhere`: the loop runs on every rank of a model-parallel group (the
+    in-process engine), so the calls run on the group's first rank and the others take its
+    results: a tool answering differently on two ranks (a time limit hit on one) would send
+    them different prompts."""
+    def execute() -> list[tuple[list[tuple[str, str]], float]]:
+        start = time.monotonic()
+        futures = [[tools.submit(call) for call in calls] for calls in calls_of]
+        out = []
+        for calls in futures:
+            results: list[ToolResult] = [f.result() for f in calls]
+            out.append(([(r.text, r.outcome) for r in results], time.monotonic() - start))
+        return out
+
+    answers = model_parallel_source(execute) if everywhere else execute()
+    for e, (results, seconds) in zip(active, answers):
+        if not results:
             continue
-        results: list[ToolResult] = [f.result() for f in calls]
         e.count("tool_calls", len(results))
-        e.count("tool_seconds", time.monotonic() - start)  # this turn's wait for its tools
-        for r in results:
-            e.count(f"tool_{r.outcome}")
-        text = fmt.after_turn([r.text for r in results], decode(e.last_turn[-1:]))
+        e.count("tool_seconds", seconds)  # this turn's wait for its tools
+        for _, outcome in results:
+            e.count(f"tool_{outcome}")
+        text = fmt.after_turn([text for text, _ in results], decode(e.last_turn[-1:]))
         env = tokenizer(text, add_special_tokens=False)["input_ids"]
         if e.length + len(env) >= config.agent_max_tokens:
             e.end = "max_tokens"  # no room for the responses and a next turn

@@ -46,3 +46,16 @@ def test_a_client_error_reaches_the_waiting_rank_at_once(results):
     assert waiter["message"] == ("rank 0 failed while generating step 7's batch: ValueError: "
                                  "the server sent 3 completions for 4 prompts")
     assert waiter["seconds"] < TIMEOUT_S / 2  # told, not timed out
+
+
+def test_a_model_parallel_group_takes_its_first_ranks_answer(torchrun):
+    """parallel.model_parallel_source (the agent loop's tool calls under the in-process engine
+    at TP2): the function runs on the group's first rank alone, and both ranks get its result,
+    so the group's next generate call has the same prompts on both."""
+    worker = os.path.join(os.path.dirname(__file__), "model_parallel_source_worker.py")
+    out = torchrun(2, [worker], timeout=120)
+    rows = {r["rank"]: r for r in (json.loads(line[len("RESULT "):]) for line in out.splitlines()
+                                   if line.startswith("RESULT "))}
+    expected = {"answered_by": 0, "text": "tool output on rank 0"}
+    assert rows[0] == {"rank": 0, "got": expected, "ran": [0]}
+    assert rows[1] == {"rank": 1, "got": expected, "ran": []}

@@ -253,9 +253,13 @@ def test_rollout_function_by_import_path_is_what_the_run_trains_and_evaluates_on
         assert 5 <= r["response/length_mean"] <= 9
         assert r["mismatch/num_tokens"] == 8 * (r["response/length_mean"] - 3)
         assert r["grad_norm"] > 1e-4 and r["skipped_update"] == 0
+        # the trajectories' counts, per trajectory of the batch
+        assert (r["rollout/two_turn/turns"], r["rollout/two_turn/odd"]) == (2.0, 0.5)
     assert rows[0]["rollout/staleness"] == 0 and rows[0]["mismatch/abs_delta_max"] < 1e-4
     # evaluated with the same function: of each prompt's 2 samples, the first is correct
     assert rows[1]["eval/mean_at_k"] == 0.5 and rows[1]["eval/pass_at_k"] == 1.0
+    assert (rows[1]["eval/rollout/two_turn/turns"], rows[1]["eval/rollout/two_turn/odd"]) == (
+        2.0, 0.5)
     assert "eval/mean_at_k" not in rows[0]
 
 

@@ -32,5 +32,6 @@ def two_turns(ctx, records):
                 + d.rollout_logprobs,
                 finish_reason=d.finish_reason, reward=float(j % 2 == 0),
                 reward_error=None if j % 2 == 0 else "no_answer",
-                metadata={"turns": 2, "evaluation": ctx.evaluation}))
+                metadata={"counts": {"two_turn/turns": 2.0, "two_turn/odd": float(j % 2)},
+                          "evaluation": ctx.evaluation}))
     return groups
