@@ -432,15 +432,7 @@ class TrainConfig:
         declared choices and minimum (YAML values bypass argparse's checks), then each group's
         own rules, then the rules across groups. The one place a TrainConfig is checked;
         `check_layout` adds what needs the data-parallel size."""
-        for name, (path, meta) in _flag_paths_and_metadata().items():
-            value = _get(self, path)
-            if value is None:
-                continue
-            if "choices" in meta and value not in meta["choices"]:
-                raise ValueError(f"{_flag(name)} {value!r}; valid: " + ", ".join(meta["choices"]))
-            if ("min" in meta and isinstance(value, (int, float)) and not isinstance(value, bool)
-                    and value < meta["min"]):
-                raise ValueError(f"{_flag(name)} {value}: must be >= {meta['min']}")
+        _check_declared(self, TrainConfig)
         self.model.validate()
         self.parallel.validate()
         self.data.validate()
@@ -531,9 +523,37 @@ def _walk(cls, path: tuple = (), prefix: str = ""):
         yield name, path + (f.name,), kind, meta
 
 
-def _flag_paths_and_metadata() -> dict[str, tuple[tuple[str, ...], dict]]:
-    """{flat name: (path of attributes in TrainConfig, the field's metadata)}."""
-    return {name: (path, meta) for name, path, _, meta in _walk(TrainConfig)}
+def _check_declared(obj, cls) -> None:
+    """Raise ValueError naming the flag where a field of `obj` (a `cls`) is outside its
+    declared choices or below its declared minimum."""
+    for name, path, _, meta in _walk(cls):
+        value = _get(obj, path)
+        if value is None:
+            continue
+        if "choices" in meta and value not in meta["choices"]:
+            raise ValueError(f"{_flag(name)} {value!r}; valid: " + ", ".join(meta["choices"]))
+        if ("min" in meta and isinstance(value, (int, float)) and not isinstance(value, bool)
+                and value < meta["min"]):
+            raise ValueError(f"{_flag(name)} {value}: must be >= {meta['min']}")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls) -> None:
+    """The fields of the flat settings dataclass `cls` (e.g. agent.loop.AgentConfig) as flags
+    of `parser`, as `megatron-rl train` declares them: for another command that uses them."""
+    group, defaults = parser.add_argument_group(cls.__name__), cls()
+    for name, path, kind, meta in _walk(cls):
+        group.add_argument(_flag(name), **_argparse_kwargs(name, kind, meta, _get(defaults, path)))
+
+
+def from_flags(cls, namespace: argparse.Namespace):
+    """The `cls` that `add_flags`' flags in `namespace` give (defaults for those not given),
+    checked (declared choices and minimum, then its own `validate`)."""
+    obj = cls(**{path[-1]: getattr(namespace, name) for name, path, _, _ in _walk(cls)
+                 if hasattr(namespace, name)})
+    _check_declared(obj, cls)
+    if hasattr(obj, "validate"):
+        obj.validate()
+    return obj
 
 
 def flag_fields() -> dict[str, tuple[tuple[str, ...], Any]]:

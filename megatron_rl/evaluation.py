@@ -140,6 +140,8 @@ def markdown_table(results: dict, k: int) -> str:
 
 def main(argv=None) -> None:
     """`megatron-rl eval`: accuracy table of a HF directory or Megatron checkpoint."""
+    from megatron_rl.agent.loop import AgentConfig, tool_registry
+    from megatron_rl.config import TrainConfig, add_flags, from_flags
     from megatron_rl.data.prompts import PromptBuilder, PromptDataset, load_tokenizer
     from megatron_rl.models import ModelArgs
     from megatron_rl.models.policy import Policy
@@ -193,9 +195,10 @@ def main(argv=None) -> None:
         "listed choices (default: off, the instruction is added)"))
     p.add_argument("--rollout-function", default="single-turn", help=(
         "what turns the prompts into scored trajectories: a built-in (single-turn: one "
-        "response per sample) or the import path `module:function` of a rollout function "
-        "(megatron_rl/rollout/functions.py; its context's config is None here) "
-        "(default: %(default)s)"))
+        "response per sample; agent: the multi-turn tool-calling loop, with the --agent-* "
+        "flags below) or the import path `module:function` of a rollout function "
+        "(megatron_rl/rollout/functions.py; its context's config holds defaults but for the "
+        "agent's settings) (default: %(default)s)"))
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help=(
         "tensor-parallel size of the evaluated model; more than one process: run under "
         "torchrun, with a world size divisible by TP x PP (default: %(default)s)"))
@@ -206,7 +209,9 @@ def main(argv=None) -> None:
         "JSON file for the results: mean@k, pass@k and prompts per task for each seed and "
         "averaged over the seeds, with k and the seeds; its directory is created (default: "
         "unset, the table is only printed)"))
+    add_flags(p, AgentConfig)
     a = p.parse_args(argv)
+    run_config = TrainConfig(agent=from_flags(AgentConfig, a))
     check_sampling(a.temperature, a.top_p)
     resolve_rollout_function(a.rollout_function)  # a bad name fails before the model is built
     for flag, value in (("--samples", a.samples), ("--max-new-tokens", a.max_new_tokens)):
@@ -223,15 +228,17 @@ def main(argv=None) -> None:
     else:
         policy.load_hf(a.hf_checkpoint)
     tok = load_tokenizer(a.hf_checkpoint)
+    tools = tool_registry(run_config.agent).schemas() if a.rollout_function == "agent" else None
     builder = PromptBuilder(tokenizer=tok if a.chat_template else None, template=a.prompt_template,
-                            use_chat_template=a.chat_template, task_instruction=a.task_instruction)
+                            use_chat_template=a.chat_template, task_instruction=a.task_instruction,
+                            tools=tools)
     data = PromptDataset.from_jsonl(a.eval_data, builder, shuffle=False)
     n = len(data) if not a.max_prompts else min(a.max_prompts, len(data))
     records = [data.record(0, i) for i in range(n)]
     eos = tok.eos_token_id
     engine = LocalEngine(policy, pad_token_id=tok.pad_token_id or 0)
     codec = Codec.from_tokenizer(tok, a.chat_template)
-    all_seeds = []
+    all_seeds, counts = [], Counter()
     with RewardScorer(num_workers=2) as scorer:
         for seed in a.seeds:
             params = SamplingParams(temperature=a.temperature, top_p=a.top_p,
@@ -239,16 +246,19 @@ def main(argv=None) -> None:
                                     stop_token_ids=(eos,) if isinstance(eos, int) else tuple(eos),
                                     seed=seed)
             all_seeds.append(evaluate_engine(
-                RolloutContext(engine, params, a.samples, codec, scorer, evaluation=True),
-                records, a.rollout_function))
+                RolloutContext(engine, params, a.samples, codec, scorer, run_config,
+                               evaluation=True), records, a.rollout_function, counts=counts))
     merged = {t: {"mean_at_k": sum(r[t]["mean_at_k"] for r in all_seeds) / len(all_seeds),
                   "pass_at_k": sum(r[t]["pass_at_k"] for r in all_seeds) / len(all_seeds),
                   "num_prompts": all_seeds[0][t]["num_prompts"]} for t in all_seeds[0]}
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(markdown_table(merged, a.samples))
+        rollout_counts = _count_means(counts)  # the agent's turns, tool calls, ... per sample
+        for name, value in rollout_counts.items():
+            print(f"{name}: {value:.4g}")
         if a.out:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             with open(a.out, "w") as f:
                 json.dump({"per_seed": all_seeds, "mean": merged, "k": a.samples,
-                           "seeds": a.seeds}, f, indent=2)
+                           "seeds": a.seeds, "rollout": rollout_counts}, f, indent=2)
     destroy_distributed()

@@ -294,6 +294,20 @@ def test_eval_command_prints_the_accuracy_table(tiny_char_model, arithmetic_json
     assert res["seeds"] == [0, 1] and len(res["per_seed"]) == 2
     m = res["mean"]["all"]
     assert 0.0 <= m["mean_at_k"] <= m["pass_at_k"] <= 1.0 and m["num_prompts"] == 10
+    assert res["rollout"] == {}  # single-turn trajectories count nothing
+
+    # the agent loop, with its flags: each sample an episode, its counts per sample reported
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "eval", "--hf-checkpoint", tiny_char_model,
+         "--eval-data", arithmetic_jsonl, "--samples", "2", "--max-new-tokens", "8",
+         "--max-prompts", "4", "--prompt-template", "{prompt}=", "--no-task-instruction",
+         "--rollout-function", "agent", "--agent-max-turns", "2", "--agent-max-tokens", "40",
+         "--out", str(out)], env=train_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(out.read_text())["rollout"]
+    assert 1.0 <= counts["eval/rollout/agent/turns"] <= 2.0
+    assert sum(v for k, v in counts.items() if "/end_" in k) == pytest.approx(1.0)
+    assert "eval/rollout/agent/turns: " in proc.stdout
 
 
 def _server_engine_run(engine, flags, models, data, tmp_path):
