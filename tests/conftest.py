@@ -105,7 +105,8 @@ def tiny_llama_tied(tmp_path_factory):
 # attached to a URL) share one per kind, serving SERVED_MODEL; tests about a server's own life
 # (launch flags, restarts, a killed process) start their own. At most one shared server of each
 # kind runs (the servers' memory): a `server` test that starts its own stops the shared ones
-# first (pytest_runtest_setup below), and the next test that needs one starts it again.
+# first (pytest_runtest_setup below), they stop after the last of a run of tests that use them
+# (pytest_runtest_teardown), and the next test that needs one starts it again.
 
 # the tiny character-level Qwen2 the shared servers serve: vLLM's CPU attention needs
 # head_dim >= 32 (4 heads of 32), and TP2 splits its 2 KV groups
@@ -212,4 +213,15 @@ def pytest_runtest_setup(item):
     fixtures are set up."""
     if _shared is not None and "server" in item.keywords and \
             "shared_servers" not in item.fixturenames:
+        _shared.stop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last of a run of tests that use the shared servers (after its fixtures'
+    teardown), stop them: an idle SGLang scheduler keeps a core busy and holds its KV cache
+    (GBs), which would slow and crowd every test in between. The next test that needs them
+    starts them again."""
+    if _shared is not None and "shared_servers" in item.fixturenames and (
+            nextitem is None or "shared_servers" not in nextitem.fixturenames):
         _shared.stop()
