@@ -58,12 +58,9 @@ def build_base(out: str, name: str, train_path: str, sft_steps: int, tool: bool)
     answers, exported as HF to <out>/<name> (reused when there)."""
     from megatron_rl.data.prompts import PromptBuilder, load_tokenizer
     from megatron_rl.data.records import read_examples
-    from megatron_rl.experiments.sft import sft
-    from megatron_rl.experiments.tiny_model import make_char_tokenizer, make_tiny_hf_checkpoint
-    from megatron_rl.models import ModelArgs, hf_mapping
-    from megatron_rl.models.optim import OptimConfig
-    from megatron_rl.models.policy import Policy
-    from megatron_rl.parallel import ParallelConfig, init_distributed
+    from megatron_rl.experiments.sft import warm_up
+    from megatron_rl.experiments.tiny_model import make_demo_model
+    from megatron_rl.parallel import destroy_distributed
 
     base = os.path.join(out, name)
     if os.path.exists(os.path.join(base, "model.safetensors")):
@@ -71,16 +68,7 @@ def build_base(out: str, name: str, train_path: str, sft_steps: int, tool: bool)
         return base
     init = os.path.join(out, "init")
     if not os.path.exists(os.path.join(init, "model.safetensors")):
-        make_tiny_hf_checkpoint(init, "qwen2", vocab_size=128, hidden_size=128,
-                                intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                                num_key_value_heads=2, max_position_embeddings=256,
-                                initializer_range=0.02, tie_word_embeddings=True, eos_token_id=1,
-                                pad_token_id=0)
-        make_char_tokenizer(init, special=("</tool_call>",))
-    init_distributed(ParallelConfig(1, 1), seed=0)
-    args = ModelArgs.from_pretrained(init)
-    policy = Policy(args, trainable=True, optim=OptimConfig(lr=2e-3, clip_grad=1.0))
-    policy.load_hf(init)
+        make_demo_model(init, special=("</tool_call>",))
     tok = load_tokenizer(init)
     builder = PromptBuilder(template=PROMPT_TEMPLATE, task_instruction=False)
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -94,18 +82,8 @@ def build_base(out: str, name: str, train_path: str, sft_steps: int, tool: bool)
                            [1] * len(call) + [0] * len(env) + [1] * len(answer)))
         else:
             traces.append((prompt, answer))
-    t0 = time.time()
-    losses = sft(policy, traces, steps=sft_steps, batch_size=64, micro_batch_size=64)
-    print(f"[{name}] supervised warm-up: {sft_steps} steps in {time.time() - t0:.0f} s, "
-          f"NLL {losses[0]:.2f} -> {losses[-1]:.2f}")
-    full = policy.full_state_dict(dst=0)
-    tok_files = [os.path.join(init, f) for f in os.listdir(init)
-                 if f.startswith(("tokenizer", "special"))]
-    hf_mapping.save_hf_checkpoint(hf_mapping.megatron_to_hf(full, args), args, base,
-                                  extra_files=tuple(tok_files))
-    from megatron_rl.parallel import destroy_distributed
-
-    destroy_distributed()
+    warm_up(init, base, traces, sft_steps, name=name)
+    destroy_distributed()  # the next base, or the RL run, starts its own
     return base
 
 

@@ -8,7 +8,9 @@ a mask (a tool-use trace: the policy's turns 1, the tool responses between them 
 
 from __future__ import annotations
 
+import os
 import random
+import time
 from typing import Sequence
 
 import torch.distributed as dist
@@ -59,3 +61,29 @@ def sft(policy, pairs: Sequence[tuple[list[int], list[int]] | tuple[list[int], l
                                 / batch.loss_mask.sum().clamp(min=1.0)))
             bar.set_postfix(nll=f"{losses[-1]:.3f}")
     return losses
+
+
+def warm_up(init: str, out: str, traces: Sequence, steps: int, *, lr: float = 2e-3,
+            name: str = "base") -> str:
+    """The HF model at `init` (one process, TP1) after `steps` steps of `sft` on `traces`
+    (batches of 64), exported to `out` with `init`'s tokenizer files: the demos' base models.
+    Returns `out`."""
+    from megatron_rl.models import ModelArgs, hf_mapping
+    from megatron_rl.models.optim import OptimConfig
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import ParallelConfig, init_distributed
+
+    init_distributed(ParallelConfig(1, 1), seed=0)
+    args = ModelArgs.from_pretrained(init)
+    policy = Policy(args, trainable=True, optim=OptimConfig(lr=lr, clip_grad=1.0))
+    policy.load_hf(init)
+    t0 = time.time()
+    losses = sft(policy, traces, steps=steps, batch_size=64, micro_batch_size=64)
+    print(f"[{name}] supervised warm-up: {steps} steps in {time.time() - t0:.0f} s, "
+          f"NLL of the trained tokens {losses[0]:.2f} -> {losses[-1]:.2f}")
+    full = policy.full_state_dict(dst=0)
+    tok_files = [os.path.join(init, f) for f in os.listdir(init)
+                 if f.startswith(("tokenizer", "special"))]
+    hf_mapping.save_hf_checkpoint(hf_mapping.megatron_to_hf(full, args), args, out,
+                                  extra_files=tuple(tok_files))
+    return out
