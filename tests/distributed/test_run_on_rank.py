@@ -17,10 +17,19 @@ TIMEOUT_S = 6.0
 @pytest.fixture(scope="module")
 def results(torchrun) -> dict:
     """{(phase, rank): the fields that rank reported} from one two-rank run of the worker."""
-    out = torchrun(2, [WORKER], timeout=120)
-    rows = [json.loads(line[len("RESULT "):]) for line in out.splitlines()
-            if line.startswith("RESULT ")]
+    rows = _results(torchrun(2, [WORKER], timeout=120))
     return {(r.pop("phase"), r.pop("rank")): r for r in rows}
+
+
+def _results(out: str) -> list[dict]:
+    """Every `RESULT {json}` the ranks printed: found anywhere in the output, since two ranks
+    writing at once can put one's line right after the other's, without a newline between."""
+    decoder, rows, at = json.JSONDecoder(), [], out.find("RESULT ")
+    while at >= 0:
+        row, end = decoder.raw_decode(out, at + len("RESULT "))
+        rows.append(row)
+        at = out.find("RESULT ", end)
+    return rows
 
 
 def test_a_client_longer_than_the_timeout_gives_every_rank_its_result(results):
@@ -54,8 +63,7 @@ def test_a_model_parallel_group_takes_its_first_ranks_answer(torchrun):
     so the group's next generate call has the same prompts on both."""
     worker = os.path.join(os.path.dirname(__file__), "model_parallel_source_worker.py")
     out = torchrun(2, [worker], timeout=120)
-    rows = {r["rank"]: r for r in (json.loads(line[len("RESULT "):]) for line in out.splitlines()
-                                   if line.startswith("RESULT "))}
+    rows = {r["rank"]: r for r in _results(out)}
     expected = {"answered_by": 0, "text": "tool output on rank 0"}
     assert rows[0] == {"rank": 0, "got": expected, "ran": [0]}
     assert rows[1] == {"rank": 1, "got": expected, "ran": []}

@@ -150,7 +150,7 @@ def test_tiny_cpu_recipe_matches_cpu_demo(monkeypatch):
 
     monkeypatch.setattr(cpu_demo, "prepare_data", lambda out, **kw: ("/t.jsonl", "/e.jsonl"))
     monkeypatch.setattr(cpu_demo, "build_base_model", lambda out, train, steps: "/base")
-    monkeypatch.setattr(cpu_demo, "_evaluate_weights", capture)
+    monkeypatch.setattr(cpu_demo, "evaluate_weights", capture)
     monkeypatch.setattr(sys, "argv", ["cpu_demo.py", "--out", "/nonexistent/demo"])
     with pytest.raises(Captured) as info:
         cpu_demo.main()
