@@ -21,7 +21,8 @@ import torch.distributed as dist
 from megatron_rl.metrics import count_metrics
 from megatron_rl.parallel import all_reduce, data_parallel_group
 from megatron_rl.rollout.base import SamplingParams, on_client
-from megatron_rl.rollout.functions import RolloutContext, resolve_rollout_function, run_rollout
+from megatron_rl.rollout.functions import (RolloutContext, resolve_rollout_function, run_rollout,
+                                          trajectory_counts)
 
 if TYPE_CHECKING:
     from megatron_rl.runtime import Run
@@ -47,9 +48,8 @@ def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
         groups = run_rollout(rollout, dataclasses.replace(ctx, params=p, evaluation=True), chunk)
         correct = torch.tensor([[t.reward for t in g] for g in groups]) >= 1.0
         if counts is not None:
-            for t in (t for g in groups for t in g):
-                counts.update(t.metadata.get("counts", {}))
-                counts["trajectories"] += 1
+            counts.update(trajectory_counts(groups))
+            counts["trajectories"] += sum(len(g) for g in groups)
         for r, row in zip(chunk, correct):
             for key in (r.task, "all"):
                 acc = per_task[key]

@@ -48,6 +48,7 @@ averaged over the batch's trajectories and logged as rollout/agent/<name>.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -99,12 +100,18 @@ class AgentConfig:
 
 
 def tool_registry(config: AgentConfig) -> ToolRegistry:
-    """The registry of `config.agent_tools` (the Python tool checks its sandbox starts)."""
+    """The registry of `config.agent_tools`, built once per tool set in a process (the Python
+    tool starts a sandbox to check it when it is built; the registry is read-only after)."""
+    return _registry(tuple(config.agent_tools))
+
+
+@functools.lru_cache(maxsize=None)
+def _registry(names: tuple[str, ...]) -> ToolRegistry:
     from megatron_rl.agent.calculator import calculator_tool
     from megatron_rl.agent.sandbox import python_tool
 
     makers = {"calculator": calculator_tool, "python": python_tool}
-    return ToolRegistry([makers[name]() for name in config.agent_tools])
+    return ToolRegistry([makers[name]() for name in names])
 
 
 # -- the text between the policy's turns ------------------------------------------------------

@@ -35,6 +35,7 @@ from several threads). The trainer's periodic evaluation calls the same function
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
@@ -192,6 +193,15 @@ def resolve_rollout_function(name: str) -> RolloutFunction:
         raise ValueError(f"{flag}: {attr!r} in {module_name!r} is a {type(obj).__name__}, not "
                          "a function")
     return cast(RolloutFunction, obj)
+
+
+def trajectory_counts(groups: Sequence[Sequence[Trajectory]]) -> collections.Counter:
+    """The sum over the trajectories of `groups` of their metadata["counts"]."""
+    total: collections.Counter = collections.Counter()
+    for g in groups:
+        for t in g:
+            total.update(t.metadata.get("counts", {}))
+    return total
 
 
 def check_groups(groups: Any, num_prompts: int, group_size: int, name: str) -> None:

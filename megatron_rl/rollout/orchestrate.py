@@ -30,7 +30,7 @@ from megatron_rl.packing import balance_groups
 from megatron_rl.parallel import data_parallel_group, device, dist_rank
 from megatron_rl.rewards.types import REASONS
 from megatron_rl.rollout.base import on_client
-from megatron_rl.rollout.functions import RolloutContext, Trajectory, run_rollout
+from megatron_rl.rollout.functions import RolloutContext, Trajectory, run_rollout, trajectory_counts
 from megatron_rl.rollout.threads import BackgroundThreads
 from megatron_rl.update import behaviour_logprobs
 
@@ -166,7 +166,7 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
     batch = pack_rollouts(groups, run.codec.pad_id).to(device())
     metrics = global_metrics.count_metrics(_reward_errors(groups), "reward_errors/",
                                            data_parallel_group())
-    counts = global_metrics.count_metrics(_trajectory_counts(groups), "rollout/",
+    counts = global_metrics.count_metrics(trajectory_counts(groups), "rollout/",
                                           data_parallel_group())
     metrics.update({k: v / metrics["reward_errors/total"] for k, v in counts.items()})
     metrics.update(engine_stats)
@@ -188,15 +188,6 @@ def _reward_errors(groups: list[list[Trajectory]]) -> dict[str, int]:
     counts = collections.Counter(t.reward_error for g in groups for t in g
                                  if t.reward_error is not None)
     return {**dict.fromkeys(REASONS, 0), **counts, "total": sum(len(g) for g in groups)}
-
-
-def _trajectory_counts(groups: list[list[Trajectory]]) -> dict[str, float]:
-    """The sum over trajectories of their metadata["counts"] (Trajectory.metadata)."""
-    total: collections.Counter = collections.Counter()
-    for g in groups:
-        for t in g:
-            total.update(t.metadata.get("counts", {}))
-    return dict(total)
 
 
 def _deal_groups(run: Run, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
