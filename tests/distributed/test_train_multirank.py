@@ -1,15 +1,17 @@
-"""`train()` end to end on two ranks under gloo: TP2 (one model split over both ranks) and DP2
-(two replicas, each with half of the prompts) each run 2 RL steps with the local engine and save
-a checkpoint. The checkpoint is complete (every rank's part, `latest` pointing at it) and
-loadable: exported to HF from one process (dist_checkpointing reshards it to TP1), its weights
-are finite and are not the initial ones; the trainer resumes from it for a third step.
-metrics.jsonl has one finite row per step.
+"""`train()` end to end on two ranks under gloo: DP2 (two replicas, each with half of the
+prompts) runs 2 RL steps with the local engine and saves a checkpoint. The checkpoint is
+complete (every rank's part, `latest` pointing at it) and loadable: exported to HF from one
+process, its weights are finite and are not the initial ones; the trainer resumes from it for a
+third step. metrics.jsonl has one finite row per step.
 
-TP2 and TP2xPP2 log TP1's metrics for 3 steps: one rank of each model-parallel group samples and
-the group follows, so every layout draws the same tokens. (DP ranks of the local engine sample
-their shares with their own seeds, so DP2's local-engine batch is not DP1's; the data-parallel
-reduction of every logged metric is tested in test_metrics_reduction.py.) With the process
-engine the whole batch is sampled once, in one child: DP2 and TP2 log DP1's metrics end to end."""
+TP2xPP2 logs TP1's metrics for 3 steps: one rank of each model-parallel group samples and the
+group follows, so every layout draws the same tokens (TP2 alone, saved and resumed across two
+launched nodes: test_multinode_launch.py; a TP-sharded checkpoint exported to HF:
+test_parallel_equivalence.py). DP ranks of the local engine sample their shares with their own
+seeds, so DP2's local-engine batch is not DP1's; the data-parallel reduction of every logged
+metric is tested in test_metrics_reduction.py. With the process engine the whole batch is
+sampled once, in one child: DP2 logs DP1's metrics end to end (a client rank under model
+parallelism: the vLLM test below, whose engine has one too)."""
 import json
 import math
 import os
@@ -19,11 +21,7 @@ import torch
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "dp2": []}
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_rank_train_runs_two_steps_and_saves(layout, char_model, char_ref, arithmetic_jsonl,
+def test_two_rank_train_runs_two_steps_and_saves(char_model, char_ref, arithmetic_jsonl,
                                                  tmp_path, torchrun, export_hf):
     from megatron_rl.models import hf_mapping
 
@@ -37,8 +35,7 @@ def test_two_rank_train_runs_two_steps_and_saves(layout, char_model, char_ref, a
                      "--num-prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "3",
                      "--lr", "1e-2", "--micro-batch-size", "4", "--prompt-template", "{prompt}=",
                      "--no-task-instruction", "--seed", "3", "--save-interval", "2",
-                     "--kl-placement", "reward+loss", "--kl-estimator", "k3",
-                     *LAYOUTS[layout]], timeout=300)
+                     "--kl-placement", "reward+loss", "--kl-estimator", "k3"], timeout=300)
 
     train(2)
 
@@ -86,13 +83,12 @@ def _train_metrics(torchrun, nproc, save, model, ref, data, layout_flags, iters=
 
 def test_model_parallel_layouts_log_tp1_metrics(char_model, char_ref, arithmetic_jsonl, tmp_path,
                                                 torchrun, tp1_metrics):
-    """3 RL steps at TP1, TP2 and TP2xPP2 (local engine): the same samples (rewards, lengths:
-    equal) and the same losses, KL and gradient norms up to float reduction order."""
+    """3 RL steps at TP1 and TP2xPP2 (local engine): the same samples (rewards, lengths: equal)
+    and the same losses, KL and gradient norms up to float reduction order."""
     run = lambda n, name, flags: _train_metrics(torchrun, n, str(tmp_path / name), char_model,  # noqa: E731
                                                 char_ref, arithmetic_jsonl, flags)
     tp1 = tp1_metrics
-    layouts = {"tp2": run(2, "tp2", ["--tensor-model-parallel-size", "2"]),
-               "tp2pp2": run(4, "tp2pp2", ["--tensor-model-parallel-size", "2",
+    layouts = {"tp2pp2": run(4, "tp2pp2", ["--tensor-model-parallel-size", "2",
                                            "--pipeline-model-parallel-size", "2"])}
     assert [r["step"] for r in tp1] == [1, 2, 3] and tp1[-1]["grad_norm"] > 1e-4
     for name, rows in layouts.items():
@@ -109,14 +105,13 @@ def test_model_parallel_layouts_log_tp1_metrics(char_model, char_ref, arithmetic
 def test_process_engine_batches_do_not_depend_on_the_layout(char_model, char_ref,
                                                             arithmetic_jsonl, tmp_path, torchrun):
     """--rollout-engine process samples each step's whole batch in one child process with the
-    step's seed, then scatters it: DP2 (each replica trains on half of it) and TP2 log DP1's
-    samples, losses, KL and gradient norms for 3 steps, and call the engine once per step."""
+    step's seed, then scatters it: DP2 (each replica trains on half of it) logs DP1's samples,
+    losses, KL and gradient norms for 3 steps, and both call the engine once per step."""
     flags = ["--rollout-engine", "process"]
     run = lambda n, name, extra: _train_metrics(torchrun, n, str(tmp_path / name), char_model,  # noqa: E731
                                                 char_ref, arithmetic_jsonl, flags + extra)
     dp1 = run(1, "dp1", [])
-    layouts = {"dp2": run(2, "dp2", []),
-               "tp2": run(2, "tp2", ["--tensor-model-parallel-size", "2"])}
+    layouts = {"dp2": run(2, "dp2", [])}
     assert dp1[-1]["grad_norm"] > 1e-4
     for name, rows in {"dp1": dp1, **layouts}.items():
         assert [r["rollout/generate_calls"] for r in rows] == [1.0, 2.0, 3.0], name
@@ -132,10 +127,11 @@ def test_process_engine_batches_do_not_depend_on_the_layout(char_model, char_ref
 @pytest.mark.server
 def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tmp_path, torchrun,
                                                             served_models, shared_servers):
-    """TP1, TP2 and TP2xPP2 trainers against a real vLLM server (attached, --rollout-url):
-    global rank 0 is the one client (one generate request per step, whatever the layout), the
-    batch is broadcast to the model-parallel group and the weights gathered from every rank
-    reach the server. All three log the same samples and TP1's losses for 3 steps."""
+    """TP1 and TP2xPP2 trainers against a real vLLM server (attached, --rollout-url): global
+    rank 0 is the one client (one generate request per step, whatever the layout), the batch is
+    broadcast to the model-parallel group and the weights gathered from every rank (both
+    tensor-parallel halves of both stages) reach the server. Both log the same samples and
+    TP1's losses for 3 steps."""
     policy, ref = served_models  # vLLM's CPU attention needs head_dim >= 32; TP2 splits 2 KV heads
 
     def run(n, name, flags):  # each trainer starts with the server serving the initial weights
@@ -144,8 +140,7 @@ def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tm
                                shared_servers.vllm(), *flags])
 
     tp1 = run(1, "tp1", [])
-    layouts = {"tp2": run(2, "tp2", ["--tensor-model-parallel-size", "2"]),
-               "tp2pp2": run(4, "tp2pp2", ["--tensor-model-parallel-size", "2",
+    layouts = {"tp2pp2": run(4, "tp2pp2", ["--tensor-model-parallel-size", "2",
                                            "--pipeline-model-parallel-size", "2"])}
     assert tp1[-1]["grad_norm"] > 1e-4
     for name, rows in {"tp1": tp1, **layouts}.items():
