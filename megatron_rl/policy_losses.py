@@ -237,7 +237,8 @@ def sapo(logprobs, old_logprobs, advantages, loss_mask, cfg):
     mask = loss_mask
     log_ratio = (logprobs - old_logprobs) * mask
     ratio = log_ratio.exp()
-    tau = torch.where(advantages > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
+    tau = torch.where(advantages > 0, ratio.new_tensor(cfg.sapo_tau_pos),
+                      ratio.new_tensor(cfg.sapo_tau_neg))  # in the ratio's precision
     gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
     pg = -gate * advantages
     with torch.no_grad():
