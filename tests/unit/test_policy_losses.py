@@ -345,3 +345,29 @@ def test_accepted_combinations():
         cfg.validate()
     cfg.algorithm.loss.overlong_buffer_len = 0
     cfg.validate()  # filtering works with any rollout function
+
+
+def test_the_update_shapes_the_batch_it_trains_on():
+    """update.overlong_batch: the batch's truncated rows masked, the punishment in its rewards,
+    the fractions logged; the rollout's batch itself is kept (its metrics are the task's)."""
+    from megatron_rl.batch import pack_rollouts
+    from megatron_rl.rollout.base import Completion
+    from megatron_rl.rollout.functions import Trajectory
+    from megatron_rl.update import overlong_batch
+
+    def traj(n, reason, reward):
+        return Trajectory.single_turn([1, 2], Completion(list(range(3, 3 + n)), [-0.5] * n,
+                                                         reason), reward)
+
+    batch = pack_rollouts([[traj(3, "stop", 1.0), traj(8, "length", 0.0)],
+                           [traj(7, "stop", 1.0), traj(2, "stop", 0.0)]], pad_token_id=0)
+    cfg = _train_config(overlong_filtering=True, overlong_buffer_len=4)
+    cfg.rollout.max_new_tokens = 8
+    metrics: dict = {}
+    shaped = overlong_batch(batch, cfg, metrics)
+    assert shaped.loss_mask.sum(-1).tolist() == [3.0, 0.0, 7.0, 2.0]
+    assert shaped.rewards.tolist() == [1.0, -1.0, 0.25, 0.0]  # start 4: 8 -> -1, 7 -> -0.75
+    assert batch.loss_mask.sum(-1).tolist() == [3.0, 8.0, 7.0, 2.0]
+    assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert metrics == {"overlong/filtered_fraction": 0.25, "overlong/penalized_fraction": 0.5,
+                       "overlong/penalty_mean": pytest.approx(1.75 / 4)}
