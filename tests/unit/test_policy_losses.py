@@ -371,3 +371,72 @@ def test_the_update_shapes_the_batch_it_trains_on():
     assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert metrics == {"overlong/filtered_fraction": 0.25, "overlong/penalized_fraction": 0.5,
                        "overlong/penalty_mean": pytest.approx(1.75 / 4)}
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo", "ppo-clip"])
+def test_trainer_loss_function_packed_equals_padded_with_entropy_bonus(name):
+    """update.make_rl_loss_fn, the trainer's loss function, on one batch in its two layouts:
+    right-padded rows scored from logits, and packed rows scored from hidden states (fused LM
+    head). A position-wise stand-in model (hidden = E[token] + P[position]) gives both the same
+    per-token outputs, so loss and gradients must agree; with --entropy-coef the difference to
+    the loss without it is -coef x the aggregated entropy, whose gradient is computed here in
+    float64 from log_softmax."""
+    import functools
+    import types
+
+    from megatron_rl.batch import pack_rollouts
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.packing import Layout
+    from megatron_rl.rollout.base import Completion
+    from megatron_rl.rollout.functions import single_turn_groups
+    from megatron_rl.update import loss_microbatch, make_rl_loss_fn
+
+    groups = [[Completion([5, 6, 7], [-0.5, -0.7, -0.1], "stop"), Completion([8], [-0.2], "stop")],
+              [Completion([9, 2], [-1.0, -0.3], "stop"), Completion([3, 4, 5, 6], [-0.4] * 4,
+                                                                     "stop")]]
+    batch = pack_rollouts(single_turn_groups([[1, 2, 3], [4]], groups, [1.0, 0.0, 0.0, 1.0]),
+                          pad_token_id=0)
+    gen = torch.Generator().manual_seed(0)
+    V, H = 12, 6
+    batch.loss_mask = batch.loss_mask.double()
+    batch.old_logprobs = (batch.rollout_logprobs.double()
+                          + 0.3 * torch.randn(batch.loss_mask.shape, generator=gen, dtype=F64))
+    emb0 = torch.randn(V, H, generator=gen, dtype=F64)
+    pos0 = torch.randn(16, H, generator=gen, dtype=F64)
+    weight = torch.randn(V, H, generator=gen, dtype=F64)
+    ref = batch.old_logprobs + 0.2 * torch.randn(batch.loss_mask.shape, generator=gen, dtype=F64)
+    cfg = LossConfig(policy_loss=name, clip_low=0.05, clip_high=0.05,
+                     aggregation="seq-mean-token-mean", kl=KLConfig("k3", "reward+loss"))
+    adv = build_advantages(batch.rewards.double(), batch.old_logprobs, ref, batch.loss_mask, cfg,
+                           batch.group_size)
+    results = {}
+    for packed in (False, True):
+        for coef in (0.0, 0.5):
+            cfg.entropy_coef = coef
+            lay = Layout(packed=packed, micro_batch_size=4)
+            (m,) = lay.microbatches(batch.tokens, batch.seq_lengths, [0, 1, 2, 3])
+            mb = loss_microbatch(batch, adv, ref, m)
+            emb, pos = emb0.clone().requires_grad_(), pos0.clone().requires_grad_()
+            tokens = m.inputs["tokens"]
+            positions = m.inputs.get("position_ids", torch.arange(tokens.shape[1])[None])
+            hidden = emb[tokens] + pos[positions]
+            policy = types.SimpleNamespace(tp_group=None, vocab_start=0, fused_lm_head=packed,
+                                           output_weight=lambda: weight)
+            policy.score = functools.partial(Policy.score, policy)
+            out = hidden if packed else hidden @ weight.T
+            loss, metrics = make_rl_loss_fn(policy, cfg, float(batch.loss_mask.sum()), 4.0)(mb,
+                                                                                          out)
+            results[packed, coef] = (loss.detach(), *torch.autograd.grad(loss, (emb, pos)))
+    for coef in (0.0, 0.5):
+        for a, b in zip(results[True, coef], results[False, coef]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    emb, pos = emb0.clone().requires_grad_(), pos0.clone().requires_grad_()
+    logp = torch.log_softmax((emb[batch.tokens] + pos[:batch.tokens.shape[1]]) @ weight.T, -1)
+    entropy = -(logp.exp() * logp).sum(-1)[:, :-1]
+    mask = batch.loss_mask
+    mean_entropy = ((entropy * mask).sum(-1) / mask.sum(-1)).sum() / 4
+    expected = torch.autograd.grad(-0.5 * mean_entropy, (emb, pos))
+    for got_with, got_without, e in zip(results[False, 0.5][1:], results[False, 0.0][1:],
+                                        expected):
+        torch.testing.assert_close(got_with - got_without, e, rtol=0, atol=1e-12)
+    assert expected[0].abs().sum() > 0
