@@ -455,6 +455,16 @@ class TrainConfig:
                              "the behaviour log-probs are the engine's (--old-logprobs auto or "
                              "rollout), not a recompute, unless --rollout-correction weighs the "
                              "engine's samples against the recompute")
+        buffer = self.loss.overlong_buffer_len
+        if buffer and buffer >= self.rollout.max_new_tokens:
+            raise ValueError(f"--overlong-buffer-len {buffer}: the last tokens before "
+                             f"--max-new-tokens ({self.rollout.max_new_tokens}) that are "
+                             "penalised; must be less than it")
+        if buffer and self.rollout.rollout_function != "single-turn":
+            raise ValueError(f"--overlong-buffer-len measures a response against "
+                             f"--max-new-tokens, one generate call's budget; --rollout-function "
+                             f"{self.rollout.rollout_function} makes several calls per "
+                             "trajectory (--overlong-filtering works with any)")
         if self.algorithm.routing_replay and self.rollout.rollout_function == "agent":
             raise ValueError("--routing-replay with --rollout-function agent: the engine's "
                              "experts are recorded per generate call, and an episode's turns "

@@ -1,14 +1,19 @@
-"""The policy loss: PPO-clip surrogate + KL term, and its aggregation over tokens.
+"""The policy loss: a policy-gradient loss (--policy-loss) + KL terms + entropy bonus, and its
+aggregation over tokens.
 
 Pure PyTorch on per-token tensors ([B, T], see the glossary in megatron_rl/kl.py); parallel
 information (global token and sequence counts) comes in as arguments. Three steps:
 
+0. `shape_overlong` (optional): truncated responses out of the loss, DAPO's soft penalty on
+   long ones in the reward.
 1. `build_advantages`: task rewards minus the reward-side KL (stop-gradient, paper eq. 7-8),
    then the group baseline (RLOO by default) -> advantages [B] (or [B, T] with reward-to-go).
-2. `policy_loss_per_token`: PPO-clip surrogate with ratio exp(logprobs - old_logprobs) and
-   asymmetric clip range [1 - clip_low, 1 + clip_high], plus the path-wise KL loss term
-   (placement "loss"/"reward+loss") and, under off-policy "seq-is", the importance-weighted
-   reward-side KL surrogate -> per-token loss [B, T].
+2. `policy_loss_per_token`: the policy-gradient loss of --policy-loss (policy_losses.py;
+   default ppo-clip: ratio exp(logprobs - old_logprobs), asymmetric clip range
+   [1 - clip_low, 1 + clip_high]) times the rollout correction's weights, plus the path-wise
+   KL loss term (placement "loss"/"reward+loss"), under off-policy "seq-is" the
+   importance-weighted reward-side KL surrogate, minus the entropy bonus -> per-token loss
+   [B, T]. The one place these are composed.
 3. `aggregate_loss`: the one place that normalizes. Every mode divides by a *global* normalizer
    passed in by the caller, so the losses of DP shards and PP microbatches add up to the loss of
    the full batch (and so do their gradients).
@@ -21,6 +26,7 @@ from megatron_rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from megatron_rl.correction import RolloutCorrectionConfig
 from megatron_rl.kl import (KLConfig, k1, k3, kl_loss_term, kl_reward_is_surrogate,
                             kl_reward_penalty, kl_reward_to_go_penalty)
+from megatron_rl.policy_losses import SEQUENCE_LEVEL, resolve_policy_loss
 
 
 def _token_sum_over(per_token, loss_mask, num_global_tokens=None, num_global_seqs=None):
@@ -103,6 +109,46 @@ class LossConfig:
         "group mean (the last two include the response itself: gradient scaled by 1 - "
         "1/group_size); reinforce = no baseline")})
 
+    policy_loss: str = field(default="ppo-clip", metadata={"help": (
+        "the policy-gradient loss (megatron_rl/policy_losses.py: each one's math): ppo-clip = "
+        "PPO's clipped ratio surrogate; dual-clip = ppo-clip with the loss of a negative "
+        "advantage bounded at --clip-ratio-c; gspo = GSPO's sequence ratio (geometric mean of "
+        "the token ratios), clipped per sequence with --clip-low/--clip-high (GSPO's are of "
+        "order 3e-4/4e-4), one advantage per sequence; gspo-token = the same with each token's "
+        "gradient (per-token advantages allowed); cispo = the clipped ratio as a detached "
+        "weight of -A log pi (MiniMax: --clip-low 1, no lower clip); sapo = a soft sigmoid "
+        "gate in place of the clip (--sapo-tau-pos, --sapo-tau-neg); or the import path "
+        "`module:function` of a function with policy_losses.py's signature")})
+    clip_ratio_c: float = field(default=3.0, metadata={"help": (
+        "dual-clip only: for a negative advantage the token loss is at most -A x this "
+        "(tokens with ratio above it get no gradient); > 1")})
+    sapo_tau_pos: float = field(default=1.0, metadata={"help": (
+        "sapo only: the gate's temperature for positive advantages (larger: the gradient "
+        "decays faster as the ratio leaves 1); > 0")})
+    sapo_tau_neg: float = field(default=1.05, metadata={"help": (
+        "sapo only: the gate's temperature for negative advantages; > 0")})
+    entropy_coef: float = field(default=0.0, metadata={"help": (
+        "entropy bonus: coef x the policy's entropy at each trained token is subtracted from "
+        "its loss, aggregated like the loss (0: none)")})
+    overlong_filtering: bool = field(default=False, metadata={"help": (
+        "drop responses that hit --max-new-tokens (finish reason \"length\") from the loss: "
+        "their tokens get loss mask 0, which removes them from the policy loss, from every "
+        "KL term (reward and loss side) and from the token count the loss is normalised by; "
+        "their reward still enters the group baseline of the others")})
+    overlong_buffer_len: int = field(default=0, metadata={"min": 0, "help": (
+        "DAPO's soft overlong punishment: a response longer than --max-new-tokens - L gets "
+        "-factor x (length - (--max-new-tokens - L)) / L added to its task reward (at most "
+        "-factor, at --max-new-tokens), beside the KL penalty of the reward; 0: off. "
+        "Single-turn rollouts only")})
+    overlong_penalty_factor: float = field(default=1.0, metadata={"min": 0, "help": (
+        "the soft overlong punishment's largest penalty (--overlong-buffer-len)")})
+
+    @property
+    def token_level_advantages(self) -> bool:
+        """Whether build_advantages gives per-token advantages [B, T]: the reward-side KL as
+        reward-to-go, or the exact KL in the advantage (the later positions' KL per token)."""
+        return self.kl.reward_to_go or (self.kl.exact and self.kl.reward_in_advantage)
+
     def validate(self) -> None:
         """The rules beyond each field's declared choices and minimum (which the trainer's
         TrainConfig.validate checks), the KL's and the rollout correction's included."""
@@ -110,6 +156,19 @@ class LossConfig:
         if not (0 <= self.clip_low <= 1) or self.clip_high < 0:
             raise ValueError(f"need 0 <= --clip-low <= 1 and --clip-high >= 0, got "
                              f"{self.clip_low}, {self.clip_high}")
+        resolve_policy_loss(self.policy_loss)  # imports a path: a bad one fails here
+        if not self.clip_ratio_c > 1:
+            raise ValueError(f"--clip-ratio-c {self.clip_ratio_c}: must be > 1 (dual-clip's "
+                             "bound on the ratio of a negative advantage)")
+        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            raise ValueError(f"--sapo-tau-pos {self.sapo_tau_pos}, --sapo-tau-neg "
+                             f"{self.sapo_tau_neg}: both must be > 0")
+        if self.policy_loss in SEQUENCE_LEVEL and self.token_level_advantages:
+            cause = ("--kl-reward-to-go" if self.kl.reward_to_go
+                     else f"--kl-estimator {self.kl.estimator} in the reward")
+            raise ValueError(f"--policy-loss {self.policy_loss} takes one advantage per "
+                             f"sequence, but {cause} makes them per token: use --policy-loss "
+                             f"{self.policy_loss}-token")
         self.kl.validate()
         self.rollout_correction.validate()
 
@@ -154,7 +213,7 @@ def build_advantages(rewards, logprobs, ref_logprobs, loss_mask, cfg: LossConfig
 
 def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig,
                           ref_logprobs=None, token_kl=None, is_weights=None,
-                          rollout_logprobs=None):
+                          rollout_logprobs=None, entropy=None):
     """Per-token loss [B, T] (not yet masked or normalized) and a dict of detached metrics.
 
     logprobs [B, T] (current policy, with grad), old_logprobs [B, T] (behaviour policy),
@@ -163,9 +222,16 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
     token_kl [B, T]: for the "exact" estimator, KL_t at the current policy, differentiable in its
     logits (ops.exact_kl); it replaces ref_logprobs in the loss-side KL and the "seq-is" surrogate.
     is_weights [B, T] (detached): the rollout correction's weights (correction.py), multiplying
-    the clipped surrogate of each token (not the KL terms).
+    the policy-gradient loss of each token (not the KL terms).
     rollout_logprobs [B, T]: the engine's log-probs, which the KL's importance weights divide by
     under cfg.kl.is_proposal "rollout" (else they divide by old_logprobs).
+    entropy [B, T]: the policy's entropy at each position, differentiable in its logits (the
+    scoring op's); needed when cfg.entropy_coef is not 0, whose bonus -coef * entropy_t joins
+    the per-token loss.
+
+        loss_t = is_weight_t * pg_t + [KL loss term]_t + [seq-is KL surrogate]_t - coef H_t
+
+    with pg_t the --policy-loss's (policy_losses.py; advantages reach it as [B, 1] or [B, T]).
     The reward-side KL is already inside `advantages` (see build_advantages) and so
     has no path-wise gradient here; only the loss-side KL and the "seq-is" reward surrogate are
     differentiated through logprobs (and token_kl).
@@ -174,12 +240,7 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
     adv = advantages.detach()
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1)
-    log_ratio = (logprobs - old_logprobs) * mask
-    ratio = log_ratio.exp()
-    clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * clipped
-    pg = torch.maximum(pg_unclipped, pg_clipped)
+    pg, metrics = resolve_policy_loss(cfg.policy_loss)(logprobs, old_logprobs, adv, mask, cfg)
     if is_weights is not None:
         pg = pg * is_weights.detach()
     per_token = pg
@@ -200,16 +261,15 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
     if kl_cfg.in_reward and not kl_cfg.reward_in_advantage:
         per_token = per_token + kl_reward_is_surrogate(logprobs, ref_logprobs, proposal, mask,
                                                        kl_cfg, token_kl=token_kl)
+    if cfg.entropy_coef:
+        if entropy is None:
+            raise ValueError(f"--entropy-coef {cfg.entropy_coef} needs the policy's entropy "
+                             "per token (policy_loss's entropy argument)")
+        per_token = per_token - cfg.entropy_coef * entropy
 
     with torch.no_grad():
         num_tokens = mask.sum().clamp(min=1)
-        metrics = {
-            "pg_per_token": pg.detach(),
-            "clip_fraction": ((pg_clipped > pg_unclipped).to(mask.dtype) * mask).sum() / num_tokens,
-            "ratio_mean": (ratio * mask).sum() / num_tokens,
-            "ratio_max": ratio.masked_fill(mask == 0, float("-inf")).max(),
-            "ratio_min": ratio.masked_fill(mask == 0, float("inf")).min(),
-        }
+        metrics["pg_per_token"] = pg.detach()
         if ref_logprobs is not None:
             metrics["kl_k1"] = (k1(logprobs, ref_logprobs) * mask).sum() / num_tokens
             metrics["kl_k3"] = (k3(logprobs, ref_logprobs) * mask).sum() / num_tokens
@@ -220,19 +280,67 @@ def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: Lo
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig, *,
                 ref_logprobs=None, token_kl=None, is_weights=None, rollout_logprobs=None,
-                num_global_tokens=None, num_global_seqs=None):
+                entropy=None, num_global_tokens=None, num_global_seqs=None):
     """Scalar loss of one shard and detached metrics; shards with global normalizers sum to the
     full-batch loss. Arguments as in policy_loss_per_token; normalizers as in aggregate_loss.
 
-    metrics: pg_loss (the surrogate alone, aggregated like the loss), kl_k1 / kl_k3 (token means of
-    the shard), kl_exact (with token_kl), clip_fraction, ratio_mean / ratio_max / ratio_min.
+    metrics: pg_loss (the policy-gradient loss alone, aggregated like the loss), kl_k1 / kl_k3
+    (token means of the shard), kl_exact (with token_kl), and the policy loss's own
+    (clip_fraction, ratio_mean / ratio_max / ratio_min, ...; policy_losses.py). Its
+    SEQUENCE_SHARES (seq_clip_fraction, seq_ratio_mean: means over the shard's rows) become,
+    given num_global_seqs, the shard's share of the global batch's value: they add up over
+    shards like pg_loss.
     """
     per_token, metrics = policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg,
                                                ref_logprobs=ref_logprobs, token_kl=token_kl,
                                                is_weights=is_weights,
-                                               rollout_logprobs=rollout_logprobs)
+                                               rollout_logprobs=rollout_logprobs,
+                                               entropy=entropy)
     normalizers = dict(num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
     loss = aggregate_loss(per_token, loss_mask, cfg.aggregation, **normalizers)
     metrics["pg_loss"] = aggregate_loss(metrics.pop("pg_per_token"), loss_mask, cfg.aggregation,
                                         **normalizers)
+    if num_global_seqs is not None:
+        for k in SEQUENCE_SHARES:
+            if k in metrics:
+                metrics[k] = metrics[k] * (loss_mask.shape[0] / num_global_seqs)
     return loss, metrics
+
+
+SEQUENCE_SHARES = ("seq_clip_fraction", "seq_ratio_mean")
+"""Policy-loss metrics that are means over the shard's sequences (rows); policy_loss turns them
+into shares of the global batch's sequence count."""
+
+
+def shape_overlong(rewards: torch.Tensor, loss_mask: torch.Tensor, response_lengths: list[int],
+                   finish_reasons: list[str], max_new_tokens: int,
+                   cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(rewards [B], loss_mask [B, T], counts) with the overlong handling of `cfg` applied to a
+    batch's task rewards [B] and loss mask [B, T] (response_lengths: each response's tokens;
+    finish_reasons: "length" where it hit max_new_tokens). New tensors; the inputs are kept.
+
+    --overlong-filtering: a truncated response's loss mask becomes 0: it leaves the policy
+    loss, every KL term (the reward-side KL sums over the mask, so its return is the bare task
+    reward, which still enters the other responses' group baseline) and the token count.
+    --overlong-buffer-len L > 0 (DAPO's soft punishment, factor f = --overlong-penalty-factor):
+        R <- R - f * max(0, len - (max_new_tokens - L)) / L,
+    0 up to max_new_tokens - L, -f at max_new_tokens. It joins the task reward, so it sits beside
+    the KL penalty in the return (R - f ... - beta sum_t K_t) and goes through the baseline.
+    counts: "overlong/filtered" (responses masked out), "overlong/penalized" (responses with a
+    penalty), "overlong/penalty_sum" (sum of the penalties), over this batch.
+    """
+    counts = {"overlong/filtered": 0.0, "overlong/penalized": 0.0, "overlong/penalty_sum": 0.0}
+    if cfg.overlong_filtering:
+        truncated = [f == "length" for f in finish_reasons]
+        keep = torch.tensor([not t for t in truncated], dtype=loss_mask.dtype)
+        loss_mask = loss_mask * keep.to(loss_mask.device)[:, None]
+        counts["overlong/filtered"] = float(sum(truncated))
+    if cfg.overlong_buffer_len > 0:
+        buffer = cfg.overlong_buffer_len
+        start = max_new_tokens - buffer
+        penalty = [cfg.overlong_penalty_factor * max(0, n - start) / buffer
+                   for n in response_lengths]
+        rewards = rewards - torch.tensor(penalty, dtype=rewards.dtype).to(rewards.device)
+        counts["overlong/penalized"] = float(sum(p > 0 for p in penalty))
+        counts["overlong/penalty_sum"] = float(sum(penalty))
+    return rewards, loss_mask, counts

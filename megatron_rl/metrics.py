@@ -18,8 +18,11 @@ from megatron_rl.correction import CorrectionStats
 from megatron_rl.parallel import all_reduce
 from megatron_rl.rollout.mismatch import LogprobMismatch, combine, logprob_mismatch
 
-LOSS_METRICS = ("pg_loss", "kl_k1", "kl_k3", "clip_fraction", "entropy", "ratio_mean")
-ADDITIVE_LOSS_METRICS = ("pg_loss",)  # shares of a global quantity: summed, not averaged
+LOSS_METRICS = ("pg_loss", "kl_k1", "kl_k3", "clip_fraction", "entropy", "ratio_mean",
+                "dual_clip_fraction", "seq_clip_fraction", "seq_ratio_mean")
+# shares of a global quantity (loss.policy_loss: pg_loss, loss.SEQUENCE_SHARES): summed, not
+# averaged
+ADDITIVE_LOSS_METRICS = ("pg_loss", "seq_clip_fraction", "seq_ratio_mean")
 
 
 def batch_metrics(rewards: torch.Tensor, response_lengths: list[int], finish_reasons: list[str],

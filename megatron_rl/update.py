@@ -13,6 +13,7 @@ imports Megatron (through the Policy); loss.py, kl.py and advantages.py stay pur
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +23,7 @@ from megatron_rl import metrics as global_metrics
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import TrainConfig
 from megatron_rl.correction import rollout_correction_weights
-from megatron_rl.loss import build_advantages, policy_loss
+from megatron_rl.loss import build_advantages, policy_loss, shape_overlong
 from megatron_rl.packing import Layout, Microbatch
 from megatron_rl.parallel import all_reduce, data_parallel_group, data_parallel_sum, device
 
@@ -64,6 +65,8 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
     the reference's log-probs for the KL. Adds the step's loss and KL metrics to `metrics`.
     Returns False when an update was skipped (a non-finite loss or gradient)."""
     algo, loss_cfg = cfg.algorithm, cfg.loss
+    if loss_cfg.overlong_filtering or loss_cfg.overlong_buffer_len:
+        batch = overlong_batch(batch, cfg, metrics)
     # the reference is scored even with --kl-placement none: its KL is always logged
     exact_kl = None
     lay = layout(cfg)
@@ -125,6 +128,22 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
     return ok_all
 
 
+def overlong_batch(batch: RolloutBatch, cfg: TrainConfig, metrics: dict) -> RolloutBatch:
+    """`batch` with --overlong-filtering and the soft overlong punishment applied to its loss
+    mask and rewards (loss.shape_overlong); adds overlong/filtered_fraction,
+    overlong/penalized_fraction and overlong/penalty_mean over the global batch to `metrics`."""
+    rewards, mask, counts = shape_overlong(batch.rewards, batch.loss_mask, batch.response_lengths,
+                                           batch.finish_reasons, cfg.rollout.max_new_tokens,
+                                           cfg.loss)
+    totals = global_metrics.count_metrics({**counts, "n": batch.num_sequences}, "",
+                                          data_parallel_group())
+    n = max(totals["n"], 1.0)
+    metrics["overlong/filtered_fraction"] = totals["overlong/filtered"] / n
+    metrics["overlong/penalized_fraction"] = totals["overlong/penalized"] / n
+    metrics["overlong/penalty_mean"] = totals["overlong/penalty_sum"] / n
+    return dataclasses.replace(batch, rewards=rewards, loss_mask=mask)
+
+
 def layout(cfg: TrainConfig) -> Layout:
     """The microbatch layout of the trainer's forward passes (--sequence-packing,
     --max-tokens-per-microbatch, --micro-batch-size)."""
@@ -155,7 +174,8 @@ def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs:
     """The loss function handed to the pipeline schedule (forward_backward with for_scoring):
     log-probs and entropy of the current policy through Policy.score (from the logits, or the
     hidden states with --fused-lm-head), back in the batch's [b, L-1] layout, then
-    megatron_rl.loss.policy_loss. The microbatch dict carries its packing.Microbatch
+    megatron_rl.loss.policy_loss (the entropy too: the scoring op differentiates it, for
+    --entropy-coef). The microbatch dict carries its packing.Microbatch
     ("layout"), loss_mask, old_logprobs, advantages and ref_logprobs (see loss_microbatch).
 
     With the "exact" KL estimator in the loss (or in the reward under "seq-is",
@@ -180,7 +200,7 @@ def make_rl_loss_fn(policy, loss_cfg, num_global_tokens: float, num_global_seqs:
         loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, loss_cfg,
                               ref_logprobs=mb["ref_logprobs"], token_kl=token_kl,
                               is_weights=mb.get("is_weights"),
-                              rollout_logprobs=mb.get("rollout_logprobs"),
+                              rollout_logprobs=mb.get("rollout_logprobs"), entropy=entropy,
                               num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs)
         m["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         m["loss"] = loss.detach().clone()  # clone: the schedule scales the loss in place

@@ -127,10 +127,13 @@ def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch
     ps.destroy_model_parallel()
 
 
+# "estimator:placement[:policy loss]" (default ppo-clip): the sequence-level gspo, whose ratio
+# is a mean over each sequence's tokens, and cispo once each
 RL_CONFIGS = [f"{e}:{p}" for e in ("k1", "k3") for p in ("reward", "loss", "reward+loss")] + [
-    "k1:none", "exact:reward+loss"]
+    "k1:none", "exact:reward+loss", "k1:reward:gspo", "k3:loss:cispo"]
 # every placement once, for the packed-sequence / fused-LM-head comparison
-PACKED_CONFIGS = ["k1:reward", "k1:none", "k3:loss", "k3:reward+loss", "exact:reward+loss"]
+PACKED_CONFIGS = ["k1:reward", "k1:none", "k3:loss", "k3:reward+loss", "exact:reward+loss",
+                  "k1:reward:gspo", "k3:loss:cispo"]
 
 
 def rl_batch(policy, tokens, mask, group_size: int = 2, seed: int = 0):
@@ -170,8 +173,8 @@ def packed_lengths(global_batch: int, seq_len: int) -> list[int]:
 
 def _run_rl_configs(policy, args, tokens, mask, idx, micro_batch, configs, layout_dir,
                     packed: bool = False):
-    """For each "estimator:placement", one forward/backward of the trainer's RL loss on this DP
-    rank's share; full gradients and the summed loss written to <layout_dir>/rl_<config>.pt.
+    """For each "estimator:placement[:policy loss]", one forward/backward of the trainer's RL
+    loss on this DP rank's share; full gradients and the summed loss written to <layout_dir>/rl_<config>.pt.
     The sampled-token estimators use a perturbed copy of the policy's log-probs as the
     reference's; "exact" needs a reference model: `perturbed_reference`, run inside the step as
     the trainer does (score_reference_exact for the reward side, the reference's stage in
@@ -212,8 +215,13 @@ def _run_rl_config(policy, args, spec, tokens, mask, idx, lay, lengths, referenc
     from megatron_rl.update import loss_microbatch, make_rl_loss_fn, score_reference_exact
 
     old, ref, rewards, group_size = data
-    estimator, placement = spec.split(":")
-    cfg = LossConfig(kl=KLConfig(estimator=estimator, placement=placement, coef=0.5))
+    estimator, placement, *policy_loss = spec.split(":")
+    cfg = LossConfig(kl=KLConfig(estimator=estimator, placement=placement, coef=0.5),
+                     policy_loss=policy_loss[0] if policy_loss else "ppo-clip")
+    if policy_loss:  # off-policy (the same at every layout): ratios away from 1, so that a
+        # sequence ratio taken over the wrong tokens would show
+        noise = 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(7))
+        old = old + noise.to(old.device)
     ref_lp, token_kl = ref, None
     if cfg.kl.exact:
         reference[0] = reference[0] or perturbed_reference(policy, args)
@@ -272,7 +280,7 @@ def main(argv=None) -> None:
     p.add_argument("--packed", action="store_true", help="also run the RL configs on sequences of "
                    "unequal length, right-padded (logits) and packed (fused LM head)")
     p.add_argument("--rl-configs", default="", help='also run the RL loss for these comma-separated '
-                   '"estimator:placement" configs ("all" for the standard set)')
+                   '"estimator:placement[:policy loss]" configs ("all" for the standard set)')
     a = p.parse_args(argv)
     import torch.distributed as dist
 

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
+from megatron_rl.imports import import_callable
 from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -174,25 +174,8 @@ def resolve_rollout_function(name: str) -> RolloutFunction:
     if name in ROLLOUT_FUNCTIONS:
         return ROLLOUT_FUNCTIONS[name]
     name = BUILT_IN_PATHS.get(name, name)
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{flag}: neither a built-in rollout function ("
-                         + ", ".join([*ROLLOUT_FUNCTIONS, *BUILT_IN_PATHS]) + ") nor an import path "
-                         "`module:function`")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # the module is the user's: any error in it is a configuration one
-        raise ValueError(f"{flag}: cannot import module {module_name!r} ({type(e).__name__}: "
-                         f"{e})") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{flag}: {getattr(obj, '__name__', module_name)!r} has no "
-                             f"attribute {part!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{flag}: {attr!r} in {module_name!r} is a {type(obj).__name__}, not "
-                         "a function")
-    return cast(RolloutFunction, obj)
+    return cast(RolloutFunction, import_callable(name, flag, "rollout function",
+                                                 [*ROLLOUT_FUNCTIONS, *BUILT_IN_PATHS]))
 
 
 def trajectory_counts(groups: Sequence[Sequence[Trajectory]]) -> collections.Counter:

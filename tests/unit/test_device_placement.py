@@ -117,7 +117,8 @@ def test_rl_loss_function_forward_and_backward(on_accelerator, estimator, placem
         assert weight.grad.device == DEV
     assert all(v.device == DEV for v in metrics.values()), metrics
     # the step's metric reduction stays on the device until its single host copy
-    means = global_metrics.weighted_mean_tensor([metrics, metrics], list(global_metrics.LOSS_METRICS))
+    keys = [k for k in global_metrics.LOSS_METRICS if k in metrics]  # this loss's (loss_metrics')
+    means = global_metrics.weighted_mean_tensor([metrics, metrics], keys)
     assert means.device == DEV
 
 

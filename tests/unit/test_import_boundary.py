@@ -5,7 +5,8 @@
   rollout layer, rollout/orchestrate.py, and the update, update.py, not the other way round);
 - a private name (`_x`) is used only inside its own subpackage (a top-level module's: only
   inside that module), in the package (experiments included) and the tools;
-- the RL maths (kl, advantages, loss, correction) is pure PyTorch: no Megatron, no
+- the RL maths (kl, advantages, loss, policy_losses, correction, and imports, the import-path
+  resolver they use) is pure PyTorch: no Megatron, no
   torch.distributed, nothing of the package beyond each other."""
 import ast
 import sys
@@ -17,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl"
 TOOLS = PACKAGE.parent / "tools"
 EXPERIMENTS = "megatron_rl.experiments"
 TRAINING_LOOP = "megatron_rl.train"
-RL_MATH = ("megatron_rl.kl", "megatron_rl.advantages", "megatron_rl.loss", "megatron_rl.correction")
+RL_MATH = ("megatron_rl.kl", "megatron_rl.advantages", "megatron_rl.loss", "megatron_rl.correction",
+           "megatron_rl.policy_losses", "megatron_rl.imports")
 COMPILED = {"megatron_rl._C"}  # the compiled extension module: private by its name only
 
 

@@ -1,12 +1,13 @@
-"""PPO-clip loss, KL placement in the loss, advantages with the KL reward, aggregation invariance."""
+"""Policy loss (PPO-clip; gspo and cispo where layouts are compared), KL placement in the loss,
+advantages with the KL reward, aggregation invariance."""
 import math
 
 import pytest
 import torch
 
 from megatron_rl.kl import KLConfig, k1
-from megatron_rl.loss import (AGGREGATIONS, LossConfig, aggregate_loss, build_advantages,
-                              compute_rewards_with_kl, policy_loss)
+from megatron_rl.loss import (AGGREGATIONS, SEQUENCE_SHARES, LossConfig, aggregate_loss,
+                              build_advantages, compute_rewards_with_kl, policy_loss)
 
 F64 = torch.float64
 
@@ -34,9 +35,17 @@ def _global_normalizers(mask):
 @pytest.mark.parametrize("kl", [KLConfig("k3", "reward+loss", coef=0.1),
                                 KLConfig("k1", "reward", coef=0.1, reward_to_go=True,
                                          off_policy_correction="seq-is")])
-def test_microbatch_losses_sum_to_full_batch(aggregation, kl):
+@pytest.mark.parametrize("policy_loss_name", ["ppo-clip", "gspo", "cispo"])
+def test_microbatch_losses_sum_to_full_batch(aggregation, kl, policy_loss_name):
+    """Uneven microbatches / DP shards with the global normalizers give the full batch's loss,
+    gradient and sequence-level metric shares, for the token-level and the sequence-level
+    policy losses."""
+    if policy_loss_name == "gspo" and kl.reward_to_go:
+        policy_loss_name = "gspo-token"  # per-token advantages
     logprobs, old, ref, mask, rewards = _batch()
-    cfg = LossConfig(clip_low=0.2, clip_high=0.28, aggregation=aggregation, kl=kl)
+    clip = (0.02, 0.03) if "gspo" in policy_loss_name else (0.2, 0.28)
+    cfg = LossConfig(clip_low=clip[0], clip_high=clip[1], aggregation=aggregation, kl=kl,
+                     policy_loss=policy_loss_name)
     advantages = build_advantages(rewards, logprobs, ref, mask, cfg, group_size=4)
     norm = _global_normalizers(mask)
 
@@ -47,14 +56,21 @@ def test_microbatch_losses_sum_to_full_batch(aggregation, kl):
 
     shard_lp = logprobs.clone().requires_grad_()
     total = 0.0
+    shares: dict = {}
     for rows in ([0, 1, 2], [3], [4, 5, 6, 7]):  # uneven microbatches / DP shards
-        loss, _ = policy_loss(shard_lp[rows], old[rows], advantages[rows], mask[rows], cfg,
+        loss, m = policy_loss(shard_lp[rows], old[rows], advantages[rows], mask[rows], cfg,
                               ref_logprobs=ref[rows], **norm)
         loss.backward()
         total = total + loss.detach()
+        for k in SEQUENCE_SHARES:
+            if k in m:
+                shares[k] = shares.get(k, 0.0) + m[k].item()
     assert abs(total.item() - full.item()) < 1e-13
     assert torch.allclose(shard_lp.grad, full_lp.grad, atol=1e-14, rtol=0)
     assert full_lp.grad.abs().sum() > 0
+    assert bool(shares) == ("gspo" in policy_loss_name)
+    for k, v in shares.items():
+        assert v == pytest.approx(metrics[k].item(), abs=1e-14)
 
 
 def test_aggregation_values_by_hand():
