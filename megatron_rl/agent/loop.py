@@ -1,33 +1,38 @@
 """The multi-turn agent loop: the built-in rollout function "agent" (--rollout-function agent).
 
-An episode is one trajectory: the prompt, then turns of the policy and of its tools until the
-policy answers without calling a tool or a limit ends it. Token in, token out:
+An episode is one trajectory: the prompt, then turns of the policy and of its environment
+(--agent-environment, agent/env.py: the built-in "tools" runs the turn's tool calls) until the
+environment says done (for "tools": the policy answers without calling a tool) or a limit ends
+it. Token in, token out:
 
-    prompt_ids | policy turn 1 (mask 1) | tool response 1 (mask 0) | policy turn 2 (mask 1) | ...
+    prompt_ids | policy turn 1 (mask 1) | observation 1 (mask 0) | policy turn 2 (mask 1) | ...
 
 - The policy's tokens are exactly the ids the engine sampled, with its log-probs. They are never
   decoded and encoded again: the text of a turn is decoded only to find its tool calls.
 - The environment's tokens are the text the chat format puts between the policy's turns (the
-  end of the policy's turn where it did not end it itself, the tool responses, the header of the
-  next assistant turn), encoded once, without special tokens added, and appended. They have mask
+  end of the policy's turn where it did not end it itself, the environment's messages: tool
+  responses as "tool" messages, an environment's str observation as a "user" message; the
+  header of the next assistant turn), encoded once, without special tokens added, and
+  appended. They have mask
   0 and log-prob 0: the loss, the advantages, every KL estimator and placement, the importance
   weights and the metrics use the policy's tokens only (batch.pack_rollouts makes the mask the
   row's loss mask). docs/results.md derives why charging the environment's tokens, or counting
   them in importance weights, biases the gradient of the trajectory-level KL.
-- A turn stops at the end of a tool call: where the format's end marker ("</tool_call>" for
-  qwen) is one token of the tokenizer it is a stop token of the generate call (every engine
-  stops there); where it is not, the turn is cut after the first marker once generated (the
-  tokens after it are dropped: the trajectory keeps a prefix of what was sampled, as a stop
-  string does). A turn also ends at the tokenizer's end-of-sequence ids and at
-  --max-new-tokens.
+- A turn stops at the end of a tool call (the environment's `turn_end`; for "tools" the
+  format's end marker, "</tool_call>" for qwen): where it is one token of the tokenizer it is a
+  stop token of the generate call (every engine stops there); where it is not, the turn is cut
+  after the first marker once generated (the tokens after it are dropped: the trajectory keeps
+  a prefix of what was sampled, as a stop string does). A turn also ends at the tokenizer's
+  end-of-sequence ids and at --max-new-tokens.
 
 Episodes advance together, one turn at a time: one generate call per turn for all episodes
 still running (the first for all prompts with n = group size, so that an engine shares each
-prompt's prefill), then every tool call of that turn at once on ToolExecutor's threads (one
-sandbox process each for the Python tool), so a slow tool holds the others only until the
-slowest call of the turn returns. With the in-process engine the loop runs on every rank of a
-model-parallel group; the tools run on the group's first rank and the others take its answers
-(parallel.model_parallel_source), so that the group's generate calls stay identical.
+prompt's prefill), then every episode's environment steps at once, each on a thread of its own
+(for "tools": every tool call of the turn at once on ToolExecutor's threads, one sandbox process
+each for the Python tool), so a slow environment holds the others only until the slowest step of
+the turn returns. With the in-process engine the loop runs on every rank of a model-parallel
+group; the environments live and run on the group's first rank and the others take their
+answers (parallel.model_parallel_source), so that the group's generate calls stay identical.
 
 Limits (AgentConfig), each ending an episode with its reason, counted as
 rollout/agent/end_<reason>:
@@ -35,15 +40,20 @@ rollout/agent/end_<reason>:
     length          the policy's turn ran out of --max-new-tokens without a call
     max_turns       --agent-max-turns policy turns taken
     max_tool_calls  the turn's calls would pass --agent-max-tool-calls (not executed)
-    max_tokens      the trajectory reached --agent-max-tokens (the turn is cut to fit; a tool
-                    response that does not fit is left out)
+    max_tokens      the trajectory reached --agent-max-tokens (the turn is cut to fit; an
+                    observation that does not fit is left out)
+    env_error       the environment raised (made, reset or step): reward 0, every token mask 0
+    env_timeout     its call took longer than --agent-env-timeout: the same
+    (another environment may end an episode with a reason of its own: StepResult.end)
 
-Reward: the task's verifier on the text of the policy's last turn, against the record's answer
-(tool responses are not the policy's answer).
+Reward: the environment's reward for the policy's last turn where its step on that turn gave
+one (counted as agent/env_reward); otherwise the task's verifier on the text of the policy's
+last turn, against the record's answer (tool responses are not the policy's answer).
 
 Per-trajectory counts in Trajectory.metadata["counts"] (agent/turns, agent/tool_calls,
-agent/tool_seconds, agent/tool_<outcome> for agent.tools.OUTCOMES, agent/end_<reason>) are
-averaged over the batch's trajectories and logged as rollout/agent/<name>.
+agent/tool_seconds, agent/tool_<outcome> for agent.tools.OUTCOMES, agent/end_<reason>, an
+environment's own StepResult.counts) are averaged over the batch's trajectories and logged as
+rollout/agent/<name>.
 """
 from __future__ import annotations
 
