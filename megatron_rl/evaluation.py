@@ -228,7 +228,8 @@ def main(argv=None) -> None:
     else:
         policy.load_hf(a.hf_checkpoint)
     tok = load_tokenizer(a.hf_checkpoint)
-    tools = tool_registry(run_config.agent).schemas() if a.rollout_function == "agent" else None
+    tools = (tool_registry(run_config.agent).schemas() if a.rollout_function == "agent"
+             and run_config.agent.agent_environment == "tools" else None)
     builder = PromptBuilder(tokenizer=tok if a.chat_template else None, template=a.prompt_template,
                             use_chat_template=a.chat_template, task_instruction=a.task_instruction,
                             tools=tools)

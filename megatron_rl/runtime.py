@@ -226,7 +226,8 @@ def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
 
     d = cfg.data
     tools = None
-    if cfg.rollout.rollout_function == "agent":  # the tools' schemas in the chat template
+    agent = cfg.rollout.rollout_function == "agent"
+    if agent and cfg.agent.agent_environment == "tools":  # the tools' schemas in the template
         from megatron_rl.agent.loop import tool_registry
 
         tools = tool_registry(cfg.agent).schemas()
@@ -237,7 +238,7 @@ def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
     evals = PromptDataset.from_jsonl(d.eval_data, builder, shuffle=False) if d.eval_data else None
     limit = ContextLimit(*context_limit(cfg.rollout, max_position_embeddings),
                          max_new_tokens=cfg.rollout.max_new_tokens)
-    if tools is not None and cfg.agent.agent_max_tokens > limit.tokens:
+    if agent and cfg.agent.agent_max_tokens > limit.tokens:
         raise ValueError(f"--agent-max-tokens {cfg.agent.agent_max_tokens}: an episode longer "
                          f"than {limit.source} cannot be generated; lower it to at most "
                          f"{limit.tokens}")

@@ -1,33 +1,38 @@
 """The multi-turn agent loop: the built-in rollout function "agent" (--rollout-function agent).
 
-An episode is one trajectory: the prompt, then turns of the policy and of its tools until the
-policy answers without calling a tool or a limit ends it. Token in, token out:
+An episode is one trajectory: the prompt, then turns of the policy and of its environment
+(--agent-environment, agent/env.py: the built-in "tools" runs the turn's tool calls) until the
+environment says done (for "tools": the policy answers without calling a tool) or a limit ends
+it. Token in, token out:
 
-    prompt_ids | policy turn 1 (mask 1) | tool response 1 (mask 0) | policy turn 2 (mask 1) | ...
+    prompt_ids | policy turn 1 (mask 1) | observation 1 (mask 0) | policy turn 2 (mask 1) | ...
 
 - The policy's tokens are exactly the ids the engine sampled, with its log-probs. They are never
   decoded and encoded again: the text of a turn is decoded only to find its tool calls.
 - The environment's tokens are the text the chat format puts between the policy's turns (the
-  end of the policy's turn where it did not end it itself, the tool responses, the header of the
-  next assistant turn), encoded once, without special tokens added, and appended. They have mask
+  end of the policy's turn where it did not end it itself, the environment's messages: tool
+  responses as "tool" messages, an environment's str observation as a "user" message; the
+  header of the next assistant turn), encoded once, without special tokens added, and
+  appended. They have mask
   0 and log-prob 0: the loss, the advantages, every KL estimator and placement, the importance
   weights and the metrics use the policy's tokens only (batch.pack_rollouts makes the mask the
   row's loss mask). docs/results.md derives why charging the environment's tokens, or counting
   them in importance weights, biases the gradient of the trajectory-level KL.
-- A turn stops at the end of a tool call: where the format's end marker ("</tool_call>" for
-  qwen) is one token of the tokenizer it is a stop token of the generate call (every engine
-  stops there); where it is not, the turn is cut after the first marker once generated (the
-  tokens after it are dropped: the trajectory keeps a prefix of what was sampled, as a stop
-  string does). A turn also ends at the tokenizer's end-of-sequence ids and at
-  --max-new-tokens.
+- A turn stops at the end of a tool call (the environment's `turn_end`; for "tools" the
+  format's end marker, "</tool_call>" for qwen): where it is one token of the tokenizer it is a
+  stop token of the generate call (every engine stops there); where it is not, the turn is cut
+  after the first marker once generated (the tokens after it are dropped: the trajectory keeps
+  a prefix of what was sampled, as a stop string does). A turn also ends at the tokenizer's
+  end-of-sequence ids and at --max-new-tokens.
 
 Episodes advance together, one turn at a time: one generate call per turn for all episodes
 still running (the first for all prompts with n = group size, so that an engine shares each
-prompt's prefill), then every tool call of that turn at once on ToolExecutor's threads (one
-sandbox process each for the Python tool), so a slow tool holds the others only until the
-slowest call of the turn returns. With the in-process engine the loop runs on every rank of a
-model-parallel group; the tools run on the group's first rank and the others take its answers
-(parallel.model_parallel_source), so that the group's generate calls stay identical.
+prompt's prefill), then every episode's environment steps at once, each on a thread of its own
+(for "tools": every tool call of the turn at once on ToolExecutor's threads, one sandbox process
+each for the Python tool), so a slow environment holds the others only until the slowest step of
+the turn returns. With the in-process engine the loop runs on every rank of a model-parallel
+group; the environments live and run on the group's first rank and the others take their
+answers (parallel.model_parallel_source), so that the group's generate calls stay identical.
 
 Limits (AgentConfig), each ending an episode with its reason, counted as
 rollout/agent/end_<reason>:
@@ -35,26 +40,36 @@ rollout/agent/end_<reason>:
     length          the policy's turn ran out of --max-new-tokens without a call
     max_turns       --agent-max-turns policy turns taken
     max_tool_calls  the turn's calls would pass --agent-max-tool-calls (not executed)
-    max_tokens      the trajectory reached --agent-max-tokens (the turn is cut to fit; a tool
-                    response that does not fit is left out)
+    max_tokens      the trajectory reached --agent-max-tokens (the turn is cut to fit; an
+                    observation that does not fit is left out)
+    env_error       the environment raised (made, reset or step): reward 0, every token mask 0
+    env_timeout     its call took longer than --agent-env-timeout: the same
+    (another environment may end an episode with a reason of its own: StepResult.end)
 
-Reward: the task's verifier on the text of the policy's last turn, against the record's answer
-(tool responses are not the policy's answer).
+Reward: the environment's reward for the policy's last turn where its step on that turn gave
+one (counted as agent/env_reward); otherwise the task's verifier on the text of the policy's
+last turn, against the record's answer (tool responses are not the policy's answer).
 
 Per-trajectory counts in Trajectory.metadata["counts"] (agent/turns, agent/tool_calls,
-agent/tool_seconds, agent/tool_<outcome> for agent.tools.OUTCOMES, agent/end_<reason>) are
-averaged over the batch's trajectories and logged as rollout/agent/<name>.
+agent/tool_seconds, agent/tool_<outcome> for agent.tools.OUTCOMES, agent/end_<reason>, an
+environment's own StepResult.counts) are averaged over the batch's trajectories and logged as
+rollout/agent/<name>.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from megatron_rl.agent.parsing import TOOL_CALL_FORMATS, parse_tool_calls
-from megatron_rl.agent.tools import OUTCOMES, ToolExecutor, ToolRegistry, ToolResult
+from megatron_rl.agent.env import BUILT_IN, OK, CallOutcome, StepResult, ToolsEnvironment
+from megatron_rl.agent.env import ERROR as ENV_ERROR
+from megatron_rl.agent.env import TIMEOUT as ENV_TIMEOUT
+from megatron_rl.agent.env import (log_failure, messages, resolve_environment,
+                                   run_calls)
+from megatron_rl.agent.parsing import TOOL_CALL_FORMATS
+from megatron_rl.agent.tools import OUTCOMES, ToolExecutor, ToolRegistry
 from megatron_rl.parallel import model_parallel_source
 from megatron_rl.rollout.functions import Trajectory
 
@@ -63,7 +78,8 @@ if TYPE_CHECKING:
     from megatron_rl.rollout.base import Completion
     from megatron_rl.rollout.functions import RolloutContext
 
-END_REASONS = ("answer", "length", "max_turns", "max_tool_calls", "max_tokens")
+END_REASONS = ("answer", "length", "max_turns", "max_tool_calls", "max_tokens", ENV_ERROR,
+               ENV_TIMEOUT)
 TOOLS = ("calculator", "python")
 _END_MARKERS = {"qwen": "</tool_call>", "llama3": None}  # llama3: the call is the whole turn
 
@@ -92,11 +108,27 @@ class AgentConfig:
     agent_max_tool_output_chars: int = field(default=2000, metadata={
         "help": "characters of one tool response at most; a longer one keeps its head and tail "
                 "around a note of how much was cut", "min": 64})
+    agent_environment: str = field(default="tools", metadata={
+        "help": "what answers the policy's turns in --rollout-function agent: tools (the "
+                "built-in: runs the turn's --agent-tools calls) or the import path module:Class "
+                "of an environment (agent/env.py: reset on a record, step on each policy turn "
+                "to an observation, an optional reward and done), one made per episode"})
+    agent_env_timeout: float = field(default=60.0, metadata={
+        "help": "seconds an --agent-environment's reset or step may take; a call that raises "
+                "or takes longer ends its episode (reward 0, end env_error or env_timeout), "
+                "not the run (the built-in tools environment bounds its own time)"})
+    agent_env_max_abandoned: int = field(default=32, metadata={
+        "help": "environment calls past --agent-env-timeout whose threads (which cannot be "
+                "stopped) may still run at once; one more stops the run", "min": 0})
 
     def validate(self) -> None:
         for name in self.agent_tools:
             if name not in TOOLS:
                 raise ValueError(f"--agent-tools {name!r}: not a tool ({', '.join(TOOLS)})")
+        if not self.agent_env_timeout > 0:
+            raise ValueError(f"--agent-env-timeout {self.agent_env_timeout}: must be > 0")
+        if self.agent_environment not in BUILT_IN:
+            resolve_environment(self.agent_environment)  # a bad path fails at configuration
 
 
 def tool_registry(config: AgentConfig) -> ToolRegistry:
@@ -121,11 +153,12 @@ _BASE = [{"role": "user", "content": "user-turn-text"}, {"role": "assistant", "c
 
 
 class ChatFormat:
-    """The environment's text after a policy turn that called tools: `after_turn(results,
-    turn_ids)`. With a chat template (tokenizer.chat_template) it is what the template renders
-    for the tool messages and the next assistant header, preceded by the end of the assistant
-    turn unless the policy's last token already ended it; without one, each response in
-    <tool_response> tags on lines of its own."""
+    """The environment's text after a policy turn: `after_turn(messages, last_token_text)`.
+    With a chat template (tokenizer.chat_template) it is what the template renders for the
+    environment's messages (tool responses, user messages) and the next assistant header,
+    preceded by the end of the assistant turn unless the policy's last token already ended it;
+    without one, each tool response in <tool_response> tags on lines of its own and any other
+    message's content on lines of its own."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -142,17 +175,19 @@ class ChatFormat:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
-    def after_turn(self, results: Sequence[str], last_token_text: str) -> str:
+    def after_turn(self, results: Sequence[str | dict[str, str]], last_token_text: str) -> str:
         """The text appended after a policy turn whose last token reads `last_token_text`
-        (special tokens kept), holding the tool `results` in order."""
+        (special tokens kept), holding the environment's messages `results` in order: a str
+        is a tool response (a "tool" message), a dict a chat message ({"role", "content"})."""
+        msgs = [{"role": "tool", "content": r} if isinstance(r, str) else r for r in results]
         if not self.templated:
-            return "".join(f"\n<tool_response>\n{r}\n</tool_response>\n" for r in results)
-        tools = [{"role": "tool", "content": r} for r in results]
-        full = self._render(_BASE + tools, True)
+            return "".join(f"\n<tool_response>\n{m['content']}\n</tool_response>\n"
+                           if m["role"] == "tool" else f"\n{m['content']}\n" for m in msgs)
+        full = self._render(_BASE + msgs, True)
         if not full.startswith(self._base):
-            raise ValueError("the chat template renders the conversation before the tool "
-                             "messages differently once they follow: the environment's text "
-                             "between turns cannot be taken from it")
+            raise ValueError("the chat template renders the conversation before the "
+                             "environment's messages differently once they follow: the "
+                             "environment's text between turns cannot be taken from it")
         close = self._close
         if last_token_text and close.startswith(last_token_text):
             close = close[len(last_token_text):]  # the policy ended its turn itself
@@ -194,6 +229,8 @@ class _Episode:
     finish_reason: str = "stop"
     end: str | None = None
     counts: dict[str, float] = field(default_factory=dict)
+    env_reward: float | None = None  # the reward of the step on the last policy turn
+    env_info: dict[str, Any] = field(default_factory=dict)
 
     def count(self, name: str, by: float = 1.0) -> None:
         key = f"agent/{name}"
@@ -203,10 +240,20 @@ class _Episode:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
+    @property
+    def failed(self) -> bool:
+        return self.end in (ENV_ERROR, ENV_TIMEOUT)
+
     def append(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.response_ids += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def fail(self, status: str) -> None:
+        """Ended by its environment's failure: not trained on (every token mask 0)."""
+        self.end = status
+        self.mask = [0] * len(self.response_ids)
+        self.logprobs = [0.0] * len(self.response_ids)
 
 
 def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[list[Trajectory]]:
@@ -215,51 +262,206 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[
     config = getattr(ctx.config, "agent", None) or AgentConfig()
     tokenizer = ctx.codec.tokenizer
     fmt = ChatFormat(tokenizer)
-    marker = _END_MARKERS[config.tool_call_format]
+    with_tools = config.agent_environment == "tools"
+    factory = None if with_tools else resolve_environment(config.agent_environment)
+    marker = (_END_MARKERS[config.tool_call_format] if with_tools
+              else getattr(factory, "turn_end", None))
     marker_id = _marker_stop_id(tokenizer, marker)
     params = ctx.params
     if marker_id is not None:
         params = dataclasses.replace(params, stop_token_ids=tuple(
             sorted({*params.stop_token_ids, marker_id})))
-    registry = tool_registry(config)
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
-    prompt_ids = [ctx.codec.encode(r.text) for r in records]
-    episodes = [_Episode(list(p)) for p in prompt_ids for _ in range(ctx.group_size)]
-    with ToolExecutor(registry, max_output_chars=config.agent_max_tool_output_chars) as tools:
+    with contextlib.ExitStack() as stack:
+        if with_tools:
+            tools = stack.enter_context(ToolExecutor(
+                tool_registry(config), max_output_chars=config.agent_max_tool_output_chars))
+            factory = functools.partial(ToolsEnvironment, tools, config.tool_call_format,
+                                        config.agent_max_turns, config.agent_max_tool_calls)
+        assert factory is not None
+        envs = _Environments(factory, config, [r for r in records for _ in range(ctx.group_size)],
+                             everywhere=ctx.engine.client_rank is None)
+        stack.callback(envs.close)
+        episodes = _start(ctx, records, envs.reset())
+        number = {id(e): i for i, e in enumerate(episodes)}
         for turn in range(config.agent_max_turns):
             active = [e for e in episodes if e.end is None]
             if not active:
                 break
             seeded = params if params.seed is None else dataclasses.replace(
                 params, seed=params.seed + 1_000_003 * turn)
-            if turn == 0:  # all prompts at once, n = group size: each prompt prefilled once
-                completions = _generate(ctx.engine, prompt_ids, ctx.group_size, seeded,
+            shared = [e.prompt_ids for e in episodes[::ctx.group_size]]
+            if turn == 0 and all(e.prompt_ids == shared[i // ctx.group_size]
+                                 for i, e in enumerate(episodes)):
+                # all prompts at once, n = group size: each prompt prefilled once (the
+                # completions of an episode whose environment failed to start are dropped)
+                completions = _generate(ctx.engine, shared, ctx.group_size, seeded,
                                         config.agent_max_tokens)
+                completions = [c for e, c in zip(episodes, completions) if e.end is None]
             else:
                 contexts = [e.prompt_ids + e.response_ids for e in active]
                 completions = _generate(ctx.engine, contexts, 1, seeded, config.agent_max_tokens)
-            calls_of = [_take_turn(e, c, config, marker, decode, turn) for e, c in
-                        zip(active, completions)]
-            _run_tools(tools, active, calls_of, fmt, config, decode, ctx.codec.tokenizer,
-                       everywhere=ctx.engine.client_rank is None)
+            stepped = [i for i, (e, c) in enumerate(zip(active, completions))
+                       if _take_turn(e, c, config, marker, decode)]
+            outcomes = envs.step([number[id(active[i])] for i in stepped],
+                                 [decode(active[i].last_turn) for i in stepped])
+            for i, outcome in zip(stepped, outcomes):
+                _answer(active[i], outcome, fmt, config, decode, tokenizer,
+                        last_turn=turn + 1 >= config.agent_max_turns)
         for e in episodes:
-            if e.end is None:  # still calling tools after its last allowed turn
+            if e.end is None:  # still going after its last allowed turn
                 e.end = "max_turns"
-    texts = [ctx.codec.decode(e.last_turn) for e in episodes]
-    each = lambda xs: [x for x in xs for _ in range(ctx.group_size)]  # noqa: E731
-    scored = ctx.scorer.score(texts, each([r.answer for r in records]),
-                              each([r.task for r in records]), each([r.metadata for r in records]))
+    return _score(ctx, records, episodes)
+
+
+class _Environments:
+    """One environment per episode, made, reset and stepped on daemon threads (env.run_calls)
+    under --agent-env-timeout, on the model-parallel group's first rank when the loop runs on
+    every rank of the group (`everywhere`: the in-process engine), the others taking its
+    outcomes (parallel.model_parallel_source), as a tool's answers are: an environment
+    answering differently on two ranks would send them different prompts. The environments
+    exist on that rank alone."""
+
+    def __init__(self, factory, config: AgentConfig, records: Sequence[PromptRecord],
+                 everywhere: bool):
+        self.factory, self.config, self.records, self.everywhere = factory, config, records, everywhere
+        self.name = config.agent_environment
+        self.timeout = config.agent_env_timeout if getattr(factory, "time_limited", True) else None
+        self.envs: list[Any] = [None] * len(records)
+        self.failed: set[int] = set()  # episodes whose environment is never called again
+
+    def _run(self, idx: list[int], calls: list, what: str) -> list[CallOutcome]:
+        """`calls` (one per episode of `idx`) run on this rank; failures logged, their
+        environments dropped. A RuntimeError (too many abandoned calls) is returned, not
+        raised, so that the other ranks of the group get it too."""
+        try:
+            outcomes = run_calls(calls, self.timeout, self.config.agent_env_max_abandoned)
+        except RuntimeError as e:
+            return [CallOutcome("fatal", error=str(e))]
+        for i, o in zip(idx, outcomes):
+            assert o is not None
+            if o.status != OK:
+                log_failure(o, what, self.records[i], self.name, self.timeout)
+                self.failed.add(i)
+        return [o for o in outcomes if o is not None]
+
+    def _everywhere(self, fn):
+        out = model_parallel_source(fn) if self.everywhere else fn()
+        if len(out) == 1 and out[0].status == "fatal":
+            raise RuntimeError(out[0].error)
+        return out
+
+    def reset(self) -> list[CallOutcome]:
+        """Each episode's environment made and reset: OK with the prompt text to use (None:
+        the record's), or the failure."""
+        def make_and_reset(i: int):
+            env = self.factory()
+            self.envs[i] = env
+            prompt = env.reset(self.records[i])
+            if prompt is not None and not isinstance(prompt, str):
+                raise TypeError(f"reset returned a {type(prompt).__name__}, not a str or None")
+            return prompt
+
+        idx = list(range(len(self.records)))
+        return self._everywhere(lambda: self._run(
+            idx, [functools.partial(make_and_reset, i) for i in idx], "reset"))
+
+    def step(self, idx: list[int], texts: list[str]) -> list[CallOutcome]:
+        """The environments of episodes `idx` stepped on their policy turns `texts`: OK with a
+        StepResult (its observation as chat messages), or the failure."""
+        def step(i: int, text: str) -> StepResult:
+            result = self.envs[i].step(text)
+            if not isinstance(result, StepResult):
+                raise TypeError(f"step returned a {type(result).__name__}, not a StepResult")
+            reward = None if result.reward is None else float(result.reward)
+            return dataclasses.replace(result, observation=messages(result.observation),
+                                       reward=reward)
+
+        if not idx:
+            return []
+        return self._everywhere(lambda: self._run(
+            idx, [functools.partial(step, i, t) for i, t in zip(idx, texts)], "step"))
+
+    def close(self) -> None:
+        """Every environment still held closed (on this rank; a failure is logged)."""
+        held = [i for i, env in enumerate(self.envs) if env is not None and i not in self.failed]
+        if held:
+            self._run(held, [self.envs[i].close for i in held], "close")
+
+
+def _start(ctx: RolloutContext, records: Sequence[PromptRecord], resets: list[CallOutcome]
+           ) -> list[_Episode]:
+    """The episodes, each on its record's prompt or the prompt its environment's reset gave;
+    one whose environment failed to start ended with the failure."""
+    record_ids = [ctx.codec.encode(r.text) for r in records]
+    episodes = []
+    for i, o in enumerate(resets):
+        prompt = o.value if o.status == OK else None
+        e = _Episode(list(record_ids[i // ctx.group_size]) if prompt is None
+                     else ctx.codec.encode(prompt))
+        if o.status != OK:
+            e.fail(o.status)
+        episodes.append(e)
+    return episodes
+
+
+def _answer(e: _Episode, outcome: CallOutcome, fmt: ChatFormat, config: AgentConfig, decode,
+            tokenizer, last_turn: bool) -> None:
+    """The environment's `outcome` for the policy's last turn applied to `e`: its failure, the
+    end it gives, or its observation appended (mask 0)."""
+    if outcome.status != OK:
+        e.fail(outcome.status)
+        return
+    result: StepResult = outcome.value
+    for name, value in result.counts.items():
+        e.count(name, value)
+    e.env_reward, e.env_info = result.reward, result.info
+    if result.done:
+        end = result.end or "answer"
+        e.end = "length" if end == "answer" and e.finish_reason == "length" else end
+        return
+    if last_turn:
+        e.end = "max_turns"
+        return
+    text = fmt.after_turn(list(result.observation or ()), decode(e.last_turn[-1:]))
+    env = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if e.length + len(env) >= config.agent_max_tokens:
+        e.end = "max_tokens"  # no room for the observation and a next turn
+        return
+    e.append(env, None)
+
+
+def _score(ctx: RolloutContext, records: Sequence[PromptRecord], episodes: list[_Episode]
+           ) -> list[list[Trajectory]]:
+    """The trajectories, grouped by record: the reward is the environment's for the last
+    policy turn where it gave one, 0 for an episode its environment failed, else the task's
+    verifier on the text of the last policy turn."""
+    k = ctx.group_size
+    verify = [i for i, e in enumerate(episodes) if not e.failed and e.env_reward is None]
+    scored = ctx.scorer.score(
+        [ctx.codec.decode(episodes[i].last_turn) for i in verify],
+        [records[i // k].answer for i in verify], [records[i // k].task for i in verify],
+        [records[i // k].metadata for i in verify]) if verify else []
+    rewards: list[tuple[float, str | None]] = [(0.0, None)] * len(episodes)
+    for i, s in zip(verify, scored):
+        rewards[i] = (s.reward, s.reason)
     groups: list[list[Trajectory]] = []
-    for i, (e, s) in enumerate(zip(episodes, scored)):
-        if i % ctx.group_size == 0:
+    for i, e in enumerate(episodes):
+        if i % k == 0:
             groups.append([])
+        if e.env_reward is not None and not e.failed:
+            rewards[i] = (e.env_reward, None)
+            e.count("env_reward")
         e.count(f"end_{e.end}")
+        metadata: dict[str, Any] = {"counts": e.counts, "end": e.end}
+        if e.env_info:
+            metadata["env_info"] = e.env_info
         groups[-1].append(Trajectory(e.prompt_ids, e.response_ids, e.mask, e.logprobs,
-                                     e.finish_reason, s.reward, s.reason,
-                                     metadata={"counts": e.counts, "end": e.end}))
+                                     e.finish_reason, rewards[i][0], rewards[i][1],
+                                     metadata=metadata))
     return groups
 
 
@@ -285,10 +487,10 @@ def _generate(engine, contexts: list[list[int]], n: int, params, max_tokens: int
     return [c for g in out for c in g]
 
 
-def _take_turn(e: _Episode, c: Completion, config: AgentConfig, marker: str | None, decode,
-               turn: int) -> list:
-    """Append the policy's turn `c` to `e` (cut after a tool call's end marker and to the token
-    limit); the turn's tool calls, [] where the episode ended."""
+def _take_turn(e: _Episode, c: Completion, config: AgentConfig, marker: str | None, decode
+               ) -> bool:
+    """Append the policy's turn `c` to `e` (cut after the environment's turn end marker and to
+    the token limit); whether the environment is to answer it (False: the episode ended)."""
     ids, logprobs = list(c.token_ids), list(c.rollout_logprobs)
     finish = c.finish_reason
     if marker is not None:
@@ -302,56 +504,15 @@ def _take_turn(e: _Episode, c: Completion, config: AgentConfig, marker: str | No
     e.append(ids, logprobs)
     e.last_turn = ids
     e.finish_reason = finish
+    e.env_reward = None
     e.count("turns")
     if cut:
         e.end = "max_tokens"
-        return []
-    calls = parse_tool_calls(decode(ids), config.tool_call_format)
-    if not calls:
-        e.end = "length" if finish == "length" else "answer"
-        return []
-    if turn + 1 >= config.agent_max_turns:
-        e.end = "max_turns"
-        return []
-    if e.counts.get("agent/tool_calls", 0) + len(calls) > config.agent_max_tool_calls:
-        e.end = "max_tool_calls"
-        return []
-    return calls
+    return not cut
 
 
-def _run_tools(tools: ToolExecutor, active: list[_Episode], calls_of: list[list], fmt: ChatFormat,
-               config: AgentConfig, decode, tokenizer, everywhere: bool) -> None:
-    """Every call of this turn at once; each episode's responses appended as its environment
-    tokens (mask 0). `everywhere`: the loop runs on every rank of a model-parallel group (the
-    in-process engine), so the calls run on the group's first rank and the others take its
-    results: a tool answering differently on two ranks (a time limit hit on one) would send
-    them different prompts."""
-    def execute() -> list[tuple[list[tuple[str, str]], float]]:
-        start = time.monotonic()
-        futures = [[tools.submit(call) for call in calls] for calls in calls_of]
-        out = []
-        for calls in futures:
-            results: list[ToolResult] = [f.result() for f in calls]
-            out.append(([(r.text, r.outcome) for r in results], time.monotonic() - start))
-        return out
-
-    answers = model_parallel_source(execute) if everywhere else execute()
-    for e, (results, seconds) in zip(active, answers):
-        if not results:
-            continue
-        e.count("tool_calls", len(results))
-        e.count("tool_seconds", seconds)  # this turn's wait for its tools
-        for _, outcome in results:
-            e.count(f"tool_{outcome}")
-        text = fmt.after_turn([text for text, _ in results], decode(e.last_turn[-1:]))
-        env = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if e.length + len(env) >= config.agent_max_tokens:
-            e.end = "max_tokens"  # no room for the responses and a next turn
-            continue
-        e.append(env, None)
-
-
-COUNT_NAMES = tuple(f"agent/{n}" for n in ("turns", "tool_calls", "tool_seconds",
+COUNT_NAMES = tuple(f"agent/{n}" for n in ("turns", "tool_calls", "tool_seconds", "env_reward",
                                             *(f"tool_{o}" for o in OUTCOMES),
                                             *(f"end_{r}" for r in END_REASONS)))
-"""Every count an episode may carry in Trajectory.metadata["counts"]."""
+"""Every count an episode of the built-in environment may carry in Trajectory.metadata["counts"]
+(another environment adds its own StepResult.counts)."""
