@@ -39,9 +39,15 @@ def pytest_configure(config):
                             "venvs); skipped with a reason when a venv is absent")
     config.addinivalue_line("markers", "hostsync: host synchronisations of a hot loop, counted "
                             "against its budget (megatron_rl.hostsync)")
+    config.addinivalue_line("markers", "shared_server(kind): uses the session's shared 'vllm' or "
+                            "'sglang' server (shared_servers); such tests run last, grouped by "
+                            "kind, so that each shared server starts once")
 
 
 def pytest_collection_modifyitems(config, items):
+    # the tests of each shared server together, after all others (stable otherwise)
+    order = {None: 0, "vllm": 1, "sglang": 2}
+    items.sort(key=lambda item: order[shared_server_kind(item)])
     faults = fault_test_ids()
     for item in items:
         if item.nodeid.split("[")[0] in faults:
@@ -106,7 +112,9 @@ def tiny_llama_tied(tmp_path_factory):
 # (launch flags, restarts, a killed process) start their own. At most one shared server of each
 # kind runs (the servers' memory): a `server` test that starts its own stops the shared ones
 # first (pytest_runtest_setup below), they stop after the last of a run of tests that use them
-# (pytest_runtest_teardown), and the next test that needs one starts it again.
+# (pytest_runtest_teardown), and the next test that needs one starts it again. Such tests say
+# which with the `shared_server(kind)` mark, and run last, grouped by kind
+# (pytest_collection_modifyitems): each server starts once per session.
 
 # the tiny character-level Qwen2 the shared servers serve: vLLM's CPU attention needs
 # head_dim >= 32 (4 heads of 32), and TP2 splits its 2 KV groups
@@ -172,14 +180,16 @@ class SharedServers:
             self._sglang[1].load_weights_from_path(self.model, 0)
         return self._sglang[1].url
 
-    def stop(self) -> None:
-        if self._vllm is not None:
+    def stop(self, kind: str | None = None) -> None:
+        """Stop the shared server of `kind` ("vllm", "sglang"; None: both)."""
+        if self._vllm is not None and kind in (None, "vllm"):
             server, client = self._vllm
             client.shutdown()
             server.stop()
-        if self._sglang is not None:
+            self._vllm = None
+        if self._sglang is not None and kind in (None, "sglang"):
             self._sglang[0].shutdown()
-        self._vllm = self._sglang = None
+            self._sglang = None
 
 
 _shared: SharedServers | None = None
@@ -207,6 +217,16 @@ def shared_servers(tmp_path_factory, served_models):
         _shared = None
 
 
+def shared_server_kind(item) -> str | None:
+    """The kind of shared server ("vllm", "sglang") the test's `shared_server` mark names."""
+    mark = item.get_closest_marker("shared_server")
+    if mark is None:
+        return None
+    assert "shared_servers" in item.fixturenames and mark.args[0] in ("vllm", "sglang"), \
+        f"{item.nodeid}: shared_server(kind) needs the shared_servers fixture and a kind"
+    return mark.args[0]
+
+
 def pytest_runtest_setup(item):
     """Before a `server` test that starts servers of its own (it does not use shared_servers):
     stop the shared ones. Runs after the skip marks are evaluated and before the test's
@@ -222,6 +242,7 @@ def pytest_runtest_teardown(item, nextitem):
     teardown), stop them: an idle SGLang scheduler keeps a core busy and holds its KV cache
     (GBs), which would slow and crowd every test in between. The next test that needs them
     starts them again."""
-    if _shared is not None and "shared_servers" in item.fixturenames and (
-            nextitem is None or "shared_servers" not in nextitem.fixturenames):
-        _shared.stop()
+    kind = shared_server_kind(item)
+    if _shared is not None and kind is not None and (
+            nextitem is None or shared_server_kind(nextitem) != kind):
+        _shared.stop(kind)

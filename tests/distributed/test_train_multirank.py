@@ -125,6 +125,7 @@ def test_process_engine_batches_do_not_depend_on_the_layout(char_model, char_ref
 
 
 @pytest.mark.server
+@pytest.mark.shared_server("vllm")
 def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tmp_path, torchrun,
                                                             served_models, shared_servers):
     """TP1 and TP2xPP2 trainers against a real vLLM server (attached, --rollout-url): global

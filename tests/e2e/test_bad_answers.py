@@ -22,7 +22,7 @@ from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
 from rollout_checks import CHAR_PROMPTS as PROMPTS
 from rollout_checks import FaultProxy
 
-pytestmark = [pytest.mark.server, pytest.mark.slow]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.shared_server("vllm")]
 
 if vllm_python() is None:
     pytest.skip("no vLLM venv (.venv-vllm or $MEGATRON_RL_VLLM_PYTHON): run "

@@ -44,6 +44,7 @@ def mismatch(policy, completions, prompts=CHAR_PROMPTS):
     return _mismatch(policy, completions, prompts)
 
 
+@pytest.mark.shared_server("sglang")
 def test_generate_shapes_and_stop_ids(engine):
     out = engine.generate(CHAR_PROMPTS, n=2, params=SamplingParams(max_new_tokens=7))
     assert len(out) == len(CHAR_PROMPTS) and all(len(row) == 2 for row in out)
@@ -64,6 +65,7 @@ def test_generate_shapes_and_stop_ids(engine):
             assert len(c.rollout_logprobs) == len(c.token_ids)
 
 
+@pytest.mark.shared_server("sglang")
 def test_logprobs_match_trainer(engine):
     out = engine.generate(CHAR_PROMPTS, n=4, params=SamplingParams(max_new_tokens=16))
     m = mismatch(engine.policy, out)
@@ -72,6 +74,7 @@ def test_logprobs_match_trainer(engine):
     assert m.abs_delta_max < TOL
 
 
+@pytest.mark.shared_server("sglang")
 @pytest.mark.parametrize("sync", ["disk", "tensor"])
 def test_update_weights_serves_new_policy(engine, sync):
     engine.set_weight_sync(sync)

@@ -332,7 +332,9 @@ def _server_engine_run(engine, flags, models, data, tmp_path):
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("engine,sync", [("vllm", "tensor"), ("sglang", "auto")])
+@pytest.mark.parametrize("engine,sync", [
+    pytest.param("vllm", "tensor", marks=pytest.mark.shared_server("vllm")),
+    pytest.param("sglang", "auto", marks=pytest.mark.shared_server("sglang"))])
 def test_training_loop_with_server_engine_serves_current_weights(engine, sync, arithmetic_jsonl,
                                                                  tmp_path, served_models,
                                                                  shared_servers):
@@ -344,6 +346,7 @@ def test_training_loop_with_server_engine_serves_current_weights(engine, sync, a
 
 
 @pytest.mark.server
+@pytest.mark.shared_server("vllm")
 def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path, served_models,
                                                 shared_servers):
     """--async-level 1 with a vLLM server: rank 0 generates the next batch in a background
@@ -383,6 +386,7 @@ def test_async_server_rollout_overlaps_training(arithmetic_jsonl, tmp_path, serv
 
 
 @pytest.mark.server
+@pytest.mark.shared_server("vllm")
 def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_jsonl, tmp_path,
                                                                    served_models,
                                                                    shared_servers):
