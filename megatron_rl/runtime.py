@@ -10,16 +10,14 @@ import dataclasses
 import multiprocessing
 import multiprocessing.managers
 import os
-import signal
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl import checkpoint, config_changes
+from megatron_rl import checkpoint, config_changes, processes
 from megatron_rl.config import TrainConfig, to_flat_dict
 from megatron_rl.metrics_log import MetricsLogger
-from megatron_rl.processes import set_parent_death_signal
 from megatron_rl.rollout.base import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -111,28 +109,19 @@ def _start_checkpoint_helper() -> None:
     """Start the helper process of megatron's checkpoint writer before megatron does: its
     FileSystemWriterAsync collects write results in a queue served by a multiprocessing Manager
     (a spawned process importing the trainer's modules, ~270 MB, and the resource tracker with
-    it), which megatron starts at the first save and never stops. Started here, it dies with the
-    thread that started it (PR_SET_PDEATHSIG: SIGKILL of the trainer included) and Run.close
-    stops it."""
+    it), which megatron starts at the first save and never stops. Started here, it imports
+    none of the trainer's modules (processes.spawn_without_main), dies with the thread that
+    started it (PR_SET_PDEATHSIG: SIGKILL of the trainer included) and Run.close stops it."""
     global _checkpoint_helper
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if _checkpoint_helper is not None or filesystem_async._results_queue is not None:
         return
     manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(_checkpoint_helper_init, (os.getpid(),))
+    with processes.spawn_without_main():
+        manager.start(processes.init_quiet_helper, (os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
     _checkpoint_helper = manager
-
-
-def _checkpoint_helper_init(parent: int) -> None:
-    """In the helper: die with the trainer, and leave Ctrl-C and SIGTERM to it (it stops the
-    helper after its last save)."""
-    set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != parent:  # the trainer died before the line above took effect
-        os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _stop_checkpoint_helper() -> None:
