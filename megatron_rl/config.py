@@ -300,6 +300,31 @@ class AlgorithmConfig:
     max_nonfinite_steps: int = _opt(3, min=1, help=(
         "stop after this many consecutive RL steps whose update was skipped (a NaN/inf loss or "
         "gradient)"))
+    dynamic_sampling: bool = _opt(False, help=(
+        "DAPO's dynamic sampling: a group whose task rewards are all equal (no spread: its task "
+        "advantage is 0 under rloo, grpo and dr_grpo) does not count towards the batch, and "
+        "more prompts of the data, in data order, are generated (same --group-size) until "
+        "--num-prompts-per-step groups with spread are in hand; the data position advances "
+        "over exactly the prompts the batch consumed (rollout/orchestrate.py "
+        "sample_informative; docs/results.md \"Dynamic sampling\")"))
+    dynamic_sampling_max_rounds: int = _opt(4, min=0, help=(
+        "--dynamic-sampling: generation rounds after the first, at most, per RL step; when "
+        "they do not find --num-prompts-per-step groups with spread, the step trains on those "
+        "found, topped up with the first groups without spread in data order, and warns"))
+    dynamic_sampling_keep_kl: bool = _opt(True, help=(
+        "--dynamic-sampling with a KL term (--kl-placement other than none): the groups "
+        "without spread stay in the batch (task advantage 0, their KL terms kept), so the "
+        "update is the gradient of the KL-regularised objective over every prompt drawn and "
+        "the batch holds at least --num-prompts-per-step groups with spread, a multiple of "
+        "the data-parallel size x --ppo-minibatches groups in all. "
+        "--no-dynamic-sampling-keep-kl: DAPO's plain filter, which drops their KL gradient "
+        "(biased, docs/results.md \"Dynamic sampling\")"))
+
+    def keeps_filtered_groups(self) -> bool:
+        """--dynamic-sampling keeps the groups without spread in the batch for their KL terms
+        (--dynamic-sampling-keep-kl, with a KL term placed)."""
+        return (self.dynamic_sampling and self.dynamic_sampling_keep_kl
+                and self.loss.kl.placement != "none")
 
     def validate(self) -> None:
         self.loss.validate()
@@ -310,6 +335,11 @@ class AlgorithmConfig:
         if self.num_prompts_per_step % self.ppo_minibatches:
             raise ValueError("--ppo-minibatches must divide --num-prompts-per-step")
         estimator = self.loss.advantage_estimator
+        if self.dynamic_sampling and estimator not in GROUP_BASELINE_ESTIMATORS:
+            raise ValueError(f"--dynamic-sampling with --advantage-estimator {estimator}: a "
+                             "group with equal task rewards still has a task gradient without "
+                             "a group baseline, so filtering it biases the update; use "
+                             + ", ".join(sorted(GROUP_BASELINE_ESTIMATORS)))
         if self.group_size < 2 and estimator in GROUP_BASELINE_ESTIMATORS:
             raise ValueError(f"--group-size {self.group_size} with --advantage-estimator "
                              f"{estimator}: its baseline comes from the other responses to the "

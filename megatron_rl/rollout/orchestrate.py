@@ -11,6 +11,16 @@ what each rank trains on.
        (update.behaviour_logprobs: the weights that generated it, at the time it is built) and
        the rollout metrics
 
+With --dynamic-sampling the rollout function runs in rounds (`sample_informative`): the groups
+whose task rewards are all equal do not count towards the batch, and further prompts, next in
+data order, are generated until --num-prompts-per-step groups with spread are in hand
+(`select_groups` decides which groups of those drawn make the batch, and how many prompts it
+consumed). Whoever rolls the batch out takes its prompts then: every rank in step with the
+in-process engine, else the client rank, under --async-level in one background thread that
+takes the batches' prompts in step order from a data cursor of its own, so that the data
+position after each batch is known when it is finished and a resume continues with the first
+prompt no finished batch consumed.
+
 `RolloutQueue` is what the training loop uses: each step's batch, generated up to --async-level
 steps ahead. `generate_batch(run, step)` builds one step's batch at once (tools, tests).
 """
@@ -19,8 +29,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import copy
 import dataclasses
-from typing import TYPE_CHECKING
+import math
+import warnings
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -35,6 +48,7 @@ from megatron_rl.rollout.threads import BackgroundThreads
 from megatron_rl.update import behaviour_logprobs
 
 if TYPE_CHECKING:
+    from megatron_rl.data.prompts import PromptDataset
     from megatron_rl.runtime import Run
 
 
@@ -45,25 +59,37 @@ class Rollout:
     rank's rollout function running in a background thread (`future`: the groups of
     trajectories). `version` is the weight version that generates it."""
     step: int
-    data_state: dict              # the data position before this batch (a resume re-takes it)
+    # the data position before this batch (a resume re-takes it); None where the batch takes
+    # its prompts in the background (--dynamic-sampling under --async-level): then the data's
+    # position is the one after the batch before, the finished batches' (finish_rollout)
+    data_state: dict | None
     version: int
     records: list
     future: concurrent.futures.Future | None = None
     done: tuple | None = None     # (RolloutBatch, metrics)
 
 
-def start_rollout(run: Run, step: int, threads: BackgroundThreads | None = None) -> Rollout:
+def start_rollout(run: Run, step: int, threads: BackgroundThreads | None = None,
+                  cursor: PromptDataset | None = None) -> Rollout:
     """Take `step`'s prompts and start their rollout. Rolled out once per batch: with an engine
     without a client rank (the in-process one), each data-parallel replica's model-parallel
     group rolls out its share together, here and now; with an engine that has one client, that
     rank rolls out the whole batch -- in one of `threads` when given (--async-level >= 1), so
-    that generation overlaps training."""
-    data_state = run.train_data.state_dict()
-    records = run.train_data.next_batch(run.cfg.algorithm.num_prompts_per_step)
+    that generation overlaps training. With --dynamic-sampling the rollout takes the prompts
+    itself (sample_informative); in `threads` (one of them: the batches in step order) from
+    `cursor`, the background's copy of the data."""
+    dynamic = run.cfg.algorithm.dynamic_sampling
+    background = threads is not None and dynamic
+    data_state = None if background else run.train_data.state_dict()
+    records = [] if dynamic else run.train_data.next_batch(run.cfg.algorithm.num_prompts_per_step)
     r = Rollout(step, data_state, run.engine.weight_version, records)
     if threads is not None:
         if dist_rank() == run.engine.client_rank:
-            r.future = threads.submit(_rollout, run, records, _seed(run, step), step)
+            if background:
+                assert cursor is not None, "background dynamic sampling takes from a cursor"
+                r.future = threads.submit(_sample_on_client, run, cursor, step)
+            else:
+                r.future = threads.submit(_rollout, run, records, _seed(run, step), step)
     else:
         r.done = _build_batch(run, r)
     return r
@@ -94,8 +120,13 @@ class RolloutQueue:
 
     def __init__(self, run: Run):
         self.run = run
-        k = run.cfg.algorithm.async_level
-        self.threads = BackgroundThreads(max(k, 1)) if run.cfg.overlaps_rollout() else None
+        algo = run.cfg.algorithm
+        # --dynamic-sampling: one thread, so that the batches take their prompts in step order
+        workers = 1 if algo.dynamic_sampling else max(algo.async_level, 1)
+        self.threads = BackgroundThreads(workers) if run.cfg.overlaps_rollout() else None
+        # the background's data position (its thread alone moves it): --dynamic-sampling
+        self.cursor = (copy.copy(run.train_data)
+                       if self.threads is not None and algo.dynamic_sampling else None)
         self.pending: collections.deque[Rollout] = collections.deque()  # started ahead
 
     def take(self, step: int) -> tuple[RolloutBatch, dict]:
@@ -103,7 +134,8 @@ class RolloutQueue:
         cfg = self.run.cfg
         while (len(self.pending) <= cfg.algorithm.async_level
                and step + len(self.pending) < cfg.train_iters):
-            self.pending.append(start_rollout(self.run, step + len(self.pending), self.threads))
+            self.pending.append(start_rollout(self.run, step + len(self.pending), self.threads,
+                                              self.cursor))
         current = self.pending.popleft()
         assert current.step == step, (current.step, step)
         return finish_rollout(self.run, current)
@@ -125,7 +157,7 @@ class RolloutQueue:
 
     def data_state(self) -> dict | None:
         """The data position a resume starts from: before the batches started ahead (they are
-        generated again), or None for the current one."""
+        generated again), or None for the current one (after the last finished batch)."""
         return self.pending[0].data_state if self.pending else None
 
     def close(self, wait: bool) -> None:
@@ -145,23 +177,36 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
     rollout's metrics (reward errors, the engine's counters, the recompute's). Collective over
     all ranks."""
     cfg, algo, engine = run.cfg, run.cfg.algorithm, run.engine
-    if engine.client_rank is None:
+    sampled: Sampled | None = None
+    if engine.client_rank is None and algo.dynamic_sampling:
+        sampled = sample_informative(run, run.train_data, r.step, _local_round(run, r.step))
+        groups = _deal_groups(run, sampled.groups)
+        engine_stats: dict = {}
+    elif engine.client_rank is None:
         mine = r.records[run.dp_rank::run.dp_size]
         groups = _rollout(run, mine, _seed(run, r.step) + run.dp_rank, r.step)
         if algo.sequence_packing and run.dp_size > 1:  # re-deal the groups by token count
             groups = _deal_groups(run, [g for part in _gather_dp(groups) for g in part])
-        engine_stats: dict = {}
+        engine_stats = {}
     else:
         def generate():
-            groups = (r.future.result() if r.future is not None
-                      else _rollout(run, r.records, _seed(run, r.step), r.step))
+            if r.future is not None:
+                out = r.future.result()
+            elif algo.dynamic_sampling:
+                out = _sample_on_client(run, run.train_data, r.step)
+            else:
+                out = _rollout(run, r.records, _seed(run, r.step), r.step)
             if cfg.rollout.rollout_release_memory:  # generated: the GPUs are the trainer's now
                 engine.release_memory()
-            return groups, engine.stats()
+            return out, engine.stats()
 
-        groups, engine_stats = on_client(engine, generate,
-                                         f"generating and scoring step {r.step}'s batch")
-        groups = _deal_groups(run, groups)
+        out, engine_stats = on_client(engine, generate,
+                                      f"generating and scoring step {r.step}'s batch")
+        if isinstance(out, Sampled):
+            sampled, out = out, out.groups
+            # every rank's data position: after the prompts the client's rounds consumed
+            run.train_data.load_state_dict(sampled.data_state)
+        groups = _deal_groups(run, out)
     # the one host -> device boundary: from here on the batch lives where the model does
     batch = pack_rollouts(groups, run.codec.pad_id).to(device())
     metrics = global_metrics.count_metrics(_reward_errors(groups), "reward_errors/",
@@ -170,6 +215,10 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
                                           data_parallel_group())
     metrics.update({k: v / metrics["reward_errors/total"] for k, v in counts.items()})
     metrics.update(engine_stats)
+    if sampled is not None:
+        metrics.update(sampled.stats)
+        if sampled.shortfall and dist_rank() == 0:
+            warnings.warn(f"step {r.step}: {sampled.shortfall}", stacklevel=1)
     # behaviour policy = the weights that generated the batch (see --old-logprobs)
     metrics.update(behaviour_logprobs(run.policy, cfg, batch))
     return batch, metrics
@@ -180,6 +229,180 @@ def _rollout(run: Run, records: list, seed: int, step: int) -> list[list[Traject
     ctx = RolloutContext(run.engine, run.sampling_params(seed=seed), run.cfg.algorithm.group_size,
                          run.codec, run.scorer, run.cfg, step)
     return run_rollout(run.cfg.rollout.rollout_function, ctx, records)
+
+
+# -- dynamic sampling (--dynamic-sampling) ------------------------------------------------------
+
+ROUND_SEED_STRIDE = 104729  # a refill round's sampling seed: the step's + round x this (a prime)
+MAX_ROUND_BATCHES = 4       # a refill round draws at most this many batches' prompts
+
+
+def has_spread(group: Sequence[Trajectory]) -> bool:
+    """Whether the group's task rewards are not all equal: the groups whose task advantage is
+    not identically 0 under a group baseline (rloo, grpo, dr_grpo)."""
+    rewards = [t.reward for t in group]
+    return max(rewards) > min(rewards)
+
+
+@dataclasses.dataclass
+class Selection:
+    """The batch chosen from the groups drawn so far, in data order: the first `consumed`
+    prompts are used up (the data position advances over them; those drawn after them go back
+    to the data), `kept` the indices of the groups that make the batch (ascending), `found` the
+    groups with spread among the consumed."""
+    consumed: int
+    kept: list[int]
+    found: int
+
+
+def select_groups(spread: Sequence[bool], target: int, unit: int = 1,
+                  keep_filtered: bool = False, last_round: bool = False) -> Selection | None:
+    """The batch from the groups drawn so far, in data order, whose spread flags are `spread`:
+    the shortest prefix holding `target` groups with spread, and
+
+    - keep_filtered False (DAPO's filter): its groups with spread, exactly `target`;
+    - keep_filtered True: all its groups, the prefix also a multiple of `unit` (groups that
+      split over the data-parallel ranks and PPO minibatches): >= `target` with spread.
+
+    The prefix ends where a sequential draw would stop, whatever came after it in the round,
+    so the batch is that of drawing prompts one by one until the rule holds (a stopping time:
+    docs/results.md "Dynamic sampling"). None when no prefix holds it yet; on the `last_round`
+    (--dynamic-sampling-max-rounds spent) the batch is what there is: all groups with spread
+    topped up with the first groups without spread to `target` groups (keep_filtered: the
+    longest prefix that is a multiple of `unit`, all its groups). `target` is a multiple of
+    `unit`, and at least `target` groups were drawn."""
+    assert target % unit == 0 and len(spread) >= target, (target, unit, len(spread))
+    found = 0
+    for m, ok in enumerate(spread):
+        found += ok
+        if found >= target and (not keep_filtered or (m + 1) % unit == 0):
+            kept = (list(range(m + 1)) if keep_filtered
+                    else [i for i in range(m + 1) if spread[i]])
+            return Selection(m + 1, kept, found)
+    if not last_round:
+        return None
+    if keep_filtered:
+        consumed = len(spread) - len(spread) % unit
+        return Selection(consumed, list(range(consumed)), sum(spread[:consumed]))
+    with_spread = [i for i, ok in enumerate(spread) if ok]
+    without = [i for i, ok in enumerate(spread) if not ok][:target - len(with_spread)]
+    kept = sorted(with_spread + without)
+    return Selection(kept[-1] + 1, kept, len(with_spread))
+
+
+def refill_size(spread: Sequence[bool], target: int, unit: int = 1,
+                keep_filtered: bool = False) -> int:
+    """Prompts the next round draws when select_groups found no batch in the groups drawn so
+    far: those expected to complete it at the share of groups with spread seen so far in the
+    step (the whole `target` when none had spread; at most MAX_ROUND_BATCHES x `target`), or,
+    keep_filtered with `target` found, the groups up to the next multiple of `unit`."""
+    n, found = len(spread), sum(spread)
+    if found >= target:  # keep_filtered: only the prefix's length is not yet a multiple of unit
+        return unit - n % unit
+    if found == 0:
+        return target
+    return min(math.ceil((target - found) * n / found), MAX_ROUND_BATCHES * target)
+
+
+@dataclasses.dataclass
+class Sampled:
+    """A batch of --dynamic-sampling: its groups in data order, the data position after the
+    prompts it consumed, its rollout/* metrics, and the warning when the rounds ran out before
+    the batch had --num-prompts-per-step groups with spread ("" otherwise)."""
+    groups: list[list[Trajectory]]
+    data_state: dict
+    stats: dict[str, float]
+    shortfall: str = ""
+
+
+def sample_informative(run: Run, data: PromptDataset, step: int,
+                       rollout: Callable[[list, int], list[list[Trajectory]]]) -> Sampled:
+    """`step`'s batch by dynamic sampling: rounds of prompts taken from `data` in order, each
+    rolled out by `rollout(records, round)` (its groups, in the records' order), until
+    select_groups finds the batch or --dynamic-sampling-max-rounds refill rounds are spent.
+    `data` is left after the prompts the batch consumed: prompts drawn past them (a round's
+    surplus) are taken again by the next batch, with its own sampling seed.
+
+    Metrics (the whole batch's, every rank the same): rollout/dynamic_sampling_rounds
+    (generation rounds, 1 = no refill), rollout/generated_prompts (all rounds' prompts),
+    rollout/consumed_prompts (the data position's advance), rollout/filtered_groups (consumed
+    groups without spread), rollout/batch_groups (the groups trained on) and
+    rollout/consumed_reward_mean (the task reward over all consumed groups: the policy's
+    success rate, which the batch's own reward/mean overstates or understates)."""
+    algo = run.cfg.algorithm
+    target, keep = algo.num_prompts_per_step, algo.keeps_filtered_groups()
+    unit = _batch_unit(run) if keep else 1
+    granularity = run.dp_size if run.engine.client_rank is None else 1
+    groups: list[list[Trajectory]] = []
+    spread: list[bool] = []
+    starts: list[tuple[int, dict]] = []  # each round's first group and data position before it
+    size, selection, rounds = target, None, 0
+    while selection is None:
+        starts.append((len(groups), data.state_dict()))
+        new = rollout(data.next_batch(size), rounds)
+        assert len(new) == size, (len(new), size)
+        groups += new
+        spread += [has_spread(g) for g in new]
+        rounds += 1
+        selection = select_groups(spread, target, unit, keep,
+                                  last_round=rounds > algo.dynamic_sampling_max_rounds)
+        size = -(-refill_size(spread, target, unit, keep) // granularity) * granularity
+    if selection.consumed < len(groups):  # the surplus goes back: the position after the batch
+        first, state = max((s for s in starts if s[0] <= selection.consumed), key=lambda s: s[0])
+        data.load_state_dict(state)
+        data.next_batch(selection.consumed - first)
+    consumed = groups[:selection.consumed]
+    rewards = [t.reward for g in consumed for t in g]
+    stats = {"rollout/dynamic_sampling_rounds": float(rounds),
+             "rollout/generated_prompts": float(len(groups)),
+             "rollout/consumed_prompts": float(selection.consumed),
+             "rollout/filtered_groups": float(selection.consumed - selection.found),
+             "rollout/batch_groups": float(len(selection.kept)),
+             "rollout/consumed_reward_mean": sum(rewards) / len(rewards)}
+    shortfall = ""
+    if selection.found < target:
+        shortfall = (f"dynamic sampling found {selection.found} groups with reward spread of "
+                     f"the {target} wanted (--num-prompts-per-step) in {rounds} rounds "
+                     f"(--dynamic-sampling-max-rounds {algo.dynamic_sampling_max_rounds}, "
+                     f"{len(groups)} prompts generated); training on {len(selection.kept)} "
+                     "groups, " + ("all those consumed" if keep else
+                                   f"{target - selection.found} of them without spread"))
+    return Sampled([groups[i] for i in selection.kept], data.state_dict(), stats, shortfall)
+
+
+def _batch_unit(run: Run) -> int:
+    """Groups a batch of variable size (--dynamic-sampling-keep-kl) is a multiple of: each
+    data-parallel rank and PPO minibatch the same share, and under pipeline parallelism without
+    packing minibatches of whole microbatches (TrainConfig.check_layout's rules)."""
+    cfg, algo = run.cfg, run.cfg.algorithm
+    unit = run.dp_size * algo.ppo_minibatches
+    if cfg.parallel.pipeline_model_parallel_size > 1 and not algo.sequence_packing:
+        unit *= algo.micro_batch_size // math.gcd(algo.micro_batch_size, algo.group_size)
+    return unit
+
+
+def _round_seed(run: Run, step: int, round_: int) -> int:
+    """The sampling seed of a dynamic-sampling round: round 0 has the step's own."""
+    return _seed(run, step) + ROUND_SEED_STRIDE * round_
+
+
+def _local_round(run: Run, step: int) -> Callable[[list, int], list[list[Trajectory]]]:
+    """A round of the in-process engine: each data-parallel replica rolls out its share of the
+    records (every dp_size-th), and every rank gets all groups back in the records' order."""
+    def rollout(records: list, round_: int) -> list[list[Trajectory]]:
+        mine = _rollout(run, records[run.dp_rank::run.dp_size],
+                        _round_seed(run, step, round_) + run.dp_rank, step)
+        if run.dp_size == 1:
+            return mine
+        parts = _gather_dp(mine)
+        return [parts[i % run.dp_size][i // run.dp_size] for i in range(len(records))]
+    return rollout
+
+
+def _sample_on_client(run: Run, data: PromptDataset, step: int) -> Sampled:
+    """sample_informative on the engine's client rank, for the whole batch."""
+    return sample_informative(run, data, step, lambda records, round_: _rollout(
+        run, records, _round_seed(run, step, round_), step))
 
 
 def _reward_errors(groups: list[list[Trajectory]]) -> dict[str, int]:
