@@ -219,7 +219,9 @@ def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_json
 
 
 @pytest.mark.parametrize("engine", [
-    [],  # the in-process engine: the function runs on every rank, on its share
+    # the in-process engine: the function runs on every rank, on its share; the trajectories
+    # (two policy spans each) packed into rows, trained in two PPO minibatches
+    ["--sequence-packing", "--ppo-minibatches", "2"],
     # rank 0 runs it for the whole batch, in a background thread (the recompute is then the
     # decoupled behaviour policy, weighed against the engine's by --rollout-correction)
     ["--rollout-engine", "process", "--async-level", "1", "--rollout-correction", "tis"],
