@@ -106,6 +106,17 @@ them), or the policy's tokens with the environment tokens' ratios in the seq-is 
 ("env-in-weights"); on-policy and off-policy (A_old at the policy's tokens, the same kernel at the
 environment's) under each correction. Derivation and table: docs/results.md, "Trajectories with
 environment tokens". Without --env-tokens this study is not run.
+Policy losses (`--policy-loss NAME|all`, `policy_loss_study`; exact columns only). Every
+(--policy-loss x K1/K2/K3 x placement), on-policy and off-policy under each correction, through the
+production loss with that loss, with clipping off (clip_low 1, clip_high inf; dual-clip keeps its
+bound c, sapo's gate has no off) and with each loss's own (POLICY_LOSS_CLIPS). `--stop-after-ones
+K` gives the study variable lengths: a sequence ends at the token 1 that brings its count of ones
+to K (the stop token), the positions after it are masked out of the loss (`stop_mask`; one
+representative per stopped sequence is enumerated). `--loss-aggregation seq-mean-token-mean`
+weighs a sequence's tokens 1/n and takes the per-token-averaged KL E[log(A_theta/B)(y)/n] as the
+target. Derivations (on-policy every loss is the same; GSPO's 1/n and the aggregation's; what
+each loss does off-policy) and tables: docs/results.md, "Policy losses and KL placements".
+Without --policy-loss this study is not run.
 """
 import argparse
 import json
@@ -1479,8 +1490,9 @@ def policy_loss_markdown(result: dict) -> list:
     per_token = study["target"] == "per-token"
     target = ("g_tok = grad E[log(A_theta/B)(y) / |y|] (the per-token-averaged KL)" if per_token
               else "g* = grad KL(A_theta || B) (the sequence-level KL)")
-    length = (f"each sequence ends with its {study['stop_after']}-th token 1 (the stop token; the "
-              f"positions after it are masked out of the loss) or at T = {study['seq_len']}: mean "
+    length = (f"each sequence ends at the token 1 that brings its count of ones to "
+              f"{study['stop_after']} (the stop token; the positions after it are masked out of "
+              f"the loss) or at T = {study['seq_len']}: mean "
               f"length {study['mean_length']['theta']:.3f} under A_theta, "
               f"{study['mean_length']['old']:.3f} under A_old"
               if study["stop_after"] is not None else f"fixed length T = {study['seq_len']}")
