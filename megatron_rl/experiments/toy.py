@@ -106,6 +106,17 @@ them), or the policy's tokens with the environment tokens' ratios in the seq-is 
 ("env-in-weights"); on-policy and off-policy (A_old at the policy's tokens, the same kernel at the
 environment's) under each correction. Derivation and table: docs/results.md, "Trajectories with
 environment tokens". Without --env-tokens this study is not run.
+Policy losses (`--policy-loss NAME|all`, `policy_loss_study`; exact columns only). Every
+(--policy-loss x K1/K2/K3 x placement), on-policy and off-policy under each correction, through the
+production loss with that loss, with clipping off (clip_low 1, clip_high inf; dual-clip keeps its
+bound c, sapo's gate has no off) and with each loss's own (POLICY_LOSS_CLIPS). `--stop-after-ones
+K` gives the study variable lengths: a sequence ends at the token 1 that brings its count of ones
+to K (the stop token), the positions after it are masked out of the loss (`stop_mask`; one
+representative per stopped sequence is enumerated). `--loss-aggregation seq-mean-token-mean`
+weighs a sequence's tokens 1/n and takes the per-token-averaged KL E[log(A_theta/B)(y)/n] as the
+target. Derivations (on-policy every loss is the same; GSPO's 1/n and the aggregation's; what
+each loss does off-policy) and tables: docs/results.md, "Policy losses and KL placements".
+Without --policy-loss this study is not run.
 """
 import argparse
 import json
@@ -122,9 +133,10 @@ from torch import nn
 from megatron_rl.advantages import compute_advantages
 from megatron_rl.correction import RolloutCorrectionConfig, rollout_correction_weights
 from megatron_rl.kl import (IS_PROPOSALS, OFF_POLICY_CORRECTIONS, KLConfig, Placement,
-                            importance_weights)
+                            get_estimator, importance_weights)
 from megatron_rl.loss import (LossConfig, aggregate_loss, build_advantages, compute_rewards_with_kl,
                               policy_loss_per_token)
+from megatron_rl.policy_losses import POLICY_LOSSES
 
 DTYPE = torch.float64
 UNBIASED_TOL = 1e-20
@@ -455,7 +467,8 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
                         rollout_policy: BinaryARPolicy | None = None,
                         pg_correction: RolloutCorrectionConfig | None = None,
                         loss_mask: torch.Tensor | None = None,
-                        old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+                        old_logprobs: torch.Tensor | None = None,
+                        loss: LossConfig | None = None) -> torch.Tensor:
     """Gradient [K, 2] (d/da, d/db) of the configuration's loss per parameter copy of `policy`.
 
     y [K, N, T] (or [1, N, T]): the sequences; old_policy: the sampling policy when off-policy
@@ -473,7 +486,15 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
     ones); the trajectory study passes the policy's tokens (environment tokens 0) or all tokens.
     old_logprobs [K or 1, N, T]: the PPO ratio's denominator (and the importance weights'), in
     place of old_policy(y) (the trajectory study folds environment-token ratios into it).
+    loss: the policy loss of the policy-loss study (its policy_loss, clip range, clip_ratio_c,
+    sapo temperatures and aggregation; its KL and advantage estimator are replaced by kl_cfg and
+    "reinforce"); None: ppo-clip with clipping off, aggregated "seq-mean-token-sum". Not for
+    the `exact` estimator, which runs with the None loss only.
     """
+    if loss is None:
+        loss = LossConfig(clip_low=1.0, clip_high=math.inf, aggregation="seq-mean-token-sum")
+    elif isinstance(kl_cfg, ExactKL):
+        raise ValueError("the toy's exact estimator runs with ppo-clip unclipped only (loss=None)")
     logprobs = policy(y)
     num_copies, num_seqs, seq_len = logprobs.shape
     with torch.no_grad():
@@ -503,8 +524,7 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
         per_token = exact_kl_loss_per_token(flat(logprobs), flat(old), flat(kl), mask, kl_cfg,
                                             return_baseline, rollout_lp, is_weights)
     else:
-        cfg = LossConfig(clip_low=1.0, clip_high=math.inf, aggregation="seq-mean-token-sum",
-                         kl=kl_cfg, advantage_estimator="reinforce")
+        cfg = replace(loss, kl=kl_cfg, advantage_estimator="reinforce")
         rewards = torch.zeros(num_copies * num_seqs, dtype=DTYPE)
         advantages = build_advantages(rewards, flat(logprobs).detach(), flat(ref), mask, cfg,
                                       group_size=1)
@@ -514,8 +534,8 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
                                              ref_logprobs=flat(ref), is_weights=is_weights,
                                              rollout_logprobs=rollout_lp)
     # Copies share nothing, so the gradient of the summed loss w.r.t. copy k is copy k's gradient.
-    loss = aggregate_loss(per_token, mask, "seq-mean-token-sum", num_global_seqs=num_seqs)
-    grad_a, grad_b = torch.autograd.grad(loss, [policy.a, policy.b])
+    total = aggregate_loss(per_token, mask, loss.aggregation, num_global_seqs=num_seqs)
+    grad_a, grad_b = torch.autograd.grad(total, [policy.a, policy.b])
     return torch.stack([grad_a, grad_b], dim=-1)
 
 
@@ -627,6 +647,9 @@ class ToySetup:
     is_truncation: float = 2.0  # c of its truncated weights, min(w, c)
     env_tokens: str | None = None  # an ENV_LAYOUTS entry: adds the trajectory study when set
     env: tuple | None = None  # the environment kernel's (e0, e1); None: DEFAULT_ENV[model]
+    policy_losses: tuple | None = None  # POLICY_LOSS_NAMES entries: adds the policy-loss study
+    loss_aggregation: str = "seq-mean-token-sum"  # a STUDY_AGGREGATIONS entry, for that study
+    stop_after: int | None = None  # that study's sequences end with their K-th one; None: at T
 
 
 def _run_key(run: ToyRun) -> str:
@@ -965,6 +988,187 @@ def trajectory_study(theta, ref, old, env, seq_len: int, model: str = "count",
             "rows": rows, "single_turn": single_turn}
 
 
+# ---------------------------------------------------------------- policy losses (--policy-loss)
+
+POLICY_LOSS_NAMES = tuple(POLICY_LOSSES)
+# Each loss's own clipping, the study's "clip on" cells, as (clip_low, clip_high): ppo-clip and
+# dual-clip DAPO's clip-higher 0.2 / 0.28 (dual-clip's c at LossConfig's default); gspo and
+# gspo-token GSPO's 3e-4 / 4e-4 on the sequence ratio; cispo MiniMax's no lower bound (clip_low 1)
+# and 0.28 above, on the detached weight; sapo has no clip: the range only sets its
+# out-of-range diagnostic, its gate (--sapo-tau-pos/neg) is the same in both cells.
+POLICY_LOSS_CLIPS = {"ppo-clip": (0.2, 0.28), "dual-clip": (0.2, 0.28), "gspo": (3e-4, 4e-4),
+                     "gspo-token": (3e-4, 4e-4), "cispo": (1.0, 0.28), "sapo": (0.2, 0.28)}
+CLIP_OFF = (1.0, math.inf)  # no ratio is clipped (ratios are positive)
+STUDY_AGGREGATIONS = ("seq-mean-token-sum", "seq-mean-token-mean")
+POLICY_LOSS_KL_CONFIGS = tuple(f"{est}/{pl}" for est in ("k1", "k2", "k3")
+                               for pl in ("reward", "loss", "reward+loss"))
+POLICY_LOSS_REGIMES = (("on-policy", "none"), ("off-policy", "none"), ("off-policy", "token-is"),
+                       ("off-policy", "seq-is"))
+
+
+def policy_loss_config(name: str, clip: bool, aggregation: str = "seq-mean-token-sum") -> LossConfig:
+    """The LossConfig of --policy-loss `name` in the study: its POLICY_LOSS_CLIPS range when
+    `clip`, else CLIP_OFF (dual-clip keeps its bound c: it is that loss; sapo's gate cannot be
+    turned off); the other loss settings (clip_ratio_c, sapo_tau_pos/neg) at their defaults."""
+    if name not in POLICY_LOSS_CLIPS:
+        raise ValueError(f"--policy-loss {name!r}: the toy studies {list(POLICY_LOSS_CLIPS)} (or all)")
+    low, high = POLICY_LOSS_CLIPS[name] if clip else CLIP_OFF
+    cfg = LossConfig(clip_low=low, clip_high=high, aggregation=aggregation, policy_loss=name,
+                     advantage_estimator="reinforce")
+    cfg.validate()
+    return cfg
+
+
+def stop_mask(y: torch.Tensor, stop_after: int | None) -> torch.Tensor:
+    """[..., T] float64 from y [..., T]: 1 at the positions of the sequence, 0 after its end.
+
+    stop_after K: the sequence ends with its K-th token 1 (that token, the stop token, is its
+    last; the positions after it are masked), or at T: position t belongs to it iff fewer than K
+    ones come before t, c_{t-1} < K. None: every sequence has all T positions."""
+    if stop_after is None:
+        return torch.ones_like(y)
+    return (prefix_features(y, "count") < stop_after).to(DTYPE)
+
+
+def enumerate_sequences(seq_len: int, stop_after: int | None = None):
+    """(y [1, S, T], mask [1, S, T]): every sequence of the law once. With a stop, the binary
+    strings whose masked positions hold only zeros (one representative per stopped sequence, so
+    that P(y) = exp(sum_t mask_t log p(y_t | y_<t)) sums to 1 over them); else all 2^T."""
+    y = all_sequences(seq_len)
+    mask = stop_mask(y, stop_after)
+    keep = (y * (1 - mask)).sum(-1)[0] == 0
+    return y[:, keep], mask[:, keep]
+
+
+def objective_gradient(theta, ref, seq_len: int, model: str = "count",
+                       stop_after: int | None = None, estimator: str = "k1",
+                       per_token: bool = False, hold_law: bool = False) -> torch.Tensor:
+    """grad_theta [2] of J = sum_y P_theta(y) w(y) sum_t mask_t K_t(y), by autograd through the
+    enumerated law (no loss code): K_t the estimator (kl.py's function of the log-probs),
+    w = 1/|y| (per_token) or 1, |y| = sum_t mask_t; hold_law: P_theta detached (only the
+    path-wise part, E[w sum_t grad K_t]). k1, w = 1: g* = grad KL(A_theta || B) over the
+    sequences of the law; k1 per_token: the gradient of the per-token-averaged KL
+    E[log(A_theta(y)/B(y)) / |y|]."""
+    y, mask = enumerate_sequences(seq_len, stop_after)
+    policy, ref_policy = BinaryARPolicy(*theta, model=model), BinaryARPolicy(*ref, model=model)
+    logprobs = policy(y)
+    with torch.no_grad():
+        ref_logprobs = ref_policy(y)
+    law = (logprobs * mask).sum(-1).exp()
+    if hold_law:
+        law = law.detach()
+    value = (get_estimator(estimator)(logprobs, ref_logprobs) * mask).sum(-1)
+    if per_token:
+        value = value / mask.sum(-1)
+    grad = torch.autograd.grad((law * value).sum(), [policy.a, policy.b])
+    return torch.stack(grad, dim=-1).squeeze(0)
+
+
+def policy_loss_moments(theta, ref, seq_len: int, kl_cfg: KLConfig, loss: LossConfig, old=None,
+                        model: str = "count", stop_after: int | None = None):
+    """(E[grad] [2], per-sample variance) of the KL configuration under the policy loss `loss`,
+    through the production loss, over every sequence of the law (`enumerate_sequences`), samples
+    from A_theta (old None) or A_old, loss_mask = the sequence's positions (`stop_mask`)."""
+    y, mask = (x.transpose(0, 1) for x in enumerate_sequences(seq_len, stop_after))  # [S, 1, T]
+    policy = BinaryARPolicy(*theta, num_copies=y.shape[0], model=model)
+    ref_policy = BinaryARPolicy(*ref, model=model)
+    old_policy = BinaryARPolicy(*old, model=model) if old is not None else None
+    with torch.no_grad():
+        sampler = old_policy if old_policy is not None else BinaryARPolicy(*theta, model=model)
+        weights = (sampler(y) * mask).sum(-1).exp().reshape(-1)
+    grads = estimator_gradients(policy, ref_policy, y, kl_cfg, old_policy, loss_mask=mask,
+                                loss=loss)
+    mean = weights @ grads
+    variance = (weights * (grads - mean).square().sum(-1)).sum().item()
+    return mean, variance
+
+
+def gradient_of(config: str, aggregation: str) -> str:
+    """What the on-policy expected gradient of `config` (estimator/placement) is the gradient of,
+    under every policy loss (each loss's gradient at ratio 1 is A grad log pi per token). With w
+    the aggregation's weight of a sequence's tokens (1; 1/n for seq-mean-token-mean, n the
+    sequence's length): reward+loss gives grad E[w sum_t K_t], the loss alone its path-wise part
+    E[w sum_t grad K_t], the reward alone the rest E[w (sum_t K_t) grad log A(y)]. For K1:
+    grad log A(y) = sum_t grad K1_t, so the path-wise part is E[w grad log A(y)] = grad E[w]
+    (w holds no theta): 0 for w = 1, grad E[1/n] for w = 1/n. For K3 (E[K3_t | y_<t] = KL_t,
+    and whether t is in the sequence depends on y_<t only): E[sum_t K3_t] = KL(A || B)."""
+    estimator, placement = config.split("/")
+    per_token = aggregation == "seq-mean-token-mean"
+    known = {("k1", "reward+loss"): "g_tok = E[log(A/B)/n]" if per_token else "g* = KL(A, B)",
+             ("k1", "loss"): "E[1/n]" if per_token else "0",
+             ("k1", "reward"): "E[(log(A/B) - 1)/n]" if per_token else "g* = KL(A, B)",
+             ("k3", "reward+loss"): "E[sum K3 / n]" if per_token else "g* = KL(A, B)"}
+    if (estimator, placement) in known:
+        return known[estimator, placement]
+    total = f"E[sum {estimator.upper()}" + (" / n]" if per_token else "]")
+    return {"reward+loss": total, "loss": f"path-wise part of {total}",
+            "reward": f"{total} - path-wise part"}[placement]
+
+
+def policy_loss_study(theta, ref, old, seq_len: int, model: str = "count",
+                      losses=POLICY_LOSS_NAMES, aggregation: str = "seq-mean-token-sum",
+                      stop_after: int | None = None) -> dict:
+    """Exact E[grad], bias^2 and per-sample variance of every (policy loss x POLICY_LOSS_KL_CONFIGS
+    x POLICY_LOSS_REGIMES), with clipping off and with the loss's own (POLICY_LOSS_CLIPS), through
+    the production loss (`policy_loss_moments`). bias^2 against g* = grad KL(A_theta || B) (the
+    sequence-level objective) and against g_tok = grad E[log(A_theta/B)(y)/|y|] (the per-token
+    averaged one); `biased` against the aggregation's target (g* for seq-mean-token-sum, g_tok
+    for seq-mean-token-mean). On-policy rows also carry the error against the closed form
+    (`gradient_of`, computed by `objective_gradient`)."""
+    if aggregation not in STUDY_AGGREGATIONS:
+        raise ValueError(f"--loss-aggregation {aggregation!r}: the toy studies {list(STUDY_AGGREGATIONS)}")
+    per_token = aggregation == "seq-mean-token-mean"
+    g_seq = objective_gradient(theta, ref, seq_len, model, stop_after)
+    g_tok = objective_gradient(theta, ref, seq_len, model, stop_after, per_token=True)
+    target = g_tok if per_token else g_seq
+    closed = {}
+    for config in POLICY_LOSS_KL_CONFIGS:
+        estimator, placement = config.split("/")
+        full, path = (objective_gradient(theta, ref, seq_len, model, stop_after, estimator,
+                                         per_token, hold) for hold in (False, True))
+        closed[config] = {"reward+loss": full, "loss": path, "reward": full - path}[placement]
+    rows = []
+    for name in losses:
+        for clip in ("off", "on"):
+            loss = policy_loss_config(name, clip == "on", aggregation)
+            for config in POLICY_LOSS_KL_CONFIGS:
+                estimator, placement = config.split("/")
+                for sampling, correction in POLICY_LOSS_REGIMES:
+                    kl = KLConfig(estimator, placement, coef=1.0, off_policy_correction=correction)
+                    mean, variance = policy_loss_moments(
+                        theta, ref, seq_len, kl, loss, old if sampling == "off-policy" else None,
+                        model, stop_after)
+                    sq_bias = (mean - target).square().sum().item()
+                    row = {"loss": name, "clip": clip, "clip_low": loss.clip_low,
+                           "clip_high": loss.clip_high, "config": config, "estimator": estimator,
+                           "placement": placement, "sampling": sampling, "correction": correction,
+                           "exact_grad": mean.tolist(), "exact_sq_bias": sq_bias,
+                           "sq_bias_sequence_kl": (mean - g_seq).square().sum().item(),
+                           "sq_bias_per_token_kl": (mean - g_tok).square().sum().item(),
+                           "variance": variance, "biased": sq_bias > UNBIASED_TOL}
+                    if sampling == "on-policy":
+                        row["gradient_of"] = gradient_of(config, aggregation)
+                        row["closed_form_abs_err"] = (mean - closed[config]).abs().max().item()
+                    rows.append(row)
+    y, mask = enumerate_sequences(seq_len, stop_after)
+    with torch.no_grad():
+        lp = {label: BinaryARPolicy(*params, model=model)(y) * mask
+              for label, params in (("theta", theta), ("ref", ref), ("old", old))}
+        law = {label: x.sum(-1).exp()[0] for label, x in lp.items()}
+        log_ratio = (lp["theta"] - lp["ref"]).sum(-1)[0]
+        length = mask.sum(-1)[0]
+        token_ratio = (lp["theta"] - lp["old"]).exp()[mask > 0]
+    return {"losses": list(losses), "aggregation": aggregation, "stop_after": stop_after,
+            "seq_len": seq_len, "kl": (law["theta"] * log_ratio).sum().item(),
+            "kl_per_token": (law["theta"] * log_ratio / length).sum().item(),
+            "true_gradient": g_seq.tolist(), "per_token_gradient": g_tok.tolist(),
+            "target": "per-token" if per_token else "sequence",
+            "mean_length": {label: (law[label] * length).sum().item() for label in ("theta", "old")},
+            "token_ratio_range": [token_ratio.min().item(), token_ratio.max().item()],
+            "clips": {name: list(POLICY_LOSS_CLIPS[name]) for name in losses},
+            "clip_ratio_c": LossConfig.clip_ratio_c, "rows": rows}
+
+
 def run_study(setup: ToySetup) -> dict:
     """Exact (enumeration) and Monte-Carlo bias and variance of every run in setup.runs."""
     start, start_cpu = time.perf_counter(), time.process_time()
@@ -1027,6 +1231,10 @@ def run_study(setup: ToySetup) -> dict:
         env = setup.env if setup.env is not None else DEFAULT_ENV[model]
         studies["trajectory"] = trajectory_study(setup.theta, setup.ref, setup.old, env, t, model,
                                                  setup.env_tokens)
+    if setup.policy_losses:
+        studies["policy_loss"] = policy_loss_study(setup.theta, setup.ref, setup.old, t, model,
+                                                   setup.policy_losses, setup.loss_aggregation,
+                                                   setup.stop_after)
     return {
         "setup": {"model": model, "seq_len": t, "theta": list(setup.theta), "ref": list(setup.ref),
                   "old": list(setup.old), "num_trials": k, "num_samples": n, "seed": setup.seed,
@@ -1267,6 +1475,124 @@ def _trajectory_reading(traj: dict) -> list:
     return [text]
 
 
+def _policy_loss_cells(rows, losses, key) -> list:
+    """The _cell of each loss for the rows matching key (config, clip, sampling, correction)."""
+    return [_cell(rows[(loss, *key)]) for loss in losses]
+
+
+def policy_loss_markdown(result: dict) -> list:
+    """Lines of the policy-loss study's tables (run_study with policy_losses), then what they show."""
+    study = result["policy_loss"]
+    setup = result["setup"]
+    losses = study["losses"]
+    rows = {(r["loss"], r["config"], r["clip"], r["sampling"], r["correction"]): r
+            for r in study["rows"]}
+    per_token = study["target"] == "per-token"
+    target = ("g_tok = grad E[log(A_theta/B)(y) / |y|] (the per-token-averaged KL)" if per_token
+              else "g* = grad KL(A_theta || B) (the sequence-level KL)")
+    length = (f"each sequence ends at the token 1 that brings its count of ones to "
+              f"{study['stop_after']} (the stop token; the positions after it are masked out of "
+              f"the loss) or at T = {study['seq_len']}: mean "
+              f"length {study['mean_length']['theta']:.3f} under A_theta, "
+              f"{study['mean_length']['old']:.3f} under A_old"
+              if study["stop_after"] is not None else f"fixed length T = {study['seq_len']}")
+    clips = ", ".join(f"{name} {lo:g}/{hi:g}" for name, (lo, hi) in study["clips"].items())
+    header = "| config | " + " | ".join(losses) + " |"
+    rule = "|---|" + "---|" * len(losses)
+    lines = [
+        "", f"Policy losses (--policy-loss): every (policy loss x KL estimator x placement), through "
+        f"the production loss (REINFORCE, task reward 0, beta 1, no baseline), aggregation "
+        f"{study['aggregation']}; {length}. Model and parameters as above (A_theta = "
+        f"{setup['theta']}, B = {setup['ref']}, A_old = {setup['old']}). KL(A_theta || B) = "
+        f"{study['kl']:.6f} nats, E[log(A_theta/B)(y)/|y|] = {study['kl_per_token']:.6f} nats per "
+        f"token; g* = {_fmt_vec(study['true_gradient'])}, g_tok = "
+        f"{_fmt_vec(study['per_token_gradient'])} (autograd through the enumerated law). Cells: "
+        f"bias^2 = |E[grad] - target|^2 / per-sample variance, exact (every sequence enumerated); "
+        f"target: {target}; bias^2 in bold: below {UNBIASED_TOL:g}. Clipping off: clip_low 1, "
+        f"clip_high inf (dual-clip keeps c = {study['clip_ratio_c']:g}; sapo's gate has no off); "
+        f"on: (clip_low/clip_high) {clips}.", "",
+        "On-policy, clipping off; 'gradient of': the objective whose gradient every loss's "
+        "E[grad] is (n = the sequence's length, KL(A, B) = KL(A_theta || B); the reward "
+        "placement's score term, the loss placement's path-wise term; each cell is checked "
+        "against it, `closed_form_abs_err` in --json):", "",
+        "| config | gradient of | " + " | ".join(losses) + " |", "|---|---|" + "---|" * len(losses),
+    ]
+    for config in POLICY_LOSS_KL_CONFIGS:
+        first = rows[(losses[0], config, "off", "on-policy", "none")]
+        lines.append(f"| {config} | {first['gradient_of']} | "
+                     + " | ".join(_policy_loss_cells(rows, losses, (config, "off", "on-policy", "none")))
+                     + " |")
+    for clip, title in (("off", "clipping off"), ("on", "each loss's clipping on")):
+        lines += ["", f"Off-policy (samples from A_old), {title}:", "",
+                  header.replace("| config |", "| config | correction |"),
+                  rule.replace("|---|", "|---|---|", 1)]
+        for config in POLICY_LOSS_KL_CONFIGS:
+            for _, correction in POLICY_LOSS_REGIMES[1:]:
+                lines.append(f"| {config} | {correction} | " + " | ".join(
+                    _policy_loss_cells(rows, losses, (config, clip, "off-policy", correction)))
+                    + " |")
+    lines += [""] + _policy_loss_reading(study)
+    return lines
+
+
+def _policy_loss_reading(study: dict) -> list:
+    """Sentences stating what the policy-loss tables show, computed from the numbers."""
+    losses = study["losses"]
+    rows = study["rows"]
+    grads = {(r["loss"], r["config"], r["clip"], r["sampling"], r["correction"]):
+             torch.tensor(r["exact_grad"], dtype=DTYPE) for r in rows}
+
+    def spread(keys) -> float:
+        """Largest |E[grad] difference| between the losses, over the given (config, clip,
+        sampling, correction) keys."""
+        out = 0.0
+        for key in keys:
+            vals = [grads[(loss, *key)] for loss in losses]
+            out = max(out, max((v - vals[0]).abs().max().item() for v in vals))
+        return out
+
+    on = [r for r in rows if r["sampling"] == "on-policy"]
+    on_keys = [(c, clip, "on-policy", "none") for c in POLICY_LOSS_KL_CONFIGS for clip in ("off", "on")]
+    clip_shift = max((grads[(r["loss"], r["config"], "on", "on-policy", "none")]
+                      - grads[(r["loss"], r["config"], "off", "on-policy", "none")]).abs().max().item()
+                     for r in on)
+    text = (f"What it shows: on-policy every loss gives the same expected gradient (largest "
+            f"difference between losses {spread(on_keys):.1e}), each equal to its closed form "
+            f"within {max(r['closed_form_abs_err'] for r in on):.1e}, with clipping on as off "
+            f"(largest change {clip_shift:.1e}): at ratio 1 no clip binds and every loss's "
+            f"gradient is A grad log pi per token.")
+    outside = [(c, clip, "off-policy", corr) for c in POLICY_LOSS_KL_CONFIGS
+               for clip in ("off", "on") for _, corr in POLICY_LOSS_REGIMES[1:]
+               if corr == "seq-is" or c.endswith("/loss")]
+    text += (f" Off-policy the loss matters only where the KL is inside the advantage (reward, "
+             f"reward+loss under none / token-is): with the loss placement or under seq-is the "
+             f"advantage is 0 and every loss gives the same gradient (largest difference "
+             f"{spread(outside):.1e}).")
+    unbiased = sorted({(r["config"], r["correction"]) for r in rows
+                       if r["sampling"] == "off-policy" and not r["biased"]})
+    everywhere = [k for k in unbiased
+                  if all(not r["biased"] for r in rows if (r["config"], r["correction"]) == k
+                         and r["sampling"] == "off-policy")]
+    text += (" Unbiased off-policy: " + (", ".join(f"{c} {corr}" for c, corr in unbiased) or "none")
+             + (" (under every loss, clipped or not)." if unbiased and everywhere == unbiased
+                else "."))
+    k1 = {(r["loss"], r["clip"]): r for r in rows if r["config"] == "k1/reward"
+          and r["sampling"] == "off-policy" and r["correction"] == "none"}
+    if k1:
+        text += (" K1 in the reward uncorrected off-policy, bias^2 by loss (clipping off / on): "
+                 + ", ".join(f"{loss} {k1[loss, 'off']['exact_sq_bias']:.3g} / "
+                             f"{k1[loss, 'on']['exact_sq_bias']:.3g}" for loss in losses) + ".")
+    lo, hi = study["token_ratio_range"]
+    if "dual-clip" in losses and "ppo-clip" in losses:
+        same = max((grads[("dual-clip", *k)] - grads[("ppo-clip", *k)]).abs().max().item()
+                   for k in {key[1:] for key in grads})
+        text += (f" Token ratios A_theta/A_old lie within [{lo:.3f}, {hi:.3f}]"
+                 + (f", below dual-clip's c = {study['clip_ratio_c']:g}: dual-clip equals ppo-clip in "
+                    f"every cell (largest difference {same:.1e})." if hi < study["clip_ratio_c"]
+                    else "."))
+    return [text]
+
+
 def markdown_table(result: dict) -> str:
     """Table-1-like summary of run_study's result, then the variance comparison."""
     setup = result["setup"]
@@ -1320,6 +1646,8 @@ def markdown_table(result: dict) -> str:
         lines += three_distribution_markdown(result)
     if "trajectory" in result:
         lines += trajectory_markdown(result)
+    if "policy_loss" in result:
+        lines += policy_loss_markdown(result)
     lines.append("")
     lines.append(f"Runtime: {result['runtime_s']:.1f} s wall, {result['cpu_s']:.1f} s CPU "
                  f"(torch threads: {torch.get_num_threads()})")
@@ -1400,6 +1728,20 @@ def main(argv=None) -> int:
         "with --env-tokens: parameters of the environment kernel E(x_t = 1 | h_t) = sigmoid(e0 + "
         "e1 c_{t-1}), c_{t-1} from every earlier token as for the policy (default: unset, the "
         f"--model's: {env_defaults})"))
+    parser.add_argument("--policy-loss", choices=POLICY_LOSS_NAMES + ("all",), help=(
+        "adds the policy-loss study: every (this --policy-loss x KL estimator k1/k2/k3 x "
+        "placement) on-policy and off-policy under each correction, with clipping off and with "
+        "the loss's own clipping (ppo-clip, dual-clip 0.2/0.28; gspo, gspo-token 3e-4/4e-4; "
+        "cispo 1/0.28; sapo's gate); all: every built-in loss (default: unset, no such study)"))
+    parser.add_argument("--loss-aggregation", choices=STUDY_AGGREGATIONS,
+                        default=ToySetup.loss_aggregation, help=(
+        "with --policy-loss: the study's loss aggregation; seq-mean-token-mean weighs a "
+        "sequence's tokens 1/|y| and measures the bias against the per-token-averaged KL "
+        "(default: %(default)s)"))
+    parser.add_argument("--stop-after-ones", type=int, metavar="K", help=(
+        "with --policy-loss: variable lengths in its study: a sequence ends with its K-th "
+        "token 1 (the stop token), the positions after it masked out of the loss, or at "
+        "--seq-len (default: unset, every sequence has --seq-len tokens)"))
     parser.add_argument("--out", default="outputs/toy", help=(
         "directory for table.md, results.json and figure.png, created when missing "
         "(default: %(default)s)"))
@@ -1426,6 +1768,17 @@ def main(argv=None) -> int:
         parser.error(f"--env {args.env[0]:g} {args.env[1]:g} needs --env-tokens (the trajectory "
                      "study it parameterises)")
 
+    if args.policy_loss is None:
+        for flag, given in (("--loss-aggregation", args.loss_aggregation != ToySetup.loss_aggregation),
+                            ("--stop-after-ones", args.stop_after_ones is not None)):
+            if given:
+                parser.error(f"{flag} needs --policy-loss (the study it parameterises)")
+    if args.stop_after_ones is not None and not 1 <= args.stop_after_ones <= args.seq_len:
+        parser.error(f"--stop-after-ones must be in [1, --seq-len {args.seq_len}], got "
+                     f"{args.stop_after_ones}")
+    losses = (None if args.policy_loss is None else
+              POLICY_LOSS_NAMES if args.policy_loss == "all" else (args.policy_loss,))
+
     theta, ref, old = (tuple(given) if given is not None else default
                        for given, default in zip((args.theta, args.ref, args.old),
                                                  DEFAULT_PARAMS[args.model]))
@@ -1433,7 +1786,9 @@ def main(argv=None) -> int:
                      num_trials=args.num_trials, num_samples=args.num_samples, seed=args.seed,
                      rollout=tuple(args.rollout) if args.rollout is not None else None,
                      is_truncation=args.is_truncation, env_tokens=args.env_tokens,
-                     env=tuple(args.env) if args.env is not None else None)
+                     env=tuple(args.env) if args.env is not None else None,
+                     policy_losses=losses, loss_aggregation=args.loss_aggregation,
+                     stop_after=args.stop_after_ones)
     result = run_study(setup)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
