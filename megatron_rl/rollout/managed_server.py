@@ -244,19 +244,29 @@ class ManagedServer:
         """fn(base_url) with one retry on a restarted server if the server went away.
 
         A transport error, or an HTTP 5xx while the process is dead or unhealthy, counts as the
-        server gone; an HTTP error from a healthy server is the caller's (re-raised).
+        server gone; an HTTP error from a healthy server is the caller's (re-raised). Requests
+        from several threads that fail on the same dead process restart it once: a request
+        restarts the server only if no other has since it was sent.
         """
+        with self._lock:  # waits for a restart in progress
+            seen = self.num_restarts
         try:
             return fn(self.url)
         except TRANSPORT_ERRORS as e:
             if self.healthy():
                 raise
-            self.restart(f"request failed: {type(e).__name__}: {e}")
+            self._restart_since(seen, f"request failed: {type(e).__name__}: {e}")
         except ServerRequestError as e:
             if e.status < 500 or self.healthy():
                 raise
-            self.restart(f"request failed with HTTP {e.status}, server unhealthy")
+            self._restart_since(seen, f"request failed with HTTP {e.status}, server unhealthy")
         return fn(self.url)
+
+    def _restart_since(self, seen: int, reason: str) -> None:
+        """Restart, unless another request did after the restart count was `seen`."""
+        with self._lock:
+            if self.num_restarts == seen:
+                self.restart(reason)
 
     def post(self, path: str, payload: Any = None, timeout: float = 600.0,
              retry: bool = True) -> Any:
