@@ -21,13 +21,17 @@ policy answers without calling a tool or a limit ends it. Token in, token out:
   string does). A turn also ends at the tokenizer's end-of-sequence ids and at
   --max-new-tokens.
 
-Episodes advance together, one turn at a time: one generate call per turn for all episodes
-still running (the first for all prompts with n = group size, so that an engine shares each
-prompt's prefill), then every tool call of that turn at once on ToolExecutor's threads (one
-sandbox process each for the Python tool), so a slow tool holds the others only until the
-slowest call of the turn returns. With the in-process engine the loop runs on every rank of a
-model-parallel group; the tools run on the group's first rank and the others take its answers
-(parallel.model_parallel_source), so that the group's generate calls stay identical.
+How episodes are scheduled (agent/schedule.py) follows the engine. With the in-process and
+process engines they advance together, one turn at a time: one generate call per turn for all
+episodes still running (the first for all prompts with n = group size, so that an engine shares
+each prompt's prefill), then every tool call of that turn at once on ToolExecutor's threads
+(--agent-tool-workers; one sandbox process each for the Python tool), so a slow tool holds the
+others until the slowest call of the turn returns. With an engine whose generate may be called
+from several threads at once (RolloutEngine.concurrent_generate: vLLM, SGLang, a server pool)
+each episode advances on its own on up to --agent-concurrency threads, so that one episode's
+tool wait never holds another's generation. With the in-process engine the loop runs on every
+rank of a model-parallel group; the tools run on the group's first rank and the others take
+its answers (parallel.model_parallel_source), so that the group's generate calls stay identical.
 
 Limits (AgentConfig), each ending an episode with its reason, counted as
 rollout/agent/end_<reason>:
@@ -53,6 +57,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from megatron_rl.agent import schedule
 from megatron_rl.agent.parsing import TOOL_CALL_FORMATS, parse_tool_calls
 from megatron_rl.agent.tools import OUTCOMES, ToolExecutor, ToolRegistry, ToolResult
 from megatron_rl.parallel import model_parallel_source
@@ -60,7 +65,7 @@ from megatron_rl.rollout.functions import Trajectory
 
 if TYPE_CHECKING:
     from megatron_rl.data.prompts import PromptRecord
-    from megatron_rl.rollout.base import Completion
+    from megatron_rl.rollout.base import Completion, SamplingParams
     from megatron_rl.rollout.functions import RolloutContext
 
 END_REASONS = ("answer", "length", "max_turns", "max_tool_calls", "max_tokens")
@@ -92,6 +97,14 @@ class AgentConfig:
     agent_max_tool_output_chars: int = field(default=2000, metadata={
         "help": "characters of one tool response at most; a longer one keeps its head and tail "
                 "around a note of how much was cut", "min": 64})
+    agent_concurrency: int = field(default=64, metadata={
+        "help": "episodes advancing at once, each generating or waiting for its tools, with an "
+                "engine that takes concurrent generate calls (vllm, sglang, a server pool; "
+                "the in-process and process engines take each turn of all episodes in one "
+                "call); 1: one request or tool wait at a time", "min": 1})
+    agent_tool_workers: int = field(default=0, metadata={
+        "help": "tool calls running at once in --rollout-function agent (threads; each Python "
+                "call is a sandbox process); 0: the CPU count, between 2 and 8", "min": 0})
 
     def validate(self) -> None:
         for name in self.agent_tools:
@@ -209,9 +222,10 @@ class _Episode:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
-def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[list[Trajectory]]:
+def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord],
+                  registry: ToolRegistry | None = None) -> list[list[Trajectory]]:
     """The rollout function "agent": ctx.group_size episodes per record (see the module
-    docstring), each a scored Trajectory."""
+    docstring), each a scored Trajectory. `registry`: the tools (default: --agent-tools')."""
     config = getattr(ctx.config, "agent", None) or AgentConfig()
     tokenizer = ctx.codec.tokenizer
     fmt = ChatFormat(tokenizer)
@@ -221,30 +235,22 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[
     if marker_id is not None:
         params = dataclasses.replace(params, stop_token_ids=tuple(
             sorted({*params.stop_token_ids, marker_id})))
-    registry = tool_registry(config)
+    registry = registry if registry is not None else tool_registry(config)
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
     prompt_ids = [ctx.codec.encode(r.text) for r in records]
     episodes = [_Episode(list(p)) for p in prompt_ids for _ in range(ctx.group_size)]
-    with ToolExecutor(registry, max_output_chars=config.agent_max_tool_output_chars) as tools:
-        for turn in range(config.agent_max_turns):
-            active = [e for e in episodes if e.end is None]
-            if not active:
-                break
-            seeded = params if params.seed is None else dataclasses.replace(
-                params, seed=params.seed + 1_000_003 * turn)
-            if turn == 0:  # all prompts at once, n = group size: each prompt prefilled once
-                completions = _generate(ctx.engine, prompt_ids, ctx.group_size, seeded,
-                                        config.agent_max_tokens)
-            else:
-                contexts = [e.prompt_ids + e.response_ids for e in active]
-                completions = _generate(ctx.engine, contexts, 1, seeded, config.agent_max_tokens)
-            calls_of = [_take_turn(e, c, config, marker, decode, turn) for e, c in
-                        zip(active, completions)]
-            _run_tools(tools, active, calls_of, fmt, config, decode, ctx.codec.tokenizer,
-                       everywhere=ctx.engine.client_rank is None)
+    with ToolExecutor(registry, config.agent_tool_workers or None,
+                      max_output_chars=config.agent_max_tool_output_chars) as tools:
+        turns = _Turns(ctx.engine, config, tools, fmt, marker, decode, ctx.codec.tokenizer)
+        if turns.concurrent:
+            schedule.concurrent(turns, episodes, prompt_ids, ctx.group_size, params,
+                                config.agent_max_turns, config.agent_concurrency)
+        else:
+            schedule.turn_synchronous(turns, episodes, prompt_ids, ctx.group_size, params,
+                                      config.agent_max_turns)
         for e in episodes:
             if e.end is None:  # still calling tools after its last allowed turn
                 e.end = "max_turns"
@@ -261,6 +267,33 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[
                                      e.finish_reason, s.reward, s.reason,
                                      metadata={"counts": e.counts, "end": e.end}))
     return groups
+
+
+class _Turns:
+    """This rollout's turns as agent/schedule.py drives them (schedule.EpisodeTurns)."""
+
+    def __init__(self, engine, config: AgentConfig, tools: ToolExecutor, fmt: ChatFormat,
+                 marker: str | None, decode, tokenizer):
+        self.engine, self.config, self.tools, self.fmt = engine, config, tools, fmt
+        self.marker, self.decode, self.tokenizer = marker, decode, tokenizer
+        # one client drives the engine and takes calls from several threads at once: episodes
+        # advance on their own (every rank of an in-process engine's group takes each turn)
+        self.concurrent = (getattr(engine, "concurrent_generate", False)
+                           and engine.client_rank is not None)
+
+    def generate(self, contexts: list[list[int]], n: int, params: SamplingParams
+                 ) -> list[Completion]:
+        return _generate(self.engine, contexts, n, params, self.config.agent_max_tokens)
+
+    def context(self, e: _Episode) -> list[int]:
+        return e.prompt_ids + e.response_ids
+
+    def policy_turn(self, e: _Episode, c: Completion, turn: int) -> list:
+        return _take_turn(e, c, self.config, self.marker, self.decode, turn)
+
+    def environment_turn(self, episodes: list[_Episode], calls_of: list[list]) -> None:
+        _run_tools(self.tools, episodes, calls_of, self.fmt, self.config, self.decode,
+                   self.tokenizer, everywhere=self.engine.client_rank is None)
 
 
 def _generate(engine, contexts: list[list[int]], n: int, params, max_tokens: int
