@@ -25,14 +25,19 @@ it. Token in, token out:
   a prefix of what was sampled, as a stop string does). A turn also ends at the tokenizer's
   end-of-sequence ids and at --max-new-tokens.
 
-Episodes advance together, one turn at a time: one generate call per turn for all episodes
-still running (the first for all prompts with n = group size, so that an engine shares each
-prompt's prefill), then every episode's environment steps at once, each on a thread of its own
-(for "tools": every tool call of the turn at once on ToolExecutor's threads, one sandbox process
-each for the Python tool), so a slow environment holds the others only until the slowest step of
-the turn returns. With the in-process engine the loop runs on every rank of a model-parallel
-group; the environments live and run on the group's first rank and the others take their
-answers (parallel.model_parallel_source), so that the group's generate calls stay identical.
+How episodes are scheduled (agent/schedule.py) follows the engine. With the in-process and
+process engines they advance together, one turn at a time: one generate call per turn for all
+episodes still running (the first for all prompts with n = group size, so that an engine shares
+each prompt's prefill), then every episode's environment steps at once, each on a thread of its
+own (for "tools": every tool call of the turn at once on ToolExecutor's threads,
+--agent-tool-workers, one sandbox process each for the Python tool), so a slow environment holds
+the others only until the slowest step of the turn returns. With an engine whose generate may
+be called from several threads at once (RolloutEngine.concurrent_generate: vLLM, SGLang, a
+server pool) each episode advances on its own on up to --agent-concurrency threads, so that one
+episode's environment never holds another's generation. With the in-process engine the loop
+runs on every rank of a model-parallel group; the environments live and run on the group's
+first rank and the others take their answers (parallel.model_parallel_source), so that the
+group's generate calls stay identical.
 
 Limits (AgentConfig), each ending an episode with its reason, counted as
 rollout/agent/end_<reason>:
@@ -63,6 +68,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from megatron_rl.agent import schedule
 from megatron_rl.agent.env import BUILT_IN, OK, CallOutcome, StepResult, ToolsEnvironment
 from megatron_rl.agent.env import ERROR as ENV_ERROR
 from megatron_rl.agent.env import TIMEOUT as ENV_TIMEOUT
@@ -75,7 +81,7 @@ from megatron_rl.rollout.functions import Trajectory
 
 if TYPE_CHECKING:
     from megatron_rl.data.prompts import PromptRecord
-    from megatron_rl.rollout.base import Completion
+    from megatron_rl.rollout.base import Completion, SamplingParams
     from megatron_rl.rollout.functions import RolloutContext
 
 END_REASONS = ("answer", "length", "max_turns", "max_tool_calls", "max_tokens", ENV_ERROR,
@@ -120,6 +126,14 @@ class AgentConfig:
     agent_env_max_abandoned: int = field(default=32, metadata={
         "help": "environment calls past --agent-env-timeout whose threads (which cannot be "
                 "stopped) may still run at once; one more stops the run", "min": 0})
+    agent_concurrency: int = field(default=64, metadata={
+        "help": "episodes advancing at once, each generating or waiting for its environment, "
+                "with an engine that takes concurrent generate calls (vllm, sglang, a server "
+                "pool; the in-process and process engines take each turn of all episodes in one "
+                "call); 1: one request or environment step at a time", "min": 1})
+    agent_tool_workers: int = field(default=0, metadata={
+        "help": "tool calls running at once in --rollout-function agent (threads; each Python "
+                "call is a sandbox process); 0: the CPU count, between 2 and 8", "min": 0})
 
     def validate(self) -> None:
         for name in self.agent_tools:
@@ -256,9 +270,11 @@ class _Episode:
         self.logprobs = [0.0] * len(self.response_ids)
 
 
-def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[list[Trajectory]]:
+def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord],
+                  registry: ToolRegistry | None = None) -> list[list[Trajectory]]:
     """The rollout function "agent": ctx.group_size episodes per record (see the module
-    docstring), each a scored Trajectory."""
+    docstring), each a scored Trajectory. `registry`: the built-in environment's tools
+    (default: --agent-tools')."""
     config = getattr(ctx.config, "agent", None) or AgentConfig()
     tokenizer = ctx.codec.tokenizer
     fmt = ChatFormat(tokenizer)
@@ -278,7 +294,9 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[
     with contextlib.ExitStack() as stack:
         if with_tools:
             tools = stack.enter_context(ToolExecutor(
-                tool_registry(config), max_output_chars=config.agent_max_tool_output_chars))
+                registry if registry is not None else tool_registry(config),
+                config.agent_tool_workers or None,
+                max_output_chars=config.agent_max_tool_output_chars))
             factory = functools.partial(ToolsEnvironment, tools, config.tool_call_format,
                                         config.agent_max_turns, config.agent_max_tool_calls)
         assert factory is not None
@@ -286,35 +304,52 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[
                              everywhere=ctx.engine.client_rank is None)
         stack.callback(envs.close)
         episodes = _start(ctx, records, envs.reset())
-        number = {id(e): i for i, e in enumerate(episodes)}
-        for turn in range(config.agent_max_turns):
-            active = [e for e in episodes if e.end is None]
-            if not active:
-                break
-            seeded = params if params.seed is None else dataclasses.replace(
-                params, seed=params.seed + 1_000_003 * turn)
-            shared = [e.prompt_ids for e in episodes[::ctx.group_size]]
-            if turn == 0 and all(e.prompt_ids == shared[i // ctx.group_size]
-                                 for i, e in enumerate(episodes)):
-                # all prompts at once, n = group size: each prompt prefilled once (the
-                # completions of an episode whose environment failed to start are dropped)
-                completions = _generate(ctx.engine, shared, ctx.group_size, seeded,
-                                        config.agent_max_tokens)
-                completions = [c for e, c in zip(episodes, completions) if e.end is None]
-            else:
-                contexts = [e.prompt_ids + e.response_ids for e in active]
-                completions = _generate(ctx.engine, contexts, 1, seeded, config.agent_max_tokens)
-            stepped = [i for i, (e, c) in enumerate(zip(active, completions))
-                       if _take_turn(e, c, config, marker, decode)]
-            outcomes = envs.step([number[id(active[i])] for i in stepped],
-                                 [decode(active[i].last_turn) for i in stepped])
-            for i, outcome in zip(stepped, outcomes):
-                _answer(active[i], outcome, fmt, config, decode, tokenizer,
-                        last_turn=turn + 1 >= config.agent_max_turns)
+        turns = _Turns(ctx.engine, config, envs, episodes, fmt, marker, decode, tokenizer)
+        shared = [e.prompt_ids for e in episodes[::ctx.group_size]]
+        prompts = shared if all(e.prompt_ids == shared[i // ctx.group_size]
+                                for i, e in enumerate(episodes)) else None
+        if turns.concurrent:
+            schedule.concurrent(turns, episodes, prompts, ctx.group_size, params,
+                                config.agent_max_turns, config.agent_concurrency)
+        else:
+            schedule.turn_synchronous(turns, episodes, prompts, ctx.group_size, params,
+                                      config.agent_max_turns)
         for e in episodes:
             if e.end is None:  # still going after its last allowed turn
                 e.end = "max_turns"
     return _score(ctx, records, episodes)
+
+
+class _Turns:
+    """This rollout's turns as agent/schedule.py drives them (schedule.EpisodeTurns)."""
+
+    def __init__(self, engine, config: AgentConfig, envs: _Environments,
+                 episodes: list[_Episode], fmt: ChatFormat, marker: str | None, decode,
+                 tokenizer):
+        self.engine, self.config, self.envs, self.fmt = engine, config, envs, fmt
+        self.marker, self.decode, self.tokenizer = marker, decode, tokenizer
+        self.number = {id(e): i for i, e in enumerate(episodes)}
+        # one client drives the engine and takes calls from several threads at once: episodes
+        # advance on their own (every rank of an in-process engine's group takes each turn)
+        self.concurrent = (getattr(engine, "concurrent_generate", False)
+                           and engine.client_rank is not None)
+
+    def generate(self, contexts: list[list[int]], n: int, params: SamplingParams
+                 ) -> list[Completion]:
+        return _generate(self.engine, contexts, n, params, self.config.agent_max_tokens)
+
+    def context(self, e: _Episode) -> list[int]:
+        return e.prompt_ids + e.response_ids
+
+    def policy_turn(self, e: _Episode, c: Completion) -> bool:
+        return _take_turn(e, c, self.config, self.marker, self.decode)
+
+    def environment_turn(self, episodes: list[_Episode], turn: int) -> None:
+        outcomes = self.envs.step([self.number[id(e)] for e in episodes],
+                                  [self.decode(e.last_turn) for e in episodes])
+        for e, outcome in zip(episodes, outcomes):
+            _answer(e, outcome, self.fmt, self.config, self.decode, self.tokenizer,
+                    last_turn=turn + 1 >= self.config.agent_max_turns)
 
 
 class _Environments:

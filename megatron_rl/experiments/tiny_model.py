@@ -119,3 +119,50 @@ def make_demo_model(path: str, special: Sequence[str] = ()) -> str:
                             tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)
     make_char_tokenizer(path, special=special)
     return path
+
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def make_tool_caller_model(path: str, tool: str, *, margin: float = 20.0,
+                           max_position_embeddings: int = 1024) -> str:
+    """A tiny Qwen2 model (and its character tokenizer) at `path` that calls `tool` (no
+    arguments) at every turn, in the qwen format: after "=" (a prompt's end), "\\n" or ">" (the
+    end of a tool response) it writes "<tool_call>", then '{"name": <tool>, "arguments": {}}', then
+    "</tool_call>", each one token (special tokens of the tokenizer), and after any other token
+    it writes <eos>.
+
+    The weights make it a bigram machine: the attention and MLP outputs are zero, so the last
+    hidden state is the current token's embedding; the embeddings are orthonormal (vocabulary
+    128 = hidden size), and the untied output layer gives the next token of the rule a logit
+    `margin` above all others (0), so it is sampled with probability 1 - 127 exp(-margin) at
+    temperature 1. A policy whose episodes are fixed, for measuring and testing how episodes
+    are scheduled (tools/bench_agent.py) on the real decoder."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    body = '{"name": "%s", "arguments": {}}' % tool
+    vocab = hidden = 128
+    make_tiny_hf_checkpoint(path, "qwen2", vocab_size=vocab, hidden_size=hidden,
+                            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2,
+                            max_position_embeddings=max_position_embeddings,
+                            tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
+    make_char_tokenizer(path, vocab_size=vocab, special=(TOOL_CALL_OPEN, body, TOOL_CALL_CLOSE))
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = {s: tok.convert_tokens_to_ids(s) for s in (TOOL_CALL_OPEN, body, TOOL_CALL_CLOSE)}
+    rule = {tok.convert_tokens_to_ids(c): ids[TOOL_CALL_OPEN] for c in "=\n>"}
+    rule.update({ids[TOOL_CALL_OPEN]: ids[body], ids[body]: ids[TOOL_CALL_CLOSE]})
+    weights_path = os.path.join(path, "model.safetensors")
+    state = load_file(weights_path)
+    torch.manual_seed(0)
+    emb = torch.linalg.qr(torch.randn(hidden, hidden))[0][:vocab]  # orthonormal rows
+    head = torch.zeros(vocab, hidden)
+    for x in range(vocab):  # RMSNorm(e_x) = sqrt(hidden) e_x: logit_y = margin where y = next(x)
+        head[rule.get(x, 1)] += margin / hidden ** 0.5 * emb[x]
+    for name in state:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            state[name] = torch.zeros_like(state[name])
+    state["model.embed_tokens.weight"], state["lm_head.weight"] = emb.contiguous(), head
+    save_file(state, weights_path, metadata={"format": "pt"})
+    return path

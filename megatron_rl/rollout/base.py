@@ -128,11 +128,16 @@ class RolloutEngine(Protocol):
         replica's model-parallel group generates together).
     holds_own_weights: the engine keeps a copy of the weights of its own (a server, a child
         process), which `update_weights` must refresh; False when it reads the policy itself.
+    concurrent_generate: `generate` may be called from several threads of the client rank at
+        once, each call served as it comes (a server batches the requests in flight); the agent
+        loop then advances each episode on its own (agent/schedule.py). False where one call
+        runs at a time (the in-process engine, the process engine's pipe).
     """
 
     weight_version: int
     client_rank: int | None
     holds_own_weights: bool
+    concurrent_generate: bool
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:

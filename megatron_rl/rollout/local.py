@@ -81,6 +81,7 @@ class LocalEngine:
 
     client_rank = None
     holds_own_weights = False
+    concurrent_generate = False  # one decoding loop: each turn of all episodes in one call
 
     def __init__(self, policy, pad_token_id: int = 0, kv_cache: bool | None = None):
         """kv_cache: True = KV-cached decoding (error where the layout does not support it),

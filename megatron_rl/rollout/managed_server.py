@@ -42,11 +42,25 @@ from megatron_rl.rollout.base import ServerError
 from megatron_rl.rollout.child_env import inference_env
 from megatron_rl.rollout.net import (HOST, TRANSPORT_ERRORS, ServerRequestError, advertised_host,
                                      free_port, http_json)
+from megatron_rl.rollout.threads import BackgroundThreads
 
 log = logging.getLogger(__name__)
 
 
 _LIVE: "weakref.WeakSet[ManagedServer]" = weakref.WeakSet()
+_LAUNCHER: list = []  # the one thread that starts server processes (started at first use)
+_LAUNCHER_LOCK = threading.Lock()
+
+
+def _launch(*args, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen(*args, **kwargs) on a daemon thread that lives as long as this process:
+    a server's parent-death signal (set_parent_death_signal) fires when the thread that started
+    it ends, and a server (re)started by a short-lived thread (an agent episode's request that
+    found it dead) would die with that thread."""
+    with _LAUNCHER_LOCK:
+        if not _LAUNCHER:
+            _LAUNCHER.append(BackgroundThreads(1, name="server-launcher"))
+    return _LAUNCHER[0].submit(lambda: subprocess.Popen(*args, **kwargs)).result()
 
 
 @atexit.register
@@ -141,7 +155,7 @@ class ManagedServer:
                 log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} start "
                           f"(restart {self.num_restarts}): {' '.join(argv)}\n")
                 log.flush()
-                self.proc = subprocess.Popen(
+                self.proc = _launch(
                     argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     env=inference_env(self.env), start_new_session=True,
                     preexec_fn=set_parent_death_signal)
@@ -244,19 +258,29 @@ class ManagedServer:
         """fn(base_url) with one retry on a restarted server if the server went away.
 
         A transport error, or an HTTP 5xx while the process is dead or unhealthy, counts as the
-        server gone; an HTTP error from a healthy server is the caller's (re-raised).
+        server gone; an HTTP error from a healthy server is the caller's (re-raised). Requests
+        from several threads that fail on the same dead process restart it once: a request
+        restarts the server only if no other has since it was sent.
         """
+        with self._lock:  # waits for a restart in progress
+            seen = self.num_restarts
         try:
             return fn(self.url)
         except TRANSPORT_ERRORS as e:
             if self.healthy():
                 raise
-            self.restart(f"request failed: {type(e).__name__}: {e}")
+            self._restart_since(seen, f"request failed: {type(e).__name__}: {e}")
         except ServerRequestError as e:
             if e.status < 500 or self.healthy():
                 raise
-            self.restart(f"request failed with HTTP {e.status}, server unhealthy")
+            self._restart_since(seen, f"request failed with HTTP {e.status}, server unhealthy")
         return fn(self.url)
+
+    def _restart_since(self, seen: int, reason: str) -> None:
+        """Restart, unless another request did after the restart count was `seen`."""
+        with self._lock:
+            if self.num_restarts == seen:
+                self.restart(reason)
 
     def post(self, path: str, payload: Any = None, timeout: float = 600.0,
              retry: bool = True) -> Any:

@@ -5,8 +5,12 @@ one server: started by us or attached by URL) and implements the same contract a
 (rollout/base.py), so the trainer does not know how many servers there are.
 
 Generation. One `generate` call is split into contiguous chunks of prompts, one per live server
-(sizes differ by at most one), sent in parallel (one persistent thread per server) and
-reassembled in prompt order. Chunk c, starting at prompt index s, is sampled with
+(sizes differ by at most one), sent in parallel (persistent threads per server) and reassembled
+in prompt order. Calls may come from several threads at once (the agent loop's episodes:
+concurrent_generate): each chunk goes to the server with the fewest requests of the pool in
+flight (the lower index on a tie, so that calls one at a time use the servers in order), up to
+`requests_per_server` requests in flight per server. Chunk c, starting at prompt index s, is
+sampled with
 
     seed_c = params.seed + 1_000_003 * s           (None stays None: unseeded)
 
@@ -128,9 +132,10 @@ class ServerPool:
 
     client_rank = 0
     holds_own_weights = True
+    concurrent_generate = True  # calls in flight at once are spread over the servers
 
     def __init__(self, engines: Sequence, policy=None, start: bool = True, max_rejoins: int = 3,
-                 reboot_managed: bool = True):
+                 reboot_managed: bool = True, requests_per_server: int = 64):
         if not engines:
             raise ValueError("ServerPool needs at least one engine")
         self.policy = policy
@@ -141,9 +146,12 @@ class ServerPool:
         self.reboot_managed = reboot_managed
         self.num_rejoined = 0
         self._shut_down = False
-        # one daemon thread per server: a request stuck on one never holds the trainer's exit
-        self.members = [_Member(i, e, BackgroundThreads(1, name=f"rollout-server-{i}"))
+        # daemon threads per server (requests in flight to it at most, from concurrent calls): a
+        # request stuck on one never holds the trainer's exit
+        self.members = [_Member(i, e, BackgroundThreads(requests_per_server,
+                                                        name=f"rollout-server-{i}"))
                         for i, e in enumerate(engines)]
+        self._inflight = [0] * len(self.members)  # requests in flight per member (under _cond)
         for m in self.members:  # never pruned, unlike the exports (the weights come after)
             server = m.engine.server
             m.boot_path = server.model_path if server is not None else None
@@ -330,7 +338,8 @@ class ServerPool:
             self._active_calls += 1
         try:
             out = self._generate(prompts, n, params)
-            self.num_generate_calls += 1
+            with self._cond:
+                self.num_generate_calls += 1
             return out
         finally:
             with self._cond:
@@ -339,31 +348,37 @@ class ServerPool:
 
     def _generate(self, prompts: list[list[int]], n: int,
                   params: SamplingParams) -> list[list[Completion]]:
-        usable = self._usable()
-        if not usable:
-            raise self._no_server_left("generate")
-        chunks = split_chunks(len(prompts), len(usable))
+        chunks = split_chunks(len(prompts), max(1, len(self._usable())))
         results: list[list[list[Completion]] | None] = [None] * len(chunks)
-        load = {m.index: 0 for m in self.members}
         inflight: dict[cf.Future, tuple[int, _Member]] = {}
 
-        def dispatch(ci: int, member: _Member) -> None:
+        def dispatch(ci: int) -> _Member | None:
+            """Chunk ci to the usable server with the fewest requests in flight (that server;
+            None when no server is usable)."""
+            with self._cond:
+                usable = self._usable()
+                if not usable:
+                    return None
+                member = min(usable, key=lambda m: (self._inflight[m.index], m.index))
+                self._inflight[member.index] += 1
             start, end = chunks[ci]
             chunk_params = dataclasses.replace(params, seed=chunk_seed(params.seed, start))
             fut = member.executor.submit(self._generate_on, member, prompts[start:end], n,
                                          chunk_params)
             inflight[fut] = (ci, member)
-            load[member.index] += 1
+            return member
 
-        for ci, member in enumerate(usable[:len(chunks)]):
-            dispatch(ci, member)
+        for ci in range(len(chunks)):
+            if dispatch(ci) is None:
+                raise self._no_server_left("generate")
         queue: deque[int] = deque()
         error: BaseException | None = None
         while inflight:
             done, _ = cf.wait(inflight, return_when=cf.FIRST_COMPLETED)
             for fut in done:
                 ci, member = inflight.pop(fut)
-                load[member.index] -= 1
+                with self._cond:
+                    self._inflight[member.index] -= 1
                 try:
                     out = fut.result()
                 except _SitOut:
@@ -377,21 +392,20 @@ class ServerPool:
                     queue.append(ci)
                     continue
                 start, end = chunks[ci]
-                member.served_prompts += end - start
-                member.requests += 1
+                with self._cond:
+                    member.served_prompts += end - start
+                    member.requests += 1
                 results[ci] = out
             if error is not None:
                 continue  # let the requests in flight finish, then raise
             while queue:
-                usable = self._usable()
-                if not usable:
+                ci = queue.popleft()
+                member = dispatch(ci)
+                if member is None:
                     error = self._no_server_left("generate")
                     break
-                member = min(usable, key=lambda m: (load[m.index], m.index))
-                ci = queue.popleft()
-                log.warning("rollout: re-dispatching prompts [%d, %d) to %s", *chunks[ci],
+                log.warning("rollout: re-dispatched prompts [%d, %d) to %s", *chunks[ci],
                             self.name(member))
-                dispatch(ci, member)
         if error is not None:
             raise error
         return [row for chunk in results for row in chunk]

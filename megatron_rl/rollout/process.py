@@ -78,6 +78,7 @@ class ProcessEngine:
 
     client_rank = 0
     holds_own_weights = True
+    concurrent_generate = False  # the child serves one request at a time
 
     def __init__(self, config: ProcessConfig, policy=None):
         self.config = config

@@ -8,8 +8,9 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import urllib.error
-from typing import Any, Generic, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
 
 from megatron_rl.parallel import run_on_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
@@ -65,6 +66,7 @@ class ServerBackedEngine(Generic[C]):
     NAME = "server"
     client_rank = 0            # the server is launched (or attached) and driven by global rank 0
     holds_own_weights = True
+    concurrent_generate = True  # each call is its own HTTP request; the server batches them
     SHARED_MEMORY = False          # tensor sync through shared-memory buckets, or the tensors
     config: C
     weight_version: int
@@ -75,11 +77,13 @@ class ServerBackedEngine(Generic[C]):
     max_bad_answers: int = 2       # retries of a generate request whose answer is bad
     request_timeout: float = 3600.0
     num_generate_calls: int = 0  # generate requests answered (the trainer makes one per batch)
+    _count_lock: ClassVar[threading.Lock] = threading.Lock()  # generate runs on several threads
     needs_resync = False        # restarted from the initial weights: no request until a sync
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:
-        """`n` samples per prompt. A bad answer (BadAnswer from `_request`, a failed check) is
+        """`n` samples per prompt; callable from several threads at once (each call its own
+        request: concurrent_generate). A bad answer (BadAnswer from `_request`, a failed check) is
         asked again with the same request (same seed) up to `max_bad_answers` times, then raises
         BadAnswer naming the server, the request and every failure; the caller's batch is
         untouched, so the step can be generated again. No answer within `request_timeout` is not
@@ -112,7 +116,8 @@ class ServerBackedEngine(Generic[C]):
                 failures.append(f"no answer within {self.request_timeout:.0f} s (not asked again)")
                 break
             else:
-                self.num_generate_calls += 1
+                with self._count_lock:
+                    self.num_generate_calls += 1
                 return out
             if attempt < self.max_bad_answers:
                 log.warning("%s server %s: %s (%s); asking again", self.NAME, self.url,

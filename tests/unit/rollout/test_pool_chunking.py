@@ -8,6 +8,7 @@ tests/e2e/test_server_pool.py.
 """
 import json
 import logging
+import threading
 
 import pytest
 
@@ -117,7 +118,7 @@ def test_dead_server_leaves_rotation_and_its_chunk_keeps_its_seed(tmp_path, capl
     # the same samples as two healthy servers would give: the chunk moved with its seed
     assert tokens(out) == expected(PROMPTS, 2, 9, 2)
     assert len(echo.calls) == 2
-    assert not pool.members[1].live and url in pool.members[1].last_error
+    assert not pool.members[1].live and url in (pool.members[1].last_error or "")
     assert any(url in r.getMessage() and "out of the rotation" in r.getMessage()
                for r in caplog.records)
     assert pool.stats()["rollout/servers_live"] == 1
@@ -135,6 +136,46 @@ def test_no_server_left_names_every_server_and_its_error(tmp_path):
     assert url_a in msg and url_b in msg and "attached, not managed" in msg
     with pytest.raises(ServerError, match="no rollout server left"):
         pool.generate(PROMPTS, n=1, params=SamplingParams(seed=0))
+
+
+class MeetingEngine(EchoEngine):
+    """An EchoEngine whose requests wait, inside generate, until `barrier`'s parties are all
+    in some member's generate at once (a BrokenBarrierError after 20 s otherwise)."""
+
+    def __init__(self, barrier):
+        super().__init__()
+        self.barrier = barrier
+
+    def generate(self, prompts, n, params):
+        self.barrier.wait(timeout=20)
+        return super().generate(prompts, n, params)
+
+
+def test_concurrent_calls_are_spread_over_the_servers_and_served_at_once():
+    """Single-prompt calls from four threads at once (the agent loop's episodes) on a pool of
+    two: two requests in flight on each server at the same time, each call its own answer."""
+    barrier = threading.Barrier(4)
+    engines = [MeetingEngine(barrier) for _ in range(2)]
+    pool = ServerPool(engines, start=False)
+    out: dict[int, list] = {}
+
+    def call(i):
+        out[i] = tokens(pool.generate([PROMPTS[i]], 1, SamplingParams(seed=i)))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == {i: [[[PROMPTS[i][0], i, 0]]] for i in range(4)}
+    assert [m.requests for m in pool.members] == [2, 2]
+    assert pool.stats()["rollout/generate_calls"] == 4
+    # calls one at a time go to the first server, as a lone engine would serve them
+    barrier = threading.Barrier(1)
+    for e in engines:
+        e.barrier = barrier
+    pool.generate([PROMPTS[0]], 1, SamplingParams(seed=0))
+    assert [m.requests for m in pool.members] == [3, 2]
 
 
 def test_bad_request_is_raised_and_keeps_the_server():
