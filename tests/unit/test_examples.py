@@ -90,6 +90,14 @@ HF_CONFIGS = {
         "attention_bias": False, "mlp_bias": False,
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "Qwen3-30B-A3B-Base": {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False, "attention_bias": False,
+        "use_sliding_window": False, "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": []},
 }
 # What an 80 GB H100 reports (the recipes' target), rounded down.
 H100_BYTES = 79 << 30
@@ -98,7 +106,8 @@ H100_BYTES = 79 << 30
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
 def test_recipe_server_holds_a_full_length_request(path):
     """A recipe that starts a vLLM/SGLang server gives it a context length within the model's
-    positions and a GPU memory share whose KV cache, after the weights and the reserve
+    positions (and, with --rollout-function agent, at least a whole episode of
+    --agent-max-tokens) and a GPU memory share whose KV cache, after the weights and the reserve
     (rollout/memory.py), holds one request of that length on an 80 GB H100: the server starts."""
     from megatron_rl.models import ModelArgs
     from megatron_rl.rollout.factory import ENGINES, server_context_len, server_memory_plan
@@ -111,11 +120,32 @@ def test_recipe_server_holds_a_full_length_request(path):
     args = ModelArgs.from_hf_config(HF_CONFIGS[os.path.basename(cfg.model.hf_checkpoint)])
     # the length is the recipe's own (known before the data is), the prompts are checked by it
     assert r.rollout_max_context_len > r.max_new_tokens
+    episode = cfg.agent.agent_max_tokens if r.rollout_function == "agent" else 0
     context_len = server_context_len(r, r.rollout_max_context_len - r.max_new_tokens,
-                                     args.max_position_embeddings)
+                                     args.max_position_embeddings, episode)
     assert r.rollout_gpu_memory_utilization is not None
     plan = server_memory_plan(cfg, args, context_len, H100_BYTES)
     assert plan.fits, plan.describe()
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_recipe_microbatch_holds_a_full_length_sequence(path):
+    """A packed microbatch of --max-tokens-per-microbatch tokens takes the longest sequence the
+    recipe lets through (a longer one stops the step): --rollout-max-context-len of a server
+    started here, a whole episode (--agent-max-tokens) of --rollout-function agent, at least
+    one full response."""
+    from megatron_rl.rollout.factory import ENGINES
+
+    cfg = parse_config(["--config", path])
+    r, budget = cfg.rollout, cfg.algorithm.max_tokens_per_microbatch
+    if not cfg.algorithm.sequence_packing or not budget:
+        return  # microbatches sized by the batch's longest sequence
+    longest = r.max_new_tokens + 1
+    if ENGINES[r.rollout_engine].servers and not r.rollout_url:
+        longest = max(longest, r.rollout_max_context_len)
+    if r.rollout_function == "agent":
+        longest = max(longest, cfg.agent.agent_max_tokens)
+    assert budget >= longest, (budget, longest)
 
 
 def test_qwen3_recipe_model_is_supported_at_its_layout():
@@ -132,6 +162,49 @@ def test_qwen3_recipe_model_is_supported_at_its_layout():
     n = sum(math.prod(s) for s in hf_mapping.hf_expected_shapes(args).values())
     assert n == sum(math.prod(s) for s in hf_mapping.expected_shapes(args).values())
     assert abs(n - 4.02e9) < 0.01e9, n
+
+
+def test_moe_recipe_model_and_layout():
+    """The GSPO recipe's Qwen3-30B-A3B-Base: its config.json parses as a Qwen3-MoE with every
+    layer sparse and untied embeddings (what the sglang engine serves), the recipe's layout is
+    valid on its 16 training ranks (TP 2 + SP, EP 8 dividing the experts and DP 8), routing
+    replay is on with an engine that returns routes, and the parameter counts of the file's
+    memory budget hold: 30.53e9 in all (28.99e9 in experts), per GPU 1.81e9 of experts and
+    0.78e9 of the rest."""
+    from megatron_rl.models import ModelArgs, hf_mapping
+    from megatron_rl.rollout.factory import ENGINES
+    from megatron_rl.rollout.sglang_engine import _check_servable
+
+    cfg = parse_config(["--config", os.path.join(REPO, "examples", "qwen3-30b-a3b_math_gspo.yaml")])
+    hf = HF_CONFIGS[os.path.basename(cfg.model.hf_checkpoint)]
+    args = ModelArgs.from_hf_config(hf)
+    assert args.moe_layer_pattern == [1] * 48 and args.num_experts == 128
+    assert args.num_experts_per_tok == 8 and args.norm_topk_prob
+    _check_servable(hf, "Qwen3-30B-A3B-Base")  # raises for a checkpoint SGLang serves wrongly
+
+    p = cfg.parallel
+    tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
+    assert p.sequence_parallel and p.pipeline_model_parallel_size == 1
+    assert args.num_key_value_heads % tp == 0 and args.vocab_size % tp == 0
+    assert args.num_experts % ep == 0
+    dp = p.data_parallel_size(16)
+    assert dp == 8
+    cfg.check_layout(dp)
+    assert cfg.algorithm.routing_replay and ENGINES[cfg.rollout.rollout_engine].routed_experts
+    assert cfg.loss.policy_loss == "gspo" and cfg.loss.aggregation == "seq-mean-token-mean"
+
+    shapes = hf_mapping.expected_shapes(args)
+    total = sum(math.prod(s) for s in shapes.values())
+    experts = sum(math.prod(s) for n, s in shapes.items() if hf_mapping.is_expert_param(n))
+    assert total == sum(math.prod(s) for s in hf_mapping.hf_expected_shapes(args).values())
+    assert abs(total - 30.53e9) < 0.01e9 and abs(experts - 28.99e9) < 0.01e9, (total, experts)
+    # per GPU: the experts split over EP x expert-TP (= TP); of the rest, the matrices split by
+    # TP (embedding, output layer, attention), the routers and norms whole on each TP rank
+    whole = sum(math.prod(s) for n, s in shapes.items()
+                if not hf_mapping.is_expert_param(n) and (len(s) == 1 or ".router." in n))
+    dense_per_gpu = (total - experts - whole) / tp + whole
+    assert abs(experts / (ep * tp) - 1.81e9) < 0.01e9
+    assert abs(dense_per_gpu - 0.78e9) < 0.01e9, dense_per_gpu
 
 
 def test_tiny_cpu_recipe_matches_cpu_demo(monkeypatch):
