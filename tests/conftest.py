@@ -26,6 +26,8 @@ def fault_test_ids() -> set[str]:
 def pytest_addoption(parser):
     parser.addoption("--run-network", action="store_true", default=False,
                      help="run tests marked `network` (they download from PyPI)")
+    parser.addoption("--extended", action="store_true", default=False,
+                     help="also run the tests marked `extended` (deselected by default)")
 
 
 def pytest_configure(config):
@@ -39,12 +41,20 @@ def pytest_configure(config):
                             "venvs); skipped with a reason when a venv is absent")
     config.addinivalue_line("markers", "hostsync: host synchronisations of a hot loop, counted "
                             "against its budget (megatron_rl.hostsync)")
+    config.addinivalue_line("markers", "extended: a further variant of what a default-tier test "
+                            "already runs (another layout, engine or server), or a long scenario "
+                            "whose parts default-tier tests check; deselected unless --extended")
     config.addinivalue_line("markers", "shared_server(kind): uses the session's shared 'vllm' or "
                             "'sglang' server (shared_servers); such tests run last, grouped by "
                             "kind, so that each shared server starts once")
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--extended"):
+        extended = [item for item in items if item.get_closest_marker("extended")]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if not item.get_closest_marker("extended")]
     # the tests of each shared server together, after all others (stable otherwise)
     order = {None: 0, "vllm": 1, "sglang": 2}
     items.sort(key=lambda item: order[shared_server_kind(item)])

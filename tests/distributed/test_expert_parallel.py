@@ -329,7 +329,8 @@ def test_rl_training_under_ep2_with_routing_replay(tmp_path, torchrun, export_hf
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [  # PP2 alone: tests/distributed/test_parallel_equivalence.py
+    pytest.param(name, marks=[pytest.mark.extended] if name == "pp2" else []) for name in LAYOUTS])
 def test_tp_pp_and_ep_layouts_match_a_single_process(moe_ckpt, single_process, tmp_path,
                                                      torchrun, layout):
     """TP2 with sequence parallelism (2 ranks), TP2 x EP2 (4 ranks: two data-parallel replicas

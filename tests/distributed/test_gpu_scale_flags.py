@@ -85,6 +85,7 @@ def _check_sp(result, layouts, logits_atol=1e-5, grad_atol=2e-6):
                                                rtol=0, atol=1e-5)
 
 
+@pytest.mark.extended  # sequence parallelism at TP2 x PP2: the Qwen3 test below
 def test_sequence_parallel_tp2_matches_tp1_qwen2(tiny_qwen2, tmp_path, torchrun):
     torchrun(2, [WORKER, "sp", "--hf", tiny_qwen2, "--out", str(tmp_path)])
     result = torch.load(os.path.join(tmp_path, "sp.pt"), weights_only=False)

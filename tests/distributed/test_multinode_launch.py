@@ -93,6 +93,7 @@ def test_two_node_tp2_saves_resumes_and_logs_tp1_metrics(tmp_path, char_model, c
 
 
 @pytest.mark.server
+@pytest.mark.extended  # attached servers: tests/e2e (tensor sync); disk sync: test_vllm_engine
 @pytest.mark.shared_server("vllm")
 def test_trainer_attached_to_a_separately_started_vllm_server(tmp_path, served_models,
                                                               shared_servers):

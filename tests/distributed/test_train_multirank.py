@@ -125,6 +125,9 @@ def test_process_engine_batches_do_not_depend_on_the_layout(char_model, char_ref
 
 
 @pytest.mark.server
+# the client rank under model parallelism: the process engine above; weights gathered from a
+# TP x PP layout: test_weight_gather.py
+@pytest.mark.extended
 @pytest.mark.shared_server("vllm")
 def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tmp_path, torchrun,
                                                             served_models, shared_servers):

@@ -45,6 +45,28 @@ def arithmetic_jsonl(tmp_path_factory):
     return str(path)
 
 
+# A run that a kill or a signal interrupts and a resume completes must log what this
+# uninterrupted run logs: KL to a different reference in the loss and the reward (the policy
+# moves from step 1 on), the reference taking the policy's weights after step 3 (a resume needs
+# the reference of its step, saved with it), deterministic kernels (on a GPU too both runs agree
+# to float rounding).
+RESUME_ITERS = 6
+RESUME_FLAGS = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0",
+                "--ref-reset-interval", "3", "--deterministic-mode"]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_run(tiny_char_model, tiny_char_ref, arithmetic_jsonl, tmp_path_factory):
+    """The metrics.jsonl rows of RESUME_ITERS steps with RESUME_FLAGS, run once per session."""
+    import subprocess
+
+    save = str(tmp_path_factory.mktemp("uninterrupted") / "run")
+    subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, save, RESUME_ITERS,
+                                         RESUME_FLAGS, ref=tiny_char_ref)),
+                   check=True, env=train_env(), capture_output=True, timeout=600)
+    return read_metrics(save)
+
+
 def train_args(model, data, save, iters, extra=(), ref=None):
     return ["--hf-checkpoint", model, "--train-data", data, "--save", save,
             *(["--ref-checkpoint", ref] if ref else []),

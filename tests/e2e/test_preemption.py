@@ -9,13 +9,12 @@ import time
 
 import pytest
 
-from conftest import read_metrics, train_args, train_cmd, train_env  # tests/e2e/conftest.py
+from conftest import (RESUME_FLAGS, RESUME_ITERS, read_metrics, train_args,  # tests/e2e/conftest.py
+                      train_cmd, train_env)
 from megatron_rl.stopping import EXIT_RESUMABLE, STOPPED_EARLY
 
 pytestmark = pytest.mark.distributed  # torch.distributed (world size 1) in subprocesses
 
-# KL to a different reference in the loss and the reward: the policy moves from step 1 on
-KL = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0"]
 
 
 
@@ -49,15 +48,12 @@ def _live_processes(pgid, wait_s=5.0):
 
 
 def test_sigterm_saves_the_step_in_flight_then_resume_matches_uninterrupted_run(
-        tiny_char_model, tiny_char_ref, arithmetic_jsonl, tmp_path):
-    iters = 8
-    ref_dir, stopped_dir = str(tmp_path / "ref"), str(tmp_path / "stopped")
-    subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, ref_dir, iters, KL,
-                                          ref=tiny_char_ref)),
-                   check=True, env=train_env(), capture_output=True, timeout=600)
+        tiny_char_model, tiny_char_ref, arithmetic_jsonl, tmp_path, uninterrupted_run):
+    iters = RESUME_ITERS
+    stopped_dir = str(tmp_path / "stopped")
     # no periodic saves: whatever is saved comes from the signal. SIGTERM to the whole process
     # group, as SLURM signals every process of a job step, once step 2 is logged
-    args = train_args(tiny_char_model, arithmetic_jsonl, stopped_dir, iters, KL,
+    args = train_args(tiny_char_model, arithmetic_jsonl, stopped_dir, iters, RESUME_FLAGS,
                       ref=tiny_char_ref)
     log = tmp_path / "stopped.log"
     with open(log, "w") as out:
@@ -81,7 +77,7 @@ def test_sigterm_saves_the_step_in_flight_then_resume_matches_uninterrupted_run(
     assert _live_processes(proc.pid) == []  # helpers (checkpoint, rewards) are gone with it
 
     subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
-    ref, resumed = read_metrics(ref_dir), read_metrics(stopped_dir)
+    ref, resumed = uninterrupted_run, read_metrics(stopped_dir)
     assert [r["step"] for r in resumed] == list(range(1, iters + 1))  # none lost, none repeated
     assert ref[-1]["kl_k1"] != ref[0]["kl_k1"]
     for a, b in zip(ref, resumed):

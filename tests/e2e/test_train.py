@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from conftest import read_metrics, train_args, train_cmd, train_env  # tests/e2e/conftest.py
+from conftest import (RESUME_FLAGS, RESUME_ITERS, read_metrics, train_args,  # tests/e2e/conftest.py
+                      train_cmd, train_env)
 
 pytestmark = pytest.mark.distributed  # torch.distributed (world size 1) in subprocesses
 
@@ -21,18 +22,10 @@ pytestmark = pytest.mark.distributed  # torch.distributed (world size 1) in subp
 
 
 def test_kill_9_then_resume_matches_uninterrupted_run(tiny_char_model, tiny_char_ref,
-                                                     arithmetic_jsonl, tmp_path):
-    iters = 6
-    ref_dir, killed_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
-    # KL to a different reference in the loss and the reward: the policy moves from step 1 on;
-    # the reference takes the policy's weights after step 3, so a resume needs the reference of
-    # its step (saved with it); deterministic kernels, so that on a GPU too both runs can agree
-    # to float rounding
-    kl = ["--kl-placement", "reward+loss", "--kl-estimator", "k3", "--kl-coef", "1.0",
-          "--ref-reset-interval", "3", "--deterministic-mode"]
-    subprocess.run(train_cmd(*train_args(tiny_char_model, arithmetic_jsonl, ref_dir, iters, kl,
-                                          ref=tiny_char_ref)),
-                   check=True, env=train_env(), capture_output=True, timeout=600)
+                                                     arithmetic_jsonl, tmp_path,
+                                                     uninterrupted_run):
+    iters, kl = RESUME_ITERS, RESUME_FLAGS
+    killed_dir = str(tmp_path / "killed")
     # the same run, saving every step, killed with SIGKILL once step 3 is checkpointed
     args = train_args(tiny_char_model, arithmetic_jsonl, killed_dir, iters,
                       kl + ["--save-interval", "1"], ref=tiny_char_ref)
@@ -50,7 +43,7 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tiny_char_model, tiny_char
     killed_at = open(latest).read().strip()
     assert killed_at < f"iter_{iters:07d}", "the run finished before the kill"
     subprocess.run(train_cmd(*args), check=True, env=train_env(), capture_output=True, timeout=600)
-    ref, resumed = read_metrics(ref_dir), read_metrics(killed_dir)
+    ref, resumed = uninterrupted_run, read_metrics(killed_dir)
     assert [r["step"] for r in resumed] == list(range(1, iters + 1))  # none lost, none repeated
     # step 4 samples from the reference itself (KL 0; the rewards of this tiny model are all 0,
     # so nothing moves the policy at that step)
