@@ -43,7 +43,6 @@ the batch: it runs without --agent-env-timeout.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -51,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Union
 
 from megatron_rl.agent.parsing import parse_tool_calls
+from megatron_rl.imports import import_callable
 from megatron_rl.agent.tools import ToolExecutor
 
 if TYPE_CHECKING:
@@ -122,25 +122,8 @@ def resolve_environment(name: str) -> Callable[[], Any]:
     """The factory --agent-environment `name` names: `module:attr` (attr may be a dotted path),
     a class or function called with no argument to make one episode's environment. Raises
     ValueError naming the flag when it does not import or is not callable."""
-    flag = f"--agent-environment {name!r}"
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{flag}: neither a built-in environment ({', '.join(BUILT_IN)}) nor "
-                         "an import path `module:Class`")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # the module is the user's: any error in it is a configuration one
-        raise ValueError(f"{flag}: cannot import module {module_name!r} ({type(e).__name__}: "
-                         f"{e})") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{flag}: {getattr(obj, '__name__', module_name)!r} has no "
-                             f"attribute {part!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{flag}: {attr!r} in {module_name!r} is a {type(obj).__name__}, not "
-                         "a class or function")
-    return obj
+    return import_callable(name, f"--agent-environment {name!r}", "environment", BUILT_IN,
+                           form="class or function")
 
 
 class ToolsEnvironment(Environment):
