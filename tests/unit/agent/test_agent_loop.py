@@ -14,7 +14,6 @@ from transformers import AutoTokenizer
 from megatron_rl.agent.loop import AgentConfig, ChatFormat, agent_rollout
 from megatron_rl.data.prompts import PromptRecord
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
-from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.rollout.functions import RolloutContext, resolve_rollout_function
 from megatron_rl.runtime import Codec
@@ -31,17 +30,6 @@ QWEN_LIKE = (  # literal text inside {{ }}: HF renders with trim_blocks
     "{{ '<|im_end|>\\n' }}{% endif %}"
     "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return AutoTokenizer.from_pretrained(make_char_tokenizer(str(tmp_path_factory.mktemp("tok"))))
-
-
-@pytest.fixture(scope="module")
-def scorer():
-    with RewardScorer(num_workers=1) as s:
-        yield s
 
 
 class ScriptedEngine:

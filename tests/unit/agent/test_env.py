@@ -19,23 +19,11 @@ from megatron_rl.agent.env import ABANDONED, Environment, StepResult
 from megatron_rl.agent.loop import AgentConfig, ChatFormat, agent_rollout
 from megatron_rl.data.prompts import PromptRecord
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
-from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.functions import RolloutContext, check_groups
 from megatron_rl.runtime import Codec
 
 HERE = __name__
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return AutoTokenizer.from_pretrained(make_char_tokenizer(str(tmp_path_factory.mktemp("tok"))))
-
-
-@pytest.fixture(scope="module")
-def scorer():
-    with RewardScorer(num_workers=1) as s:
-        yield s
 
 
 class GuessNumber(Environment):
