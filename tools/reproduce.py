@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Reproduce the paper's estimator x placement study from scratch: one command.
 
-    python tools/reproduce.py [--quick] [--slice grid|exact] [--configs ...] [--betas ...]
-                              [--seeds ...] [--steps N]
+    python tools/reproduce.py [--quick] [--slice grid|exact|losses] [--configs ...] [--betas ...]
+                              [--seeds ...] [--policy-losses ...] [--steps N]
 
 1. The exact toy study (`megatron-rl toy`): table + figure (docs/figures/toy_kl_gradients.png).
 2. The tiny base model, built exactly like tools/cpu_demo.py (its `prepare_data` and
@@ -23,6 +23,11 @@
 exact estimator in reward and reward+loss beside K1 in reward, K3 in loss and no KL; no toy,
 no async slice unless asked) and writes its own block (markers tagged "--slice exact") and figures
 (prefixed "exact_"), so the grid's block and figures stay as they are.
+
+--slice losses crosses --policy-losses (default ppo-clip, gspo, cispo; each with its own clip
+range, experiments.POLICY_LOSS_CLIPS, stated in the block) with K1 in the reward and K3 in the
+loss, into its own block (markers tagged "--slice losses", figures prefixed "losses_"). Any slice
+takes --policy-losses; runs of a non-default loss carry it in their run id.
 
 Run it under `nice -n 19` with OMP_NUM_THREADS=1 on a shared CPU (scripts/reproduce_cpu.sh).
 """
@@ -248,8 +253,9 @@ def plot_group(runs: dict[str, list[list[dict]]], path: str, title: str, base: f
     return path
 
 
-def plot_summary(table: list[dict], path: str, base: dict | None) -> str:
-    """Final in-domain and OOD mean@k per (regime, beta, config), mean +- std over seeds."""
+def plot_summary(table: list[dict], path: str, base: dict | None, by_loss: bool = False) -> str:
+    """Final in-domain and OOD mean@k per (regime, beta, config), mean +- std over seeds;
+    ``by_loss``: per policy loss too (the loss leads each label)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,6 +263,8 @@ def plot_summary(table: list[dict], path: str, base: dict | None) -> str:
 
     labels = [f"{r['config']}" + ("" if r["config"] == "none" else f" b={r['beta']:g}")
               + ("" if r["regime"] == "on" else f" [{r['regime']}]") for r in table]
+    if by_loss:
+        labels = [f"{r['policy_loss']} {label}" for r, label in zip(table, labels)]
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(table) + 2), 4))
     xs = range(len(table))
     for off, key, name in ((-0.2, "eval_mean_at_k", "in-domain"), (0.2, "ood_mean_at_k", "OOD")):
@@ -334,31 +342,38 @@ def write_report(a, toy: dict | None, specs: list[ex.RunSpec], summaries: list[d
                   "![toy](figures/toy_kl_gradients.png)", ""]
     if summaries:
         done = {s["run_id"] for s in summaries}
+        losses = ("" if not a.by_loss else "; policy losses " + ", ".join(
+            f"{x} (--clip-low/--clip-high {ex.clip_range(x)[0]:g}/{ex.clip_range(x)[1]:g}"
+            + (", the trainer's defaults)" if ex.POLICY_LOSS_CLIPS[x] is None else ")")
+            for x in a.policy_losses))
         lines += ["### LLM sweep" + ("" if a.slice == "grid" else f" (slice `{a.slice}`)"), "",
                   f"Model: `{a.model_name}`. {len(done)} of {len(specs)} runs finished, "
                   f"{a.steps} RL steps each, eval every {a.eval_interval} steps. Configs: "
-                  f"{', '.join(a.configs)}; betas {', '.join(f'{b:g}' for b in a.betas)}; seeds "
+                  f"{', '.join(a.configs)}{losses}; betas {', '.join(f'{b:g}' for b in a.betas)}; seeds "
                   f"{', '.join(map(str, a.seeds))}; regimes {', '.join(a.regimes)}"
                   + (f"; async levels {', '.join(map(str, a.async_levels))}" if a.async_levels else "")
                   + f". Training wall time {wall['train_s'] / 60:.1f} min (sum over runs).", "",
                   f"In-domain mean@{k}: the trainer's eval at the last step "
                   f"({a.eval_desc}); OOD mean@{k}: `megatron-rl eval` of the final checkpoint "
                   f"({a.ood_desc}). mean ± sample std over seeds (no ± with one seed). "
-                  "Final KL: mean of the last 5 steps' `kl_k1`. Verdict criteria: "
+                  "Final KL: mean of the last 5 steps' `kl_k1`"
+                  + (", final train reward of `reward/mean`" if a.by_loss else "")
+                  + ". Verdict criteria: "
                   f"`{ex.StabilityCriteria()}`, `{ex.CollapseCriteria()}` "
                   "(megatron_rl/experiments/sweep.py).", "",
-                  ex.markdown_table(table, k, a.base), ""]
+                  ex.markdown_table(table, k, a.base, policy_losses=a.by_loss), ""]
         if plot_beta_sweep(table, os.path.join(figures, f"{px}beta_sweep.png"), a.base):
             lines += [f"![final KL and OOD accuracy against beta](figures/{px}beta_sweep.png)", ""]
-        plot_summary(table, os.path.join(figures, f"{px}sweep_summary.png"), a.base)
+        plot_summary(table, os.path.join(figures, f"{px}sweep_summary.png"), a.base, a.by_loss)
         lines += [f"![summary](figures/{px}sweep_summary.png)", ""]
         by_fig: dict[tuple, dict[str, list]] = {}
         for s in summaries:
             spec = next(x for x in specs if x.run_id == s["run_id"])
             betas = [spec.beta] if spec.config != "none" else sorted(
                 {x.beta for x in specs if x.config != "none" and x.regime == spec.regime}) or [0.0]
+            name = f"{spec.policy_loss} {spec.config}" if a.by_loss else spec.config
             for beta in betas:
-                by_fig.setdefault((spec.regime, beta), {}).setdefault(spec.config, []).append(
+                by_fig.setdefault((spec.regime, beta), {}).setdefault(name, []).append(
                     all_rows[s["run_id"]])
         for (regime, beta), runs in sorted(by_fig.items(), key=lambda kv: (
                 ex.regime_order(kv[0][0]), kv[0][1])):
@@ -407,6 +422,10 @@ def parse_args(argv=None):
                         "and reward+loss beside k1:reward, k3:loss and none (own report block/figures)")
     p.add_argument("--configs", nargs="+", default=None, choices=list(ex.CONFIGS),
                    help="default: the --slice's configs (megatron_rl/experiments/sweep.py SLICES)")
+    p.add_argument("--policy-losses", nargs="+", default=None, choices=list(ex.POLICY_LOSS_CLIPS),
+                   help="--policy-loss values crossed with the configs, each with its clip range "
+                        "(experiments.POLICY_LOSS_CLIPS); default: ppo-clip gspo cispo with "
+                        "--slice losses, the trainer's default (ppo-clip) otherwise")
     p.add_argument("--betas", nargs="+", type=float, default=list(ex.DEFAULT_BETAS))
     p.add_argument("--seeds", nargs="+", type=int, default=list(ex.DEFAULT_SEEDS))
     p.add_argument("--regimes", nargs="*", default=["on", "off"], help="on, off")
@@ -437,6 +456,10 @@ def parse_args(argv=None):
     a.argv = list(sys.argv[1:] if argv is None else argv)
     if a.configs is None:
         a.configs = list(ex.SLICES[a.slice])
+    if a.policy_losses is None:
+        a.policy_losses = list(ex.SLICE_POLICY_LOSSES.get(a.slice, (ex.DEFAULT_POLICY_LOSS,)))
+    # the report's loss column, curves and labels only when some run is not the default loss
+    a.by_loss = a.policy_losses != [ex.DEFAULT_POLICY_LOSS]
     if a.async_levels is None:
         a.async_levels = [2] if a.slice == "grid" else []
     if a.slice != "grid":
@@ -496,7 +519,7 @@ def main(argv=None) -> int:
     log(f"base model: in-domain {a.base['eval']:.3f}, OOD {a.base['ood']:.3f}")
 
     specs = ex.build_sweep(a.configs, a.betas, a.seeds, a.regimes, a.async_levels,
-                           async_betas=a.async_betas)
+                           async_betas=a.async_betas, policy_losses=a.policy_losses)
     log(f"{len(specs)} runs in the sweep")
     summaries, all_rows, wall = [], {}, {"train_s": 0.0, "runs": {}}
     launched = 0

@@ -9,12 +9,16 @@ reads their ``metrics.jsonl`` rows and hands them here.
    ``build_sweep`` crosses them; ``none`` (no KL term) is run once per seed and regime, not once
    per beta, since beta does not enter it. ``SLICES`` names subsets of CONFIGS (``grid``: the
    paper's Table 1, the default; ``exact``: the exact estimator beside K1 in reward, K3 in
-   loss and no KL).
+   loss and no KL; ``losses``: K1 in reward and K3 in loss, crossed with policy losses). A
+   run's ``--policy-loss`` (``POLICY_LOSS_CLIPS``: each loss with its own clip range) is the
+   trainer's default unless the sweep crosses losses; only a non-default loss enters the run id
+   and the flags, so default runs keep their ids and commands.
 2. Verdicts. ``detect_instability`` and ``detect_collapse`` apply the explicit criteria of
    ``StabilityCriteria`` / ``CollapseCriteria`` (thresholds documented on each field) to one
    run's rows and return the reasons found; an empty list means "not detected".
 3. Aggregation. ``summarize_run`` reduces one run to its final numbers, ``aggregate`` groups the
-   seeds of one (config, beta, regime) into mean +- std, and ``markdown_table`` prints them.
+   seeds of one (policy loss, config, beta, regime) into mean +- std, and ``markdown_table``
+   prints them.
 
 Row keys used (written by megatron_rl.train): ``step``, ``reward/mean``, ``eval/mean_at_k``,
 ``kl_k1`` (token-mean K1 to the reference on the batch), ``grad_norm`` (before clipping),
@@ -60,7 +64,29 @@ PAPER_BEHAVIOR: dict[str, str] = {
 SLICES: dict[str, tuple[str, ...]] = {
     "grid": tuple(c for c in CONFIGS if not c.startswith("exact:")),
     "exact": ("none", "k1:reward", "k3:loss", "exact:reward", "exact:reward+loss"),
+    "losses": ("k1:reward", "k3:loss"),
 }
+# The trainer's --policy-loss default; its runs pass no policy-loss or clip flag.
+DEFAULT_POLICY_LOSS = "ppo-clip"
+# --policy-loss -> (--clip-low, --clip-high) a sweep passes with it; None: the trainer's defaults
+# (0.2 / 0.2). GSPO clips the sequence ratio (a geometric mean of token ratios, within ~1e-3 of
+# 1), hence its 3e-4 / 4e-4 (the GSPO paper's); CISPO as MiniMax: no lower clip, 0.28 above.
+POLICY_LOSS_CLIPS: dict[str, tuple[float, float] | None] = {
+    "ppo-clip": None,
+    "dual-clip": None,
+    "gspo": (3e-4, 4e-4),
+    "gspo-token": (3e-4, 4e-4),
+    "cispo": (1.0, 0.28),
+    "sapo": None,
+}
+# The policy losses a slice crosses with its configs by default (others: the trainer's default).
+SLICE_POLICY_LOSSES: dict[str, tuple[str, ...]] = {"losses": ("ppo-clip", "gspo", "cispo")}
+TRAINER_CLIPS = (0.2, 0.2)   # megatron_rl.loss.LossConfig's clip_low / clip_high defaults
+
+
+def clip_range(policy_loss: str) -> tuple[float, float]:
+    """The (clip_low, clip_high) a run of ``policy_loss`` trains with."""
+    return POLICY_LOSS_CLIPS[policy_loss] or TRAINER_CLIPS
 # The async slice: configs run with --async-level k (name -> extra flags beyond CONFIGS).
 ASYNC_CONFIGS: dict[str, tuple[str, str, str]] = {
     "none": ("k1", "none", "none"),
@@ -90,6 +116,7 @@ class RunSpec:
     beta: float                 # 0.0 for "none"
     seed: int
     regime: str = "on"          # on | off | async<k>
+    policy_loss: str = DEFAULT_POLICY_LOSS   # a POLICY_LOSS_CLIPS name
 
     def __post_init__(self):
         table = ASYNC_CONFIGS if self.regime.startswith("async") else CONFIGS
@@ -97,6 +124,9 @@ class RunSpec:
             raise ValueError(f"unknown config {self.config!r} for regime {self.regime!r}; "
                              f"valid: {sorted(table)}")
         regime_flags(self.regime)
+        if self.policy_loss not in POLICY_LOSS_CLIPS:
+            raise ValueError(f"unknown --policy-loss {self.policy_loss!r}; valid: "
+                             f"{list(POLICY_LOSS_CLIPS)}")
 
     @property
     def kl(self) -> tuple[str, str, str]:
@@ -107,46 +137,59 @@ class RunSpec:
 
     @property
     def run_id(self) -> str:
-        """A directory name: ``k3-loss_b0.05_s1_on`` (``none_s1_on`` without a beta)."""
+        """A directory name: ``k3-loss_b0.05_s1_on`` (``none_s1_on`` without a beta), prefixed
+        by a non-default policy loss: ``gspo_k3-loss_b0.05_s1_on``."""
         name = self.config.replace(":", "-").replace("+", "_")
         beta = "" if self.config == "none" else f"_b{self.beta:g}"
-        return f"{name}{beta}_s{self.seed}_{self.regime}"
+        loss = "" if self.policy_loss == DEFAULT_POLICY_LOSS else f"{self.policy_loss}_"
+        return f"{loss}{name}{beta}_s{self.seed}_{self.regime}"
 
     @property
-    def group(self) -> tuple[str, float, str]:
-        return (self.config, self.beta, self.regime)
+    def group(self) -> tuple[str, str, float, str]:
+        return (self.policy_loss, self.config, self.beta, self.regime)
 
     def train_flags(self) -> list[str]:
-        """The KL- and regime-specific `megatron_rl.train` flags of this run."""
+        """The KL-, regime- and (non-default) policy-loss-specific `megatron_rl.train` flags."""
         estimator, placement, correction = self.kl
         r = regime_flags(self.regime)
-        return ["--kl-estimator", estimator, "--kl-placement", placement,
-                "--kl-coef", f"{self.beta:g}", "--kl-off-policy-correction", correction,
-                "--ppo-minibatches", str(r["ppo_minibatches"]),
-                "--async-level", str(r["async_level"]), "--seed", str(self.seed)]
+        flags = ["--kl-estimator", estimator, "--kl-placement", placement,
+                 "--kl-coef", f"{self.beta:g}", "--kl-off-policy-correction", correction,
+                 "--ppo-minibatches", str(r["ppo_minibatches"]),
+                 "--async-level", str(r["async_level"]), "--seed", str(self.seed)]
+        if self.policy_loss != DEFAULT_POLICY_LOSS:
+            flags += ["--policy-loss", self.policy_loss]
+            if POLICY_LOSS_CLIPS[self.policy_loss] is not None:
+                low, high = clip_range(self.policy_loss)
+                flags += ["--clip-low", f"{low:g}", "--clip-high", f"{high:g}"]
+        return flags
 
 
 def build_sweep(configs: Iterable[str] = SLICES["grid"], betas: Iterable[float] = DEFAULT_BETAS,
                 seeds: Iterable[int] = DEFAULT_SEEDS, regimes: Iterable[str] = ("on", "off"),
                 async_levels: Iterable[int] = (), async_configs: Iterable[str] = tuple(ASYNC_CONFIGS),
-                async_betas: Iterable[float] | None = None) -> list[RunSpec]:
-    """The cross product, ``none`` once per (seed, regime), then the async slice.
+                async_betas: Iterable[float] | None = None,
+                policy_losses: Iterable[str] = (DEFAULT_POLICY_LOSS,)) -> list[RunSpec]:
+    """The cross product, ``none`` once per (seed, regime, policy loss), then the async slice.
 
     Ordered seed-major (all configs of seed 1 before seed 2) so an interrupted sweep has a
     complete first seed. The async slice uses ``async_betas`` (default: the first beta).
+    ``policy_losses`` is crossed with everything (default: the trainer's loss only).
     """
     configs, betas, seeds, regimes = list(configs), list(betas), list(seeds), list(regimes)
     async_betas = list(async_betas) if async_betas is not None else betas[:1]
+    losses = list(policy_losses)
     specs: list[RunSpec] = []
     for seed in seeds:
         for regime in regimes:
-            for config in configs:
-                for beta in ([0.0] if config == "none" else betas):
-                    specs.append(RunSpec(config, beta, seed, regime))
+            for loss in losses:
+                for config in configs:
+                    for beta in ([0.0] if config == "none" else betas):
+                        specs.append(RunSpec(config, beta, seed, regime, loss))
         for k in async_levels:
-            for config in async_configs:
-                for beta in ([0.0] if config == "none" else async_betas):
-                    specs.append(RunSpec(config, beta, seed, f"async{k}"))
+            for loss in losses:
+                for config in async_configs:
+                    for beta in ([0.0] if config == "none" else async_betas):
+                        specs.append(RunSpec(config, beta, seed, f"async{k}", loss))
     seen: set = set()
     return [s for s in specs if not (s in seen or seen.add(s))]
 
@@ -292,7 +335,8 @@ def summarize_run(spec: RunSpec, rows: Sequence[dict], ood_mean_at_k: float | No
     coll = detect_collapse(rows, base_eval, collapse)
     return {
         "run_id": spec.run_id, "config": spec.config, "beta": spec.beta, "seed": spec.seed,
-        "regime": spec.regime, "steps": int(rows[-1]["step"]) if rows else 0,
+        "regime": spec.regime, "policy_loss": spec.policy_loss,
+        "steps": int(rows[-1]["step"]) if rows else 0,
         "eval_mean_at_k": evals[-1][1] if evals else None,
         "eval_best_mean_at_k": max(v for _, v in evals) if evals else None,
         "ood_mean_at_k": ood_mean_at_k,
@@ -311,18 +355,22 @@ def mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None
 
 
 def aggregate(summaries: Iterable[dict]) -> list[dict]:
-    """Group run summaries by (config, beta, regime): mean +- std over seeds and verdict counts.
-    Rows come back in CONFIGS order, then beta, then regime."""
+    """Group run summaries by (policy loss, config, beta, regime): mean +- std over seeds and
+    verdict counts. Rows come back by regime, then policy loss (POLICY_LOSS_CLIPS order), then
+    CONFIGS order, then beta."""
     groups: dict[tuple, list[dict]] = {}
     for s in summaries:
-        groups.setdefault((s["config"], s["beta"], s["regime"]), []).append(s)
+        loss = s.get("policy_loss", DEFAULT_POLICY_LOSS)
+        groups.setdefault((s["config"], s["beta"], s["regime"], loss), []).append(s)
     order = list(CONFIGS) + [c for c in ASYNC_CONFIGS if c not in CONFIGS]
+    losses = list(POLICY_LOSS_CLIPS)
     out = []
-    for (config, beta, regime), runs in sorted(
-            groups.items(), key=lambda kv: (regime_order(kv[0][2]), order.index(kv[0][0])
+    for (config, beta, regime, loss), runs in sorted(
+            groups.items(), key=lambda kv: (regime_order(kv[0][2]), losses.index(kv[0][3]),
+                                            order.index(kv[0][0])
                                             if kv[0][0] in order else len(order), kv[0][1])):
-        row = {"config": config, "beta": beta, "regime": regime, "num_seeds": len(runs),
-               "seeds": sorted(r["seed"] for r in runs)}
+        row = {"config": config, "beta": beta, "regime": regime, "policy_loss": loss,
+               "num_seeds": len(runs), "seeds": sorted(r["seed"] for r in runs)}
         for key in ("eval_mean_at_k", "ood_mean_at_k", "reward_final", "kl_k1_final",
                     "entropy_final"):
             row[key] = mean_std([r[key] for r in runs])
@@ -363,15 +411,28 @@ def stability_cell(row: dict) -> str:
     return ", ".join(parts) + f" [{', '.join(row['reasons'])}]"
 
 
-def markdown_table(rows: Sequence[dict], k: int, base: dict | None = None) -> str:
-    """The results table; ``base`` = {"eval": ..., "ood": ...} adds the base model's row."""
-    lines = [f"| regime | config | beta | seeds | in-domain mean@{k} | OOD mean@{k} | "
-             f"final KL (k1/token) | verdict |", "|---|---|---|---|---|---|---|---|"]
+def markdown_table(rows: Sequence[dict], k: int, base: dict | None = None,
+                   policy_losses: bool = False) -> str:
+    """The results table; ``base`` = {"eval": ..., "ood": ...} adds the base model's row.
+    ``policy_losses`` adds the policy loss with its clip range (clip_low / clip_high) and the
+    final training reward (mean of the last 5 steps' ``reward/mean``) as columns."""
+    lead = "| regime | policy loss (clip low/high) " if policy_losses else "| regime "
+    reward = "final train reward | " if policy_losses else ""
+    columns = 10 if policy_losses else 8
+    lines = [f"{lead}| config | beta | seeds | {reward}in-domain mean@{k} | OOD mean@{k} | "
+             f"final KL (k1/token) | verdict |", "|" + "---|" * columns]
     if base is not None:
-        lines.append(f"| - | base model | - | - | {base['eval']:.3f} | {base['ood']:.3f} | 0 | - |")
+        lines.append(f"| - | {'- | ' if policy_losses else ''}base model | - | - | "
+                     f"{'- | ' if policy_losses else ''}{base['eval']:.3f} | {base['ood']:.3f} "
+                     "| 0 | - |")
     for r in rows:
         beta = "-" if r["config"] == "none" else f"{r['beta']:g}"
-        lines.append(f"| {r['regime']} | {r['config']} | {beta} | {r['num_seeds']} | "
+        loss = r.get("policy_loss", DEFAULT_POLICY_LOSS)
+        low, high = clip_range(loss)
+        lead = (f"| {r['regime']} | {loss} ({low:g}/{high:g}) " if policy_losses
+                else f"| {r['regime']} ")
+        reward = f"{format_mean_std(r['reward_final'])} | " if policy_losses else ""
+        lines.append(f"{lead}| {r['config']} | {beta} | {r['num_seeds']} | {reward}"
                      f"{format_mean_std(r['eval_mean_at_k'])} | "
                      f"{format_mean_std(r['ood_mean_at_k'])} | "
                      f"{format_mean_std(r['kl_k1_final'], 4)} | {stability_cell(r)} |")

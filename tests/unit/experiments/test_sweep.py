@@ -4,8 +4,9 @@ import math
 import pytest
 
 from megatron_rl.config import parse_config
-from megatron_rl.experiments.sweep import (CONFIGS, SLICES, CollapseCriteria, RunSpec, StabilityCriteria,
-                                     aggregate, build_sweep, detect_collapse, detect_instability,
+from megatron_rl.experiments.sweep import (CONFIGS, POLICY_LOSS_CLIPS, SLICES, TRAINER_CLIPS,
+                                     CollapseCriteria, RunSpec, StabilityCriteria, aggregate,
+                                     build_sweep, detect_collapse, detect_instability,
                                      format_mean_std, is_complete, markdown_table, mean_curve,
                                      mean_std, moving_average, regime_flags, summarize_run,
                                      verdict)
@@ -57,11 +58,12 @@ def test_exact_slice():
 def test_reproduce_slice_options():
     """tools/reproduce.py --slice exact: the slice's configs, no toy, no async, its own markers
     and figure names; the default stays the grid (markers unchanged)."""
+    import importlib
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools"))
-    import reproduce
+    reproduce = importlib.import_module("reproduce")
 
     a = reproduce.parse_args(["--slice", "exact", "--betas", "1", "--steps", "40"])
     assert a.configs == list(SLICES["exact"]) and a.async_levels == [] and a.skip_toy
@@ -70,6 +72,71 @@ def test_reproduce_slice_options():
     g = reproduce.parse_args([])
     assert g.configs == list(SLICES["grid"]) and g.async_levels == [2] and not g.skip_toy
     assert reproduce.markers("grid") == (reproduce.BEGIN, reproduce.END) and g.figure_prefix == ""
+    assert g.policy_losses == ["ppo-clip"] and not g.by_loss and not a.by_loss
+    losses = reproduce.parse_args(["--slice", "losses", "--betas", "1", "--regimes", "on"])
+    assert losses.configs == ["k1:reward", "k3:loss"] and losses.async_levels == []
+    assert losses.policy_losses == ["ppo-clip", "gspo", "cispo"] and losses.by_loss
+    assert losses.figure_prefix == "losses_" and reproduce.markers("losses")[0].endswith(
+        "--slice losses) -->")
+
+
+def test_losses_slice_crosses_policy_losses_with_their_clips():
+    """--slice losses: K1 in reward and K3 in loss x (ppo-clip, gspo, cispo); the default loss
+    keeps its run ids and flags, the others carry the loss in the id and their clip range."""
+    specs = build_sweep(SLICES["losses"], betas=(1.0,), seeds=(1, 2, 3), regimes=("on",),
+                        policy_losses=("ppo-clip", "gspo", "cispo"))
+    assert len(specs) == 2 * 3 * 3 and len({s.run_id for s in specs}) == len(specs)
+    assert [s.run_id for s in specs[:6]] == [
+        "k1-reward_b1_s1_on", "k3-loss_b1_s1_on", "gspo_k1-reward_b1_s1_on",
+        "gspo_k3-loss_b1_s1_on", "cispo_k1-reward_b1_s1_on", "cispo_k3-loss_b1_s1_on"]
+    assert [s.seed for s in specs[:6]] == [1] * 6  # seed-major
+    ppo, gspo, cispo = specs[1], specs[3], specs[5]
+    assert ppo.train_flags() == RunSpec("k3:loss", 1.0, 1).train_flags()
+    assert not any(f.startswith(("--policy-loss", "--clip")) for f in ppo.train_flags())
+    for spec, low, high in ((ppo, *TRAINER_CLIPS), (gspo, 3e-4, 4e-4), (cispo, 1.0, 0.28)):
+        cfg = parse_config(["--hf-checkpoint", "x", "--train-data", "t.jsonl", "--save", "s",
+                            "--num-prompts-per-step", "32", *spec.train_flags()])
+        assert (cfg.loss.policy_loss, cfg.loss.clip_low, cfg.loss.clip_high) == (
+            spec.policy_loss, low, high)
+        assert (cfg.loss.kl.estimator, cfg.loss.kl.placement) == CONFIGS[spec.config]
+    # the trainer's own defaults are what TRAINER_CLIPS says ppo-clip trains with
+    cfg = parse_config(["--hf-checkpoint", "x", "--train-data", "t.jsonl", "--save", "s"])
+    assert (cfg.loss.policy_loss, cfg.loss.clip_low, cfg.loss.clip_high) == ("ppo-clip", *TRAINER_CLIPS)
+    # the default sweep is the trainer's loss only, ids unchanged
+    assert {s.policy_loss for s in build_sweep(seeds=(1,))} == {"ppo-clip"}
+    with pytest.raises(ValueError, match="--policy-loss 'reinforce'"):
+        RunSpec("k1:reward", 1.0, 1, policy_loss="reinforce")
+
+
+@pytest.mark.parametrize("loss", list(POLICY_LOSS_CLIPS))
+def test_every_policy_loss_flag_parses_in_the_trainer(loss):
+    flags = RunSpec("k1:reward", 1.0, 1, policy_loss=loss).train_flags()
+    cfg = parse_config(["--hf-checkpoint", "x", "--train-data", "t.jsonl", "--save", "s", *flags])
+    assert cfg.loss.policy_loss == loss
+
+
+def test_aggregate_and_table_by_policy_loss():
+    """Seeds are grouped per (loss, config); the loss table names each loss's clip range and the
+    final training reward; the default table is unchanged by the loss field."""
+    summaries = []
+    for loss, reward in (("cispo", 0.3), ("ppo-clip", 0.5), ("gspo", 0.4)):
+        for seed in (1, 2):
+            rows = _rows(n=10, **{"eval/mean_at_k": {10: 0.2}, "reward/mean": lambda s: reward})
+            summaries.append(summarize_run(RunSpec("k3:loss", 1.0, seed, policy_loss=loss), rows,
+                                           ood_mean_at_k=0.05))
+    table = aggregate(summaries)
+    assert [(r["policy_loss"], r["num_seeds"]) for r in table] == [
+        ("ppo-clip", 2), ("gspo", 2), ("cispo", 2)]
+    md = markdown_table(table, k=4, base={"eval": 0.16, "ood": 0.05}, policy_losses=True)
+    lines = md.splitlines()
+    assert all(line.count("|") == 11 for line in lines)
+    assert ("| on | gspo (0.0003/0.0004) | k3:loss | 1 | 2 | 0.400 ± 0.000 | 0.200 ± 0.000 | "
+            "0.050 ± 0.000 |") in md
+    assert "| on | cispo (1/0.28) | k3:loss |" in md and "| on | ppo-clip (0.2/0.2) |" in md
+    plain = markdown_table(table[:1], k=4)
+    assert plain.splitlines()[:2] == [
+        "| regime | config | beta | seeds | in-domain mean@4 | OOD mean@4 | final KL (k1/token) "
+        "| verdict |", "|---|---|---|---|---|---|---|---|"]
 
 
 def test_async_slice():
