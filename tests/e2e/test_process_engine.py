@@ -50,7 +50,8 @@ def test_process_engine_is_the_local_engine_out_of_process(tiny_char_model, tiny
     assert all(r["rollout/weight_sync_mb"] > 0 for r in proc[1:])
 
 
-@pytest.mark.parametrize("sync", ["tensor", "disk"])
+@pytest.mark.parametrize("sync", [  # disk sync into a server: test_vllm_engine.py
+    "tensor", pytest.param("disk", marks=pytest.mark.extended)])
 def test_child_serves_the_trainers_weights_after_every_step(sync, tiny_char_model, tiny_char_ref,
                                                             arithmetic_jsonl, tmp_path):
     rows = _run(tiny_char_model, tiny_char_ref, arithmetic_jsonl, str(tmp_path / sync), 3,

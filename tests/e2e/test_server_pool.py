@@ -26,7 +26,9 @@ from megatron_rl.rollout.net import http_json
 from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
 from rollout_checks import PROMPTS, TINY, TOL, make_policy, mismatch, train_step
 
-pytestmark = [pytest.mark.server, pytest.mark.slow]
+# extended: two servers of its own (a minute to start); the pool's dispatch, concurrency and
+# chunking run against real engines in tests/unit/rollout/test_pool_chunking.py
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.extended]
 
 if vllm_python() is None:
     pytest.skip("no vLLM venv (.venv-vllm or $MEGATRON_RL_VLLM_PYTHON): run "

@@ -436,6 +436,7 @@ def test_interrupt_while_a_background_generate_hangs_exits_at_once(arithmetic_js
 
 
 @pytest.mark.server
+@pytest.mark.extended  # the engine launching its server: test_vllm_engine.py's fixture
 def test_trainer_launches_a_vllm_server_that_serves_current_weights(arithmetic_jsonl, tmp_path,
                                                                     served_models):
     """_server_engine_run with the server the trainer starts itself (no --rollout-url), under
@@ -598,7 +599,9 @@ def test_bf16_run_saves_and_resumes_exactly(tiny_char_model, tiny_char_ref, arit
 @pytest.mark.parametrize("kl", [
     ["--kl-estimator", "k3", "--kl-placement", "reward+loss", "--kl-off-policy-correction",
      "seq-is", "--ppo-minibatches", "2", "--old-logprobs", "recompute"],
-    ["--kl-estimator", "exact", "--kl-placement", "reward+loss", "--kl-reward-to-go"],
+    # the exact KL packed against padded at every layout, loss level: test_parallel_equivalence
+    pytest.param(["--kl-estimator", "exact", "--kl-placement", "reward+loss", "--kl-reward-to-go"],
+                 marks=pytest.mark.extended),
 ], ids=["k3-seq-is-minibatches", "exact-reward-to-go"])
 def test_packed_fused_training_equals_padded_logits_training(tiny_char_model, tiny_char_ref,
                                                              arithmetic_jsonl, tmp_path, kl):
@@ -624,8 +627,8 @@ def test_packed_fused_training_equals_padded_logits_training(tiny_char_model, ti
             assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(b[k])), (a["step"], k, a[k], b[k])
 
 
-@pytest.mark.parametrize("engine, replay", [("local", False), ("local", True),
-                                            ("process", True)])
+@pytest.mark.parametrize("engine, replay", [  # the MoE without replay: test_expert_parallel.py
+    pytest.param("local", False, marks=pytest.mark.extended), ("local", True), ("process", True)])
 def test_qwen3_moe_policy_trains_end_to_end(engine, replay, tiny_moe_models, arithmetic_jsonl,
                                            tmp_path):
     """A Qwen3-MoE policy (megatron-core's MoE layers, a softmax top-2 router) trains with the
