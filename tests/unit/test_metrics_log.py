@@ -7,14 +7,24 @@ import glob
 import json
 import os
 import sys
+import time
 
 import pytest
 
 from megatron_rl.metrics_log import LoggingConfig, MetricsLogger
 
 
+def _next_second() -> None:
+    """Waits for the next whole second. TensorBoard reads a directory's event files in name
+    order, and a name is the start's whole-second time, then a per-process counter compared as
+    text ("10" before "9"): two starts in one second of one process (only a test does that)
+    could be read in the wrong order."""
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)
+
+
 def _attempt(save: str, start_step: int, end_step: int, value: float) -> None:
     """One run's attempt: logs steps start_step + 1 .. end_step, then stops (killed)."""
+    _next_second()
     logger = MetricsLogger(save, enabled=True, start_step=start_step)
     for step in range(start_step + 1, end_step + 1):
         logger.log(step, {"loss": value + step})
@@ -128,6 +138,7 @@ def wandb_attempts(tmp_path_factory):
             mp.setenv(k, v)
         cfg = LoggingConfig(wandb_project="megatron-rl-test", wandb_exp_name="tiny")
         for start, end, value in ((0, 4, 100.0), (2, 5, 200.0), (5, 6, 300.0)):
+            _next_second()
             logger = MetricsLogger(save, enabled=True, start_step=start, wandb_cfg=cfg,
                                    config={"train_iters": 6, "seed": 1234})
             for step in range(start + 1, end + 1):
