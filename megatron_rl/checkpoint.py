@@ -34,6 +34,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -162,6 +163,7 @@ def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
     """
     from megatron.core import dist_checkpointing
 
+    _write_results_in_process()
     final = os.path.join(root, iter_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + iter_dir_name(step))
 
@@ -205,6 +207,22 @@ def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
     dist_barrier()
     run_on_rank(0, publish, f"publishing checkpoint {final}")
     return final
+
+
+def _write_results_in_process() -> None:
+    """Give megatron's checkpoint writer a thread queue for its write results.
+
+    FileSystemWriterAsync hands each save's write results (file names, offsets) from its write
+    function to its finalisation through a queue it creates at the first save: a
+    multiprocessing Manager's, a spawned server process that imports the saving process's
+    __main__ and torch to unpickle them (~3 s of CPU on the first save's path and ~300 MB, per
+    rank and process) and is never stopped. The saves here are synchronous
+    (dist_checkpointing.save without async_sharded_save): the results are put and taken in this
+    process, so a queue.Queue carries them and no helper process exists."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _raise_if_disk_full(error: BaseException, path: str) -> None:

@@ -7,15 +7,13 @@ The training loop (train.py) receives a Run and calls the collaborators themselv
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-import multiprocessing.managers
 import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl import checkpoint, config_changes, processes
+from megatron_rl import checkpoint, config_changes
 from megatron_rl.config import TrainConfig, to_flat_dict
 from megatron_rl.metrics_log import MetricsLogger
 from megatron_rl.rollout.base import RolloutEngine, SamplingParams
@@ -87,7 +85,6 @@ class Run:
     def save(self, step: int, data_state: dict | None = None) -> None:
         """Checkpoint `step` (collective); `data_state`: the data position to resume from
         (default: the current one)."""
-        _start_checkpoint_helper()
         checkpoint.save_run(self.cfg.checkpoint.save, step, self.policy,
                             data_state or self.train_data.state_dict(),
                             self.engine.weight_version,
@@ -95,45 +92,10 @@ class Run:
                             config=config_changes.flat_config(self.cfg))
 
     def close(self) -> None:
-        """Stop the engine, the scorer's workers, megatron's checkpoint helper and the logger."""
+        """Stop the engine, the scorer's workers and the logger."""
         self.engine.shutdown()
         self.scorer.close()
-        _stop_checkpoint_helper()
         self.logger.close()
-
-
-_checkpoint_helper: multiprocessing.managers.SyncManager | None = None
-
-
-def _start_checkpoint_helper() -> None:
-    """Start the helper process of megatron's checkpoint writer before megatron does: its
-    FileSystemWriterAsync collects write results in a queue served by a multiprocessing Manager
-    (a spawned process importing the trainer's modules, ~270 MB, and the resource tracker with
-    it), which megatron starts at the first save and never stops. Started here, it imports
-    none of the trainer's modules (processes.spawn_without_main), dies with the thread that
-    started it (PR_SET_PDEATHSIG: SIGKILL of the trainer included) and Run.close stops it."""
-    global _checkpoint_helper
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if _checkpoint_helper is not None or filesystem_async._results_queue is not None:
-        return
-    manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-    with processes.spawn_without_main():
-        manager.start(processes.init_quiet_helper, (os.getpid(),))
-    filesystem_async._results_queue = manager.Queue()
-    _checkpoint_helper = manager
-
-
-def _stop_checkpoint_helper() -> None:
-    """Stop the helper started by _start_checkpoint_helper (none: nothing to do)."""
-    global _checkpoint_helper
-    if _checkpoint_helper is None:
-        return
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    filesystem_async._results_queue = None
-    manager, _checkpoint_helper = _checkpoint_helper, None
-    manager.shutdown()
 
 
 def setup_run(cfg: TrainConfig) -> Run:
