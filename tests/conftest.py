@@ -49,6 +49,44 @@ def pytest_configure(config):
                             "kind, so that each shared server starts once")
 
 
+# Session fixtures that run a trainer or start a server: under pytest-xdist the tests that use
+# one run in one worker, so that it runs once (each worker builds its own session fixtures).
+EXPENSIVE_SESSION_FIXTURES = ("tp1_metrics", "uninterrupted_run")
+
+
+def xdist_groups(items) -> dict[str, str]:
+    """{nodeid: group} for `--dist loadgroup` (README's test command: `-n 2`): tests that share
+    an expensive fixture run in one worker, one after another. Linked are the tests of a module
+    that has a module- or class-scoped fixture, the users of each EXPENSIVE_SESSION_FIXTURES
+    and the users of each kind of shared server; linked tests form one group (transitively).
+    Every other test is scheduled on its own."""
+    parent: dict[str, str] = {}
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    keys_of = {}
+    for item in items:
+        keys = set()
+        info = getattr(item, "_fixtureinfo", None)
+        for name in item.fixturenames:
+            defs = info.name2fixturedefs.get(name) if info is not None else None
+            if defs and defs[-1].scope in ("module", "class", "package"):
+                keys.add("module:" + item.nodeid.split("::")[0])
+            if name in EXPENSIVE_SESSION_FIXTURES:
+                keys.add("fixture:" + name)
+        kind = shared_server_kind(item)
+        if kind is not None:
+            keys.add("server:" + kind)
+        keys_of[item.nodeid] = sorted(keys)
+        for a, b in zip(keys_of[item.nodeid], keys_of[item.nodeid][1:]):
+            parent[find(b)] = find(a)
+    return {nodeid: find(keys[0]) for nodeid, keys in keys_of.items() if keys}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--extended"):
         extended = [item for item in items if item.get_closest_marker("extended")]
@@ -58,6 +96,10 @@ def pytest_collection_modifyitems(config, items):
     # the tests of each shared server together, after all others (stable otherwise)
     order = {None: 0, "vllm": 1, "sglang": 2}
     items.sort(key=lambda item: order[shared_server_kind(item)])
+    groups = xdist_groups(items)
+    for item in items:
+        if item.nodeid in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     faults = fault_test_ids()
     for item in items:
         if item.nodeid.split("[")[0] in faults:
