@@ -56,10 +56,13 @@ EXPENSIVE_SESSION_FIXTURES = ("tp1_metrics", "uninterrupted_run")
 
 def xdist_groups(items) -> dict[str, str]:
     """{nodeid: group} for `--dist loadgroup` (README's test command: `-n 2`): tests that share
-    an expensive fixture run in one worker, one after another. Linked are the tests of a module
-    that has a module- or class-scoped fixture, the users of each EXPENSIVE_SESSION_FIXTURES
-    and the users of each kind of shared server; linked tests form one group (transitively).
-    Every other test is scheduled on its own."""
+    an expensive fixture, or must not overlap, run in one worker, one after another. Linked are
+    the tests of a module that has a module- or class-scoped fixture; the users of each
+    EXPENSIVE_SESSION_FIXTURES; every `server` test (one vLLM or SGLang server at a time: two
+    SGLang servers at once get one OOM-killed on 24 GiB, and the shared ones start once); the
+    agent tests (tests/unit/agent: the sandbox tests count the sandbox user's processes on the
+    host, which another worker's tool calls would add to). Linked tests form one group
+    (transitively); every other test is scheduled on its own."""
     parent: dict[str, str] = {}
 
     def find(key: str) -> str:
@@ -77,9 +80,10 @@ def xdist_groups(items) -> dict[str, str]:
                 keys.add("module:" + item.nodeid.split("::")[0])
             if name in EXPENSIVE_SESSION_FIXTURES:
                 keys.add("fixture:" + name)
-        kind = shared_server_kind(item)
-        if kind is not None:
-            keys.add("server:" + kind)
+        if "server" in item.keywords or shared_server_kind(item) is not None:
+            keys.add("servers")
+        if item.nodeid.startswith("tests/unit/agent/"):
+            keys.add("sandbox")
         keys_of[item.nodeid] = sorted(keys)
         for a, b in zip(keys_of[item.nodeid], keys_of[item.nodeid][1:]):
             parent[find(b)] = find(a)
