@@ -22,4 +22,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # a private temporary root: pytest prunes old /tmp/pytest-of-$USER runs, which would delete the
 # session fixtures of a concurrent test run
 basetemp=$(mktemp -d -t megatron-rl-tests-XXXXXX)
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$basetemp" "$@" tests
+# two workers (pytest-xdist; `-n 0` among the arguments runs in one process): the tests that
+# share a server, a sandbox or an expensive fixture stay together in one (tests/conftest.py)
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${MEGATRON_RL_TEST_WORKERS:-2}" \
+  --dist loadgroup --basetemp="$basetemp" "$@" tests

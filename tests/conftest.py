@@ -8,8 +8,11 @@ real vLLM / SGLang server processes from their own venvs; skipped with a reason 
 synchronisations of hot loops against budgets, megatron_rl.hostsync;
 runs by default).
 """
+import contextlib
+import json
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        fd, path = tempfile.mkstemp(prefix="megatron-rl-xdist-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[GROUPS_FILE_ENV] = path  # the workers inherit it
     config.addinivalue_line("markers", "distributed: multi-process test over torch.distributed (gloo)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when none is present")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
@@ -90,7 +97,46 @@ def xdist_groups(items) -> dict[str, str]:
     return {nodeid: find(keys[0]) for nodeid, keys in keys_of.items() if keys}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+# Under pytest-xdist the workers collect the tests (with their fixtures' scopes) and the
+# controller schedules them by nodeid: each worker writes xdist_groups() to the file this names
+# (the controller makes it before the workers start), and GroupScheduling reads it.
+GROUPS_FILE_ENV = "MEGATRON_RL_XDIST_GROUPS"
+
+
+def _write_groups(path: str, groups: dict[str, str]) -> None:
+    tmp = f"{path}.{os.environ['PYTEST_XDIST_WORKER']}"
+    with open(tmp, "w") as f:
+        json.dump(groups, f)
+    os.replace(tmp, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` with the groups of xdist_groups(): each group is one work unit, sent
+    whole to one worker (xdist's own loadgroup reads `xdist_group` marks through an item
+    attribute that pytest 9 no longer has)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                with open(os.environ[GROUPS_FILE_ENV]) as f:
+                    self.groups = json.load(f)
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and os.environ.get(GROUPS_FILE_ENV):
+        with contextlib.suppress(OSError):
+            os.unlink(os.environ.pop(GROUPS_FILE_ENV))
+
+
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--extended"):
         extended = [item for item in items if item.get_closest_marker("extended")]
@@ -100,10 +146,8 @@ def pytest_collection_modifyitems(config, items):
     # the tests of each shared server together, after all others (stable otherwise)
     order = {None: 0, "vllm": 1, "sglang": 2}
     items.sort(key=lambda item: order[shared_server_kind(item)])
-    groups = xdist_groups(items)
-    for item in items:
-        if item.nodeid in groups:
-            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(GROUPS_FILE_ENV):
+        _write_groups(os.environ[GROUPS_FILE_ENV], xdist_groups(items))
     faults = fault_test_ids()
     for item in items:
         if item.nodeid.split("[")[0] in faults:
@@ -228,8 +272,10 @@ class SharedServers:
         if sglang_python() is None:
             pytest.skip("no sglang environment: run scripts/install_sglang_cpu.sh")
         if self._sglang is None:
+            # a KV pool of 16k tokens: sized by the free memory, SGLang-CPU takes ~13 GB
             engine = SGLangEngine(self.model, SGLangConfig(
                 work_dir=str(self.root / "sglang"), dtype="float32", context_length=256,
+                max_total_tokens=16384,
                 max_restarts=1))
             self._sglang = (engine, engine)
         else:

@@ -160,7 +160,7 @@ def test_sglang_serves_moe_export_with_routed_experts(sglang_moe, tmp_path):
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(UNPINNED_HOST_ALLOC)
     cfg = SGLangConfig(work_dir=str(tmp_path / "work"), dtype="float32", context_length=256,
-                       max_restarts=0, routed_experts=True)
+                       max_restarts=0, routed_experts=True, max_total_tokens=16384)
     engine = SGLangEngine(sglang_moe, cfg, start=False)
     assert engine.server is not None
     engine.server.env["PYTHONPATH"] = os.pathsep.join(
