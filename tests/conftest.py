@@ -56,8 +56,8 @@ def pytest_configure(config):
                             "kind, so that each shared server starts once")
 
 
-# Session fixtures that run a trainer or start a server: under pytest-xdist the tests that use
-# one run in one worker, so that it runs once (each worker builds its own session fixtures).
+# Session fixtures that run a trainer: under pytest-xdist the tests that use one run in one
+# worker, so that it runs once (each worker builds its own session fixtures).
 EXPENSIVE_SESSION_FIXTURES = ("tp1_metrics", "uninterrupted_run")
 
 

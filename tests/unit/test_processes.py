@@ -16,16 +16,11 @@ from megatron_rl.models.policy import Policy
 from megatron_rl.parallel import ParallelConfig, init_distributed
 
 
-def children():
-    pid = str(os.getpid())
+def children():  # this process's child processes, started from any of its threads
     found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[1] == pid:
-                    found.append(entry)
-        except (OSError, IndexError):
-            pass
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            found += f.read().split()
     return found
 
 
