@@ -123,6 +123,7 @@ def _layout_worker(path: str, out: str, layout: str) -> None:
     loss = torch.tensor([float(sum(float(m["loss"]) for m in metrics))])
     dist.all_reduce(loss)  # the last stage's TP ranks each hold their DP share's loss
     grads = policy.full_grads(dst=0)
+    state = policy.full_state_dict(dst=0) if ep > 1 else None
     kv_error = None
     if ep == 1 and pp == 1:  # this rank's rows (all of them: TP2 has one replica)
         from megatron_rl.models.decode import KVDecoder
@@ -136,7 +137,7 @@ def _layout_worker(path: str, out: str, layout: str) -> None:
     replayed = _replayed_loss(policy, mine, loss_fn, for_scoring=True)
     dist.all_reduce(replayed)
     if dist.get_rank() == 0:
-        torch.save({"loss": float(loss) / tp, "grads": grads, "kv_error": kv_error,
+        torch.save({"loss": float(loss) / tp, "grads": grads, "kv_error": kv_error, "state": state,
                     "replayed_loss": float(replayed) / tp}, os.path.join(out, f"{layout}.pt"))
     destroy_distributed()
 
@@ -239,7 +240,10 @@ def single_process(moe_ckpt, tmp_path_factory, torchrun):
     return torch.load(os.path.join(out, "ep1.pt"))
 
 
+# EP2 against one process (loss, every gradient, the replayed routes, the export): the TP2 x EP2
+# layout below; EP2 ranks with unequal data: the next test
 @pytest.mark.distributed
+@pytest.mark.extended
 def test_ep2_matches_a_single_process(moe_ckpt, single_process, tmp_path, torchrun):
     worker = ["--ckpt", moe_ckpt, "--out", str(tmp_path)]
     torchrun(2, [os.path.abspath(__file__), *worker, "--ep", "2"], timeout=120)
@@ -337,7 +341,7 @@ def test_tp_pp_and_ep_layouts_match_a_single_process(moe_ckpt, single_process, t
     whose experts are split over the pair) and PP2 (2 ranks, sparse and dense layers on
     different stages) give one process's loss and gradients, and its loss when replaying given
     routes; at TP2 the KV-cached decoder through the TP-split experts gives megatron-core's
-    logits."""
+    logits; the weights loaded with the experts split export to exactly the checkpoint's."""
     tp, pp, ep = LAYOUTS[layout]
     worker = ["--ckpt", moe_ckpt, "--out", str(tmp_path)]
     torchrun(tp * pp * ep, [os.path.abspath(__file__), *worker, "--ep", "1", "--layout", layout],
@@ -354,6 +358,12 @@ def test_tp_pp_and_ep_layouts_match_a_single_process(moe_ckpt, single_process, t
                                    msg=lambda m: f"{k}: {m}")
     if got["kv_error"] is not None:
         assert got["kv_error"] < 1e-5
+    if got["state"] is not None:  # the weights loaded with experts split export to exactly the HF's
+        hf = hf_mapping.load_hf_state_dict(moe_ckpt)
+        exported = hf_mapping.megatron_to_hf(got["state"], ModelArgs.from_pretrained(moe_ckpt))
+        assert set(exported) == set(hf)
+        for k, t in hf.items():
+            assert torch.equal(exported[k], t), k
 
 
 if __name__ == "__main__":

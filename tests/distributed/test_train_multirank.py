@@ -21,6 +21,9 @@ import torch
 
 pytestmark = pytest.mark.distributed
 
+# DP2's save from both ranks and its resume: test_preemption_multirank.py; TP2's across two nodes:
+# test_multinode_launch.py; a sharded checkpoint exported to HF: test_parallel_equivalence.py
+@pytest.mark.extended
 def test_two_rank_train_runs_two_steps_and_saves(char_model, char_ref, arithmetic_jsonl,
                                                  tmp_path, torchrun, export_hf):
     from megatron_rl.models import hf_mapping
