@@ -30,12 +30,17 @@ def _inputs(n, h, v, dtype, seed=0, scale=1.0):
     return hidden, weight, targets, ref_lp, ref_hidden, ref_weight, coefs
 
 
-def _fused(backend, chunk=None):
+def _fused(backend, chunk=None, vocab_block=None):
+    """The fused head; with `chunk`, `chunk` tokens at a time over vocabulary blocks of
+    `vocab_block` rows (default chunk + 4)."""
+    if chunk is not None and vocab_block is None:
+        vocab_block = chunk + 4
+
     def fn(hidden, weight, targets, ref_lp, ref_hidden, ref_weight):
         o = lm_head_logprobs_and_kl(hidden, weight, targets, ref_logprobs=ref_lp,
                                     return_entropy=True, backend=backend, ref_hidden=ref_hidden,
                                     ref_weight=ref_weight, chunk_tokens=chunk,
-                                    vocab_block=None if chunk is None else chunk + 4)
+                                    vocab_block=vocab_block)
         return o.logprobs, o.log_ratio, o.k3, o.entropy, o.exact_kl
     return fn
 
@@ -114,10 +119,10 @@ def test_low_precision_error_at_most_twice_the_logits_path(backend, dtype):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_qwen_vocabulary_151936(backend):
-    """A Qwen2.5-sized vocabulary (V = 151936) in a few chunks: values and gradients in fp32
-    against the fp64 oracle."""
+    """A Qwen2.5-sized vocabulary (V = 151936) in a few chunks (two of tokens, four of the
+    vocabulary, the last one partial): values and gradients in fp32 against the fp64 oracle."""
     args = _inputs(6, 16, 151936, torch.float32, seed=2)
-    outs, gh, gw = _run(_fused(backend, 4), *args)
+    outs, gh, gw = _run(_fused(backend, 4, vocab_block=40000), *args)
     ref_outs, ref_gh, ref_gw = _run(_oracle, *args)
     close = lambda a, b: torch.testing.assert_close(  # noqa: E731
         a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
