@@ -236,12 +236,15 @@ def main(argv=None) -> None:
     else:
         megatron_to_hf(a.load, a.save, tp, pp, a.dtype, a.overwrite)
         msg = f"wrote HF checkpoint {a.save}"
-    from megatron_rl.parallel import destroy_distributed
     import torch.distributed as dist
+
+    from megatron_rl.parallel import destroy_distributed
+    from megatron_rl.processes import skip_exit_collection
 
     if dist.get_rank() == 0:
         print(msg)
     destroy_distributed()
+    skip_exit_collection()
 
 
 if __name__ == "__main__":

@@ -146,6 +146,7 @@ def main(argv=None) -> None:
     from megatron_rl.models import ModelArgs
     from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.processes import skip_exit_collection
     from megatron_rl.rewards import RewardScorer
     from megatron_rl.rollout.base import check_sampling
     from megatron_rl.rollout.local import LocalEngine
@@ -263,3 +264,4 @@ def main(argv=None) -> None:
                 json.dump({"per_seed": all_seeds, "mean": merged, "k": a.samples,
                            "seeds": a.seeds, "rollout": rollout_counts}, f, indent=2)
     destroy_distributed()
+    skip_exit_collection()

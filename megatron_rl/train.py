@@ -113,14 +113,17 @@ def main(argv=None) -> None:
     """Train; exit 0 at --train-iters, EXIT_RESUMABLE (75) when stopped early and saved."""
     cfg = parse_config(argv)
     from megatron_rl.parallel import destroy_distributed
+    from megatron_rl.processes import skip_exit_collection
 
     try:
         train(cfg)
     except StoppedEarly as e:
         print(f"[megatron-rl] {e}", file=sys.stderr, flush=True)
         destroy_distributed()
+        skip_exit_collection()
         sys.exit(EXIT_RESUMABLE)
     destroy_distributed()
+    skip_exit_collection()
 
 
 if __name__ == "__main__":

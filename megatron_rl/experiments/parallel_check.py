@@ -284,6 +284,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     import torch.distributed as dist
 
+    from megatron_rl.processes import skip_exit_collection
+
     for layout in a.layouts.split(","):
         tp, pp = (int(x) for x in layout.lower().split("x"))
         configs = RL_CONFIGS if a.rl_configs == "all" else [c for c in a.rl_configs.split(",") if c]
@@ -291,6 +293,7 @@ def main(argv=None) -> None:
                    load=a.load, rl_configs=configs, generate=a.generate, packed=a.packed)
     if dist.is_initialized():
         dist.destroy_process_group()
+    skip_exit_collection()
 
 
 if __name__ == "__main__":

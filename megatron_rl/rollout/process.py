@@ -42,7 +42,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from megatron_rl.parallel import deterministic_env, dist_rank, run_on_rank
-from megatron_rl.processes import set_parent_death_signal
+from megatron_rl.processes import set_parent_death_signal, skip_exit_collection
 from megatron_rl.rollout.base import Completion, EngineConfig, SamplingParams, ServerError
 from megatron_rl.rollout.child_env import inference_env
 from megatron_rl.rollout.shm_weights import read_bucket
@@ -275,9 +275,11 @@ def _serve(conn, config: ProcessConfig) -> None:
         try:
             msg = conn.recv()
         except EOFError:  # the trainer is gone
+            skip_exit_collection()
             return
         op = msg[0]
         if op == "stop":
+            skip_exit_collection()  # the trainer waits for this process to end
             return
         try:
             if op == "generate":

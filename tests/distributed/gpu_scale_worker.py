@@ -208,3 +208,6 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     main()
+    from megatron_rl.processes import skip_exit_collection
+
+    skip_exit_collection()  # the heap is the imports': no shutdown collection over it

@@ -89,3 +89,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from megatron_rl.processes import skip_exit_collection
+
+    skip_exit_collection()  # the heap is the imports': no shutdown collection over it

@@ -384,3 +384,6 @@ if __name__ == "__main__":
         _uneven_worker(cli.ckpt, cli.out, cli.ep)
     else:
         _worker(cli.ckpt, cli.out, cli.ep)
+    from megatron_rl.processes import skip_exit_collection
+
+    skip_exit_collection()  # the heap is the imports': no shutdown collection over it

@@ -190,3 +190,6 @@ if __name__ == "__main__":
     p.add_argument("--ckpt", action="append", required=True, help="LAYOUT=DIR, in launch order")
     a = p.parse_args()
     _worker(a.out, dict(c.split("=", 1) for c in a.ckpt))
+    from megatron_rl.processes import skip_exit_collection
+
+    skip_exit_collection()  # the heap is the imports': no shutdown collection over it

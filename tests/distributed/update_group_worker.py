@@ -61,3 +61,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    from megatron_rl.processes import skip_exit_collection
+
+    skip_exit_collection()  # the heap is the imports': no shutdown collection over it

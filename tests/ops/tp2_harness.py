@@ -35,6 +35,7 @@ def _worker(rank, case, backends, init_method, result_file):
     import torch.distributed as dist
 
     from megatron_rl.parallel import destroy_distributed
+    from megatron_rl.processes import skip_exit_collection
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
@@ -55,3 +56,4 @@ def _worker(rank, case, backends, init_method, result_file):
             torch.save(results, result_file)
     finally:
         destroy_distributed()  # a barrier first: see its docstring
+    skip_exit_collection()  # the heap is the imports': no shutdown collection over it

@@ -404,3 +404,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True)
     cli = parser.parse_args()
     _tp_worker(cli.ckpt, cli.out)
+    from megatron_rl.processes import skip_exit_collection
+
+    skip_exit_collection()  # the heap is the imports': no shutdown collection over it

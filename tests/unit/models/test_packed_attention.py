@@ -318,3 +318,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="TP worker of test_packed_tp2_... (torchrun)")
     parser.add_argument("--out", required=True)
     _tp_worker(parser.parse_args().out)
+    from megatron_rl.processes import skip_exit_collection
+
+    skip_exit_collection()  # the heap is the imports': no shutdown collection over it
