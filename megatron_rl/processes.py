@@ -23,8 +23,8 @@ def skip_exit_collection() -> None:
     keep the interpreter's shutdown from walking the whole heap.
 
     At exit CPython runs full garbage collections over every object still alive, and the
-    imports alone (torch, megatron-core, transformers) made millions: ~1.5 s of CPU per process
-    on a 2-core machine, paid again by every rank of every launch. gc.freeze() moves them out of
+    imports alone (torch, megatron-core, transformers) made millions: ~1.2 s per process on a
+    2-core machine (tools/bench_exit.py), paid again by every rank of every launch. gc.freeze() moves them out of
     those collections. Nothing else changes: atexit handlers run, reachable objects are released
     as usual; only unreachable reference cycles are left to the OS with the rest of the memory."""
     gc.freeze()

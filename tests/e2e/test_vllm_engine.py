@@ -68,7 +68,6 @@ def mismatch(engine, completions, prompts=PROMPTS):
     return _mismatch(engine.policy, completions, prompts)
 
 
-
 def test_generate_shapes_and_finish_reasons(engines):
     engine = engines["untied"]
     out = engine.generate(PROMPTS, n=3, params=SamplingParams(max_new_tokens=7, seed=1))
