@@ -18,7 +18,9 @@ in one layout, and the packed and padded paths give the same numbers up to float
 
 Across data-parallel ranks, whole groups (the samples of one prompt, which share a baseline) are
 dealt by token count (`balance_groups`: longest-processing-time first), so that no rank waits
-on another's long tail.
+on another's long tail. They are dealt one PPO minibatch at a time (`rank_groups`): minibatch k
+is the k-th block of the batch's groups in every layout, so the data-parallel size and packing
+decide which rank computes a group, never which optimizer step it belongs to.
 """
 from __future__ import annotations
 
@@ -51,6 +53,35 @@ def balance_groups(group_tokens: Sequence[int], num_parts: int) -> list[list[int
         if len(parts[p]) < cap:  # a full part takes no more groups
             heapq.heappush(heap, (load + group_tokens[g], p))
     return [sorted(p) for p in parts]
+
+
+def rank_groups(group_tokens: Sequence[int], num_ranks: int, rank: int, num_minibatches: int,
+                balance: bool) -> list[int]:
+    """Indices of the groups data-parallel rank `rank` of `num_ranks` trains on, in the order
+    its PPO minibatches take them: its share of minibatch 0, then of minibatch 1, ...
+
+    PPO minibatch k is the groups [k n/M, (k+1) n/M) of the batch's n groups (M =
+    `num_minibatches`) whatever the layout: the same sequences share an optimizer step at any
+    data-parallel size, packed or not, so a resume onto another layout continues the same
+    updates (their loss normalisers count the minibatch over all ranks: the same too). Each
+    block is dealt over the ranks on its own: balanced by token count (`balance`:
+    balance_groups, since a minibatch's forward-backward ends in a collective), else every
+    num_ranks-th group. n must be a multiple of M x num_ranks (TrainConfig.check_layout), so
+    every rank's share of every minibatch has n / (M num_ranks) groups and the trainer's k-th
+    equal slice of a rank's groups is its share of minibatch k."""
+    n = len(group_tokens)
+    if n % (num_minibatches * num_ranks):
+        raise ValueError(f"{n} groups do not split into {num_minibatches} minibatches of equal "
+                         f"shares on {num_ranks} data-parallel ranks")
+    block = n // num_minibatches
+    mine: list[int] = []
+    for start in range(0, n, block):
+        if balance:
+            share = balance_groups(group_tokens[start:start + block], num_ranks)[rank]
+        else:
+            share = list(range(block))[rank::num_ranks]
+        mine += [start + g for g in share]
+    return mine
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

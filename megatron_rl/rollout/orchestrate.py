@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from megatron_rl import metrics as global_metrics
 from megatron_rl.batch import RolloutBatch, pack_rollouts
-from megatron_rl.packing import balance_groups
+from megatron_rl.packing import rank_groups
 from megatron_rl.parallel import data_parallel_group, device, dist_rank
 from megatron_rl.rewards.types import REASONS
 from megatron_rl.rollout.base import on_client
@@ -414,14 +414,14 @@ def _reward_errors(groups: list[list[Trajectory]]) -> dict[str, int]:
 
 
 def _deal_groups(run: Run, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-    """This data-parallel rank's groups of the whole batch: with --sequence-packing dealt by
-    token count (packing.balance_groups), so that no rank trains on a long tail the others
-    wait for; else every dp_size-th group."""
-    if run.cfg.algorithm.sequence_packing:
-        tokens = [sum(len(t.prompt_ids) + len(t.response_ids) for t in g) for g in groups]
-        mine = balance_groups(tokens, run.dp_size)[run.dp_rank]
-    else:
-        mine = list(range(len(groups)))[run.dp_rank::run.dp_size]
+    """This data-parallel rank's groups of the whole batch, minibatch by minibatch
+    (packing.rank_groups: PPO minibatch k is the k-th block of groups at any layout): with
+    --sequence-packing dealt by token count, so that no rank trains on a long tail the others
+    wait for; else every dp_size-th group (without packing the in-process engine rolls out
+    just these: every dp_size-th record)."""
+    tokens = [sum(len(t.prompt_ids) + len(t.response_ids) for t in g) for g in groups]
+    mine = rank_groups(tokens, run.dp_size, run.dp_rank, run.cfg.algorithm.ppo_minibatches,
+                       balance=run.cfg.algorithm.sequence_packing)
     return [groups[i] for i in mine]
 
 

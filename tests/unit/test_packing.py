@@ -78,3 +78,55 @@ def test_equal_shapes_and_layout():
     assert len(Layout(packed=False, micro_batch_size=2).microbatches(tokens, lengths)) == 3
     with pytest.raises(ValueError, match="max-tokens-per-microbatch"):
         Layout(packed=True, max_tokens=10).microbatches(tokens, lengths)
+
+
+def _minibatches_over_ranks(num_groups, tokens, dp_size, packing, num_minibatches):
+    """The PPO minibatches of one batch, as sets of group indices over all data-parallel ranks:
+    each rank's groups as the orchestrator deals them (_deal_groups), cut into equal slices as
+    update.train_on_batch cuts a rank's rows."""
+    from types import SimpleNamespace
+
+    from megatron_rl.rollout.orchestrate import _deal_groups
+
+    groups = [[SimpleNamespace(group=g, prompt_ids=[0] * 3, response_ids=[0] * tokens[g])]
+              for g in range(num_groups)]
+    cfg = SimpleNamespace(algorithm=SimpleNamespace(sequence_packing=packing,
+                                                    ppo_minibatches=num_minibatches))
+    minibatches = [set() for _ in range(num_minibatches)]
+    for rank in range(dp_size):
+        mine = _deal_groups(SimpleNamespace(cfg=cfg, dp_size=dp_size, dp_rank=rank), groups)
+        per_mb = len(mine) // num_minibatches
+        for k in range(num_minibatches):
+            minibatches[k] |= {g[0].group for g in mine[k * per_mb:(k + 1) * per_mb]}
+    return minibatches
+
+
+@pytest.mark.parametrize("num_minibatches", [2, 4])
+def test_a_ppo_minibatch_holds_the_same_groups_at_every_data_parallel_size_and_packing(
+        num_minibatches):
+    """Which sequences share an optimizer step is the run's, not its layout's: a resume onto
+    another node count (DP2 -> DP4) or with packing switched continues the same updates."""
+    g = torch.Generator().manual_seed(0)
+    n = 16
+    block = n // num_minibatches
+    expected = [set(range(k * block, (k + 1) * block)) for k in range(num_minibatches)]
+    for _ in range(200):  # random response lengths: the packed dealing follows them
+        tokens = torch.randint(1, 400, (n,), generator=g).tolist()
+        for dp_size in (1, 2, 4):
+            for packing in (False, True):
+                got = _minibatches_over_ranks(n, tokens, dp_size, packing, num_minibatches)
+                assert got == expected, (dp_size, packing, tokens)
+
+
+def test_packed_dealing_balances_each_minibatch_over_the_ranks():
+    from megatron_rl.packing import rank_groups
+
+    tokens = [900, 30, 800, 40, 50, 1000, 70, 950]  # two minibatches of 4 groups
+    shares = [rank_groups(tokens, 2, r, 2, balance=True) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(8))
+    for k in range(2):
+        loads = [sum(tokens[g] for g in s[2 * k:2 * k + 2]) for s in shares]
+        assert max(loads) - min(loads) <= 100, (k, loads)
+    assert rank_groups(tokens, 2, 1, 2, balance=False) == [1, 3, 5, 7]
+    with pytest.raises(ValueError, match="do not split"):
+        rank_groups(tokens, 3, 0, 2, balance=True)
