@@ -503,22 +503,24 @@ def _score(ctx: RolloutContext, records: Sequence[PromptRecord], episodes: list[
 def _generate(engine, contexts: list[list[int]], n: int, params, max_tokens: int
               ) -> list[Completion]:
     """n completions of each context, flat, none of them past `max_tokens` tokens with its
-    context: contexts with room for --max-new-tokens in one generate call, those nearer the
-    limit in a second one with the smallest room among them (a turn with no room at all gets
-    an empty completion, ended as "length")."""
-    from megatron_rl.rollout.base import Completion
+    context: the contexts with room for --max-new-tokens in one generate call, and those nearer
+    the limit in one call per room, each with its own room as max_new_tokens, so that an
+    episode near the limit never cuts another's turn (a turn with no room at all gets an empty
+    completion, ended as "length"). Each call is seeded as its first context would be in one
+    call of all of them (base.prompt_seed), so no two calls of a turn share a seed."""
+    from megatron_rl.rollout.base import Completion, prompt_seed
 
     rooms = [max_tokens - len(c) for c in contexts]
-    full = [i for i, r in enumerate(rooms) if r >= params.max_new_tokens]
-    near = [i for i, r in enumerate(rooms) if 0 < r < params.max_new_tokens]
+    calls: dict[int, list[int]] = {}  # max_new_tokens -> the contexts generated with it
+    for i, room in enumerate(rooms):
+        if room > 0:
+            calls.setdefault(min(room, params.max_new_tokens), []).append(i)
     out: list[list[Completion]] = [[Completion([], [], "length")] * n for _ in contexts]
-    for idx, max_new in ((full, params.max_new_tokens),
-                         (near, min((rooms[i] for i in near), default=0))):
-        if idx:
-            groups = engine.generate([contexts[i] for i in idx], n,
-                                     dataclasses.replace(params, max_new_tokens=max_new))
-            for i, g in zip(idx, groups):
-                out[i] = list(g)
+    for max_new, idx in sorted(calls.items(), key=lambda item: item[1][0]):
+        groups = engine.generate([contexts[i] for i in idx], n, dataclasses.replace(
+            params, max_new_tokens=max_new, seed=prompt_seed(params.seed, idx[0])))
+        for i, g in zip(idx, groups):
+            out[i] = list(g)
     return [c for g in out for c in g]
 
 

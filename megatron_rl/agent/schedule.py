@@ -20,8 +20,9 @@ threads at once and the server batches the requests in flight)
     context re-sent (a server with prefix caching finds the context's KV up to the last turn's
     tokens and prefills the new tokens only).
 
-Seeds. The turn-synchronous schedule samples turn t of all episodes with seed + 1_000_003 * t
-(one call). The concurrent schedule samples each request with a seed of its own, a function of
+Seeds. The turn-synchronous schedule samples turn t of all episodes with seed + 1_000_003**2 * t
+(one call, whose prompt i an engine seeds + 1_000_003 * i: base.prompt_seed; the turn's stride
+is the prompt stride squared, so no prompt of one turn shares a seed with one of another). The concurrent schedule samples each request with a seed of its own, a function of
 the call's seed, the turn and the episode's index (`episode_seed`), so that a rerun at a fixed
 seed makes the same requests with the same seeds, whatever order the threads run in; an engine
 whose samples are a function of (seed, prompt, weights) then gives the same episodes. The two
@@ -36,12 +37,13 @@ import concurrent.futures as cf
 import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
+from megatron_rl.rollout.base import SEED_STRIDE
 from megatron_rl.rollout.threads import BackgroundThreads
 
 if TYPE_CHECKING:
     from megatron_rl.rollout.base import Completion, SamplingParams
 
-TURN_STRIDE = 1_000_003    # seed step from one turn to the next
+TURN_STRIDE = SEED_STRIDE ** 2  # seed step from one turn to the next: past any prompt's
 EPISODE_STRIDE = 10_007    # seed step from one episode to the next (concurrent schedule)
 
 
@@ -82,7 +84,7 @@ def turn_seed(params: SamplingParams, turn: int) -> SamplingParams:
 def episode_seed(params: SamplingParams, turn: int, index: int) -> SamplingParams:
     """The params of the concurrent schedule's request for episode `index`'s turn `turn` (the
     first turn of a group of n: its first episode's index). Distinct for every (turn, index)
-    with index < 1_000_003."""
+    with index < 10**8."""
     if params.seed is None:
         return params
     return dataclasses.replace(params, seed=params.seed + TURN_STRIDE * turn

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from megatron_rl.agent.loop import AgentConfig, ChatFormat, agent_rollout
 from megatron_rl.data.prompts import PromptRecord
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
-from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.base import SEED_STRIDE, Completion, SamplingParams
 from megatron_rl.rollout.functions import RolloutContext, resolve_rollout_function
 from megatron_rl.runtime import Codec
 
@@ -223,3 +223,28 @@ def test_agent_is_a_built_in_rollout_function():
     assert resolve_rollout_function("agent") is agent_rollout
     with pytest.raises(ValueError, match="--agent-tools 'shell'"):
         AgentConfig(agent_tools=["shell"]).validate()
+
+
+def test_an_episode_near_the_limit_never_cuts_another_episodes_turn(tokenizer, scorer):
+    """One turn-synchronous batch of episodes of different lengths, all nearer the episode
+    limit than --max-new-tokens: each takes its turn with its own room, so the episode that
+    scores 1.0 alone still does (its tool call is not cut at the long prompt's room), and no
+    two calls of a turn share a seed."""
+    config, max_new = AgentConfig(agent_max_tokens=200), 195
+    alone, _, _ = _run(tokenizer, scorer, calculator_then_answer, config, group_size=1,
+                       max_new_tokens=max_new)
+    assert alone[0][0].reward == 1.0
+    prompts = ("Q: 12*34", "Q: 12*34 " + "x" * 170, "Q: 12*34 ?")  # the second: little room
+    groups, engine, codec = _run(tokenizer, scorer, calculator_then_answer, config,
+                                 group_size=1, prompts=prompts, max_new_tokens=max_new)
+    short, cut, other = (g[0] for g in groups)
+    assert short.reward == 1.0 and other.reward == 1.0
+    assert short.response_ids == alone[0][0].response_ids
+    assert cut.metadata["end"] == "max_tokens" and len(cut.tokens) == 200
+    # turn 1: each prompt with its own room, seeded as prompt i of one call
+    rooms = [200 - len(codec.encode(p)) for p in prompts]
+    assert sorted((c[0], p.max_new_tokens, p.seed) for c, _, p in engine.calls[:3]) == sorted(
+        (codec.encode(prompt), room, 5 + SEED_STRIDE * i)
+        for i, (prompt, room) in enumerate(zip(prompts, rooms)))
+    seeds = [p.seed for _, _, p in engine.calls]
+    assert len(set(seeds)) == len(seeds)
