@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_rl.metrics import count_metrics
 from megatron_rl.parallel import all_reduce, data_parallel_group
-from megatron_rl.rollout.base import SamplingParams, on_client
+from megatron_rl.rollout.base import SamplingParams, on_client, prompt_seed
 from megatron_rl.rollout.functions import (RolloutContext, resolve_rollout_function, run_rollout,
                                           trajectory_counts)
 
@@ -33,7 +33,8 @@ def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
     """Per-task {"mean_at_k", "pass_at_k", "num_prompts"} plus "all", k = ctx.group_size; a
     reward >= 1 is correct. The rollout function `rollout` (a --rollout-function value,
     rollout/functions.py) samples and scores `batch_prompts` records at a time, with
-    ctx.params' seed + the chunk's first index, as an evaluation (no routed experts).
+    each prompt seeded as in one call (base.prompt_seed: the chunk seeded as its first prompt),
+    as an evaluation (no routed experts).
     `counts`, where given, accumulates the trajectories' metadata["counts"] (the agent loop's
     turns, tool calls, ...) and their number under "trajectories".
 
@@ -43,7 +44,7 @@ def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
     params = ctx.params
     for start in range(0, len(records), batch_prompts):
         chunk = records[start:start + batch_prompts]
-        p = SamplingParams(**{**params.__dict__, "seed": (params.seed or 0) + start,
+        p = SamplingParams(**{**params.__dict__, "seed": prompt_seed(params.seed or 0, start),
                               "return_routed_experts": False})
         groups = run_rollout(rollout, dataclasses.replace(ctx, params=p, evaluation=True), chunk)
         correct = torch.tensor([[t.reward for t in g] for g in groups]) >= 1.0

@@ -82,6 +82,25 @@ def check_sampling(temperature: float, top_p: float) -> None:
                          "distribution)")
 
 
+SEED_STRIDE = 1_000_003  # seed step from one prompt of a call to the next (a prime)
+
+
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """The sampling seed of prompt `index` of a generate call seeded `seed` (None stays None:
+    unseeded).
+
+        prompt_seed(seed, i) = seed + 1_000_003 * i,   sample j of it: prompt_seed(seed, i) + j
+
+    Every engine that seeds per request (vLLM, SGLang) gives each prompt of a call its own seed
+    this way, so the samples of different prompts draw independent noise (one seed for every
+    prompt would make sample j of every prompt draw the same noise, and copies of a prompt in
+    one call identical samples), and the n < 1_000_003 samples of a prompt draw their own. A
+    sub-call whose first prompt is prompt `index` of the call (a server pool's chunk, an
+    evaluation's batch) is seeded prompt_seed(seed, index): each prompt keeps its seed however
+    the call is split."""
+    return None if seed is None else seed + SEED_STRIDE * index
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings. temperature 1.0 / top_p 1.0 / top_k -1 samples the policy itself,

@@ -12,14 +12,14 @@ flight (the lower index on a tie, so that calls one at a time use the servers in
 `requests_per_server` requests in flight per server. Chunk c, starting at prompt index s, is
 sampled with
 
-    seed_c = params.seed + 1_000_003 * s           (None stays None: unseeded)
+    seed_c = prompt_seed(params.seed, s) = params.seed + 1_000_003 * s   (None: unseeded)
 
 so a chunk's samples depend only on the call's seed, the chunk and the weights, not on the
 server that serves it: a chunk that is re-dispatched after a failure keeps its seed and (vLLM,
-which honours per-request seeds) gives the same samples. The first chunk keeps the call's seed:
-a pool with one live server sends exactly what a lone engine would. The chunking follows the
-number of live servers at the start of the call, so a server taken out of the rotation changes
-the chunks (and samples) of later calls, never those of the call in flight.
+which honours per-request seeds) gives the same samples. This is base.prompt_seed, by which the
+engines seed each prompt of a call: every prompt is sampled with the seed it would have in one
+call to a lone engine, so the samples depend neither on the number of live servers nor on how
+the call was chunked.
 
 Failures. A managed server that dies is restarted by its ManagedServer and the request retried
 (managed_server.py, at most `max_restarts` times). A request that still fails with a server failure
@@ -60,7 +60,7 @@ import time
 from collections import deque
 from typing import Any, Sequence
 
-from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.base import Completion, SamplingParams, prompt_seed
 from megatron_rl.parallel import dist_rank, run_on_rank
 from megatron_rl.rollout.base import ServerError
 from megatron_rl.rollout.net import ServerRequestError, TRANSPORT_ERRORS
@@ -69,9 +69,6 @@ from megatron_rl.rollout.threads import BackgroundThreads
 from megatron_rl.rollout.weight_sync import Payload, WeightSync, load_payload
 
 log = logging.getLogger(__name__)
-
-SEED_STRIDE = 1_000_003
-
 
 def split_chunks(num_prompts: int, num_servers: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) ranges covering num_prompts, one per server (fewer when there
@@ -88,11 +85,6 @@ def split_chunks(num_prompts: int, num_servers: int) -> list[tuple[int, int]]:
         out.append((start, end))
         start = end
     return out
-
-
-def chunk_seed(seed: int | None, start: int) -> int | None:
-    """The sampling seed of the chunk whose first prompt has index `start` in the call."""
-    return None if seed is None else seed + SEED_STRIDE * start
 
 
 def is_server_failure(exc: BaseException) -> bool:
@@ -362,7 +354,7 @@ class ServerPool:
                 member = min(usable, key=lambda m: (self._inflight[m.index], m.index))
                 self._inflight[member.index] += 1
             start, end = chunks[ci]
-            chunk_params = dataclasses.replace(params, seed=chunk_seed(params.seed, start))
+            chunk_params = dataclasses.replace(params, seed=prompt_seed(params.seed, start))
             fut = member.executor.submit(self._generate_on, member, prompts[start:end], n,
                                          chunk_params)
             inflight[fut] = (ci, member)

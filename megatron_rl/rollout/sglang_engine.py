@@ -1,8 +1,8 @@
 """SGLang rollout engine: an SGLang server (`python -m sglang.launch_server`) driven over HTTP.
 
 Generation: `POST /generate` with `input_ids`, `return_logprob` and one item per sample (the
-batch is expanded to prompts x n here, each sample with its own `sampling_seed` derived from
-SamplingParams.seed, so the output order and seeding are explicit). The server runs with
+batch is expanded to prompts x n here, sample j of prompt i seeded `prompt_seed(seed, i) + j`
+(base.prompt_seed), so the output order and seeding are explicit). The server runs with
 `--skip-tokenizer-init`; tokens and log-probs come from `meta_info.output_token_logprobs`.
 It stops at `stop_token_ids` / `max_new_tokens`; sglang checks stop ids only with EOS enabled,
 so with stop ids the model's EOS also stops (list it among the stop ids, as the trainer does).
@@ -40,7 +40,7 @@ import torch
 
 from megatron_rl.parallel import dist_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
-                                      ServerError)
+                                      ServerError, prompt_seed)
 from megatron_rl.rollout.managed_server import ManagedServer
 from megatron_rl.rollout.net import free_port, http_json
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
@@ -184,7 +184,8 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
     def _request(self, prompts: list[list[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:
         input_ids, sampling = [], []
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            seed = prompt_seed(params.seed, i)
             for j in range(n):
                 input_ids.append(p)
                 sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
@@ -193,8 +194,8 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
                       # sglang checks stop_token_ids only when EOS is not ignored
                       "ignore_eos": not params.stop_token_ids,
                       "skip_special_tokens": False, "no_stop_trim": True}
-                if params.seed is not None:
-                    sp["sampling_seed"] = params.seed * 1_000_003 + j
+                if seed is not None:  # sample j of prompt i: base.prompt_seed's rule
+                    sp["sampling_seed"] = seed + j
                 sampling.append(sp)
         payload = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
                    "logprob_start_len": -1}

@@ -1,6 +1,7 @@
 """vLLM rollout engine: a vLLM OpenAI-compatible server in its own venv, driven over HTTP.
 
-Generation: `POST /v1/completions` with the prompts as token ids, `n` samples each, `logprobs=0`
+Generation: `POST /v1/completions` with the prompts as token ids (a seeded call: one request per
+prompt, each with its own seed, base.prompt_seed), `n` samples each, `logprobs=0`
 (only the sampled token's log-prob), `return_token_ids` and `return_tokens_as_token_ids` (so no
 tokenizer is needed: the server runs with `--skip-tokenizer-init`). Generation stops only at
 `SamplingParams.stop_token_ids` (the caller lists the tokenizer's EOS there) or at
@@ -31,12 +32,13 @@ from typing import ClassVar
 
 from megatron_rl.parallel import dist_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
-                                      ServerError)
+                                      ServerError, prompt_seed)
 from megatron_rl.rollout.managed_server import ManagedServer
 from megatron_rl.rollout.net import ServerRequestError
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
                                                server_python)
 from megatron_rl.rollout.shm_weights import meta_nbytes
+from megatron_rl.rollout.threads import BackgroundThreads
 from megatron_rl.rollout.weight_sync import read_version, sync_engine
 
 PYTHON_ENV_VAR = "MEGATRON_RL_VLLM_PYTHON"
@@ -170,8 +172,30 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
                             retry=False)
 
     # -- generation ------------------------------------------------------------------------------
+    max_prompt_requests: int = 256  # requests in flight at once for one seeded call
+
     def _request(self, prompts: list[list[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:
+        """The call's completions. A seeded call of several prompts is one request per prompt,
+        sent at once (at most `max_prompt_requests` in flight; the server batches them): the
+        completions API takes one seed per request and gives every prompt of its list a
+        generator seeded alike (sample j: seed + j), so that sample j of every prompt would draw
+        the same noise. Prompt i is asked alone with base.prompt_seed(seed, i)."""
+        if params.seed is None or len(prompts) == 1:
+            return self._completions(prompts, n, params)
+        threads = BackgroundThreads(min(len(prompts), self.max_prompt_requests),
+                                    name="vllm-prompts")
+        try:
+            futures = [threads.submit(self._completions, [p], n,
+                                      dataclasses.replace(params, seed=prompt_seed(params.seed, i)))
+                       for i, p in enumerate(prompts)]
+            return [f.result()[0] for f in futures]
+        finally:
+            threads.shutdown(wait=False, cancel_futures=True)
+
+    def _completions(self, prompts: list[list[int]], n: int,
+                     params: SamplingParams) -> list[list[Completion]]:
+        """One /v1/completions request for `prompts` and its parsed answer."""
         payload = {
             "model": SERVED_MODEL_NAME, "prompt": prompts,
             "n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,

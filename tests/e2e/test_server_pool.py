@@ -21,7 +21,8 @@ import time
 import pytest
 
 from megatron_rl.rollout.base import SamplingParams
-from megatron_rl.rollout.multi import ServerPool, chunk_seed, split_chunks
+from megatron_rl.rollout.base import prompt_seed
+from megatron_rl.rollout.multi import ServerPool, split_chunks
 from megatron_rl.rollout.net import http_json
 from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
 from rollout_checks import PROMPTS, TINY, TOL, make_policy, mismatch, train_step
@@ -85,7 +86,7 @@ def test_generate_spreads_over_both_servers_and_is_reproducible(pool):
     # server 1 above) again on server 0 alone
     _, (s1, e1) = split_chunks(len(MANY), 2)
     again = pool.engines[0].generate(MANY[s1:e1], 2,
-                                     SamplingParams(max_new_tokens=8, seed=chunk_seed(21, s1)))
+                                     SamplingParams(max_new_tokens=8, seed=prompt_seed(21, s1)))
     assert token_ids(again) == token_ids(a[s1:e1])
     # and a different seed gives different samples
     c = pool.generate(MANY, n=2, params=SamplingParams(max_new_tokens=8, seed=22))

@@ -13,7 +13,8 @@ import threading
 import pytest
 
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.multi import ServerPool, chunk_seed, split_chunks
+from megatron_rl.rollout.base import prompt_seed
+from megatron_rl.rollout.multi import ServerPool, split_chunks
 from megatron_rl.rollout.base import ServerError
 from megatron_rl.rollout.net import ServerRequestError, free_port
 
@@ -65,7 +66,7 @@ def dead_vllm(tmp_path, i):
 def expected(prompts, n, seed, num_chunks):
     out = []
     for start, end in split_chunks(len(prompts), num_chunks):
-        s = chunk_seed(seed, start)
+        s = prompt_seed(seed, start)
         out += [[[p[0], s, j] for j in range(n)] for p in prompts[start:end]]
     return out
 
@@ -87,9 +88,9 @@ def test_split_chunks_is_contiguous_and_balanced():
 
 
 def test_chunk_seeds():
-    assert chunk_seed(None, 3) is None
-    assert chunk_seed(42, 0) == 42  # one live server: what a lone engine would send
-    seeds = {chunk_seed(s, start) for s in range(50) for start in range(50)}
+    assert prompt_seed(None, 3) is None
+    assert prompt_seed(42, 0) == 42  # one live server: what a lone engine would send
+    seeds = {prompt_seed(s, start) for s in range(50) for start in range(50)}
     assert len(seeds) == 2500
 
 
@@ -99,7 +100,7 @@ def test_generate_spreads_contiguous_chunks_and_reassembles_in_order():
     out = pool.generate(PROMPTS, n=2, params=SamplingParams(seed=5))
     assert tokens(out) == expected(PROMPTS, 2, 5, 3)
     for engine, (start, end) in zip(engines, split_chunks(len(PROMPTS), 3)):
-        assert engine.calls == [([tuple(p) for p in PROMPTS[start:end]], chunk_seed(5, start))]
+        assert engine.calls == [([tuple(p) for p in PROMPTS[start:end]], prompt_seed(5, start))]
     assert [m.served_prompts for m in pool.members] == [3, 2, 2]
     # same seed, same samples; fewer prompts than servers: one prompt each, the rest idle
     assert tokens(pool.generate(PROMPTS, n=2, params=SamplingParams(seed=5))) == tokens(out)
