@@ -36,8 +36,18 @@ def _token_sum_over(per_token, loss_mask, num_global_tokens=None, num_global_seq
     return (per_token * loss_mask).sum() / num_global_tokens
 
 
+def num_sequences(loss_mask: torch.Tensor) -> torch.Tensor:
+    """0-dim: the rows of loss_mask [B, T] that hold at least one loss token, the sequences a
+    seq-mean aggregation averages over. A row without any (an overlong-filtered response, a
+    failed episode, padding rows) is no sequence of the loss: it adds 0 to the numerator and
+    must not count in num_global_seqs, which is the sum of this over every shard of the global
+    batch (all microbatches of all data-parallel ranks)."""
+    return (loss_mask.sum(-1) > 0).sum()
+
+
 def _seq_mean_token_mean(per_token, loss_mask, num_global_tokens=None, num_global_seqs=None):
-    """sum_i (sum_t l_it m_it / sum_t m_it) / num_global_seqs: each sequence weighs the same."""
+    """sum_i (sum_t l_it m_it / sum_t m_it) / num_global_seqs: each sequence weighs the same (a
+    row without loss tokens adds 0)."""
     if num_global_seqs is None:
         raise ValueError("seq-mean-token-mean needs num_global_seqs (sequences in the global batch)")
     per_seq = (per_token * loss_mask).sum(-1) / loss_mask.sum(-1).clamp(min=1)
@@ -45,7 +55,8 @@ def _seq_mean_token_mean(per_token, loss_mask, num_global_tokens=None, num_globa
 
 
 def _seq_mean_token_sum(per_token, loss_mask, num_global_tokens=None, num_global_seqs=None):
-    """sum_{i,t} l_it m_it / num_global_seqs: the sequence-level objective (no length normalization)."""
+    """sum_{i,t} l_it m_it / num_global_seqs: the sequence-level objective (no length
+    normalization; a row without loss tokens adds 0)."""
     if num_global_seqs is None:
         raise ValueError("seq-mean-token-sum needs num_global_seqs (sequences in the global batch)")
     return (per_token * loss_mask).sum() / num_global_seqs
@@ -71,8 +82,9 @@ def aggregate_loss(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str, 
 
     Summing this over all shards of a global batch gives exactly the full-batch value, because
     the normalizer is global: num_global_tokens = sum of loss_mask over the global batch,
-    num_global_seqs = number of sequences in the global batch. (Megatron's schedule divides by
-    the number of microbatches and DP averages gradients; the caller undoes those factors.)
+    num_global_seqs = number of sequences with a loss token in the global batch (the sum of
+    num_sequences over the shards). (Megatron's schedule divides by the number of microbatches
+    and DP averages gradients; the caller undoes those factors.)
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {mode!r}; valid: {sorted(AGGREGATIONS)}")
@@ -97,8 +109,9 @@ class LossConfig:
         "token count of the whole rollout batch (the paper's; the same for all its PPO "
         "minibatches); token-mean = over the token count of the optimizer step's minibatch; "
         "seq-mean-token-mean = the mean of each sequence's token mean; seq-mean-token-sum = "
-        "the sum over the sequence count (no length normalisation). The first two coincide "
-        "with one optimizer step per batch")})
+        "the sum over the sequence count (no length normalisation); the seq-mean modes count "
+        "only sequences with a loss token (not overlong-filtered ones). The first two "
+        "coincide with one optimizer step per batch")})
     kl: KLConfig = field(default_factory=KLConfig, metadata={"prefix": "kl_"})  # --kl-*
     # --rollout-correction, --rollout-is-low/high: the engine-vs-trainer importance weight
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -117,7 +130,8 @@ class LossConfig:
         "order 3e-4/4e-4), one advantage per sequence; gspo-token = the same with each token's "
         "gradient (per-token advantages allowed); cispo = the clipped ratio as a detached "
         "weight of -A log pi (MiniMax: --clip-low 1, no lower clip); sapo = a soft sigmoid "
-        "gate in place of the clip (--sapo-tau-pos, --sapo-tau-neg); or the import path "
+        "gate in place of the clip (--sapo-tau-pos, --sapo-tau-neg; the paper's per-sequence "
+        "mean is --loss-aggregation seq-mean-token-mean); or the import path "
         "`module:function` of a function with policy_losses.py's signature")})
     clip_ratio_c: float = field(default=3.0, metadata={"help": (
         "dual-clip only: for a negative advantage the token loss is at most -A x this "
@@ -287,9 +301,9 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig, 
     metrics: pg_loss (the policy-gradient loss alone, aggregated like the loss), kl_k1 / kl_k3
     (token means of the shard), kl_exact (with token_kl), and the policy loss's own
     (clip_fraction, ratio_mean / ratio_max / ratio_min, ...; policy_losses.py). Its
-    SEQUENCE_SHARES (seq_clip_fraction, seq_ratio_mean: means over the shard's rows) become,
-    given num_global_seqs, the shard's share of the global batch's value: they add up over
-    shards like pg_loss.
+    SEQUENCE_SHARES (seq_clip_fraction, seq_ratio_mean: means over the shard's rows with a
+    loss token) become, given num_global_seqs, the shard's share of the global batch's value:
+    they add up over shards like pg_loss.
     """
     per_token, metrics = policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg,
                                                ref_logprobs=ref_logprobs, token_kl=token_kl,
@@ -301,15 +315,16 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig, 
     metrics["pg_loss"] = aggregate_loss(metrics.pop("pg_per_token"), loss_mask, cfg.aggregation,
                                         **normalizers)
     if num_global_seqs is not None:
+        shard_seqs = num_sequences(loss_mask)
         for k in SEQUENCE_SHARES:
             if k in metrics:
-                metrics[k] = metrics[k] * (loss_mask.shape[0] / num_global_seqs)
+                metrics[k] = metrics[k] * (shard_seqs / num_global_seqs)
     return loss, metrics
 
 
 SEQUENCE_SHARES = ("seq_clip_fraction", "seq_ratio_mean")
-"""Policy-loss metrics that are means over the shard's sequences (rows); policy_loss turns them
-into shares of the global batch's sequence count."""
+"""Policy-loss metrics that are means over the shard's sequences (rows with a loss token,
+num_sequences); policy_loss turns them into shares of the global batch's sequence count."""
 
 
 def shape_overlong(rewards: torch.Tensor, loss_mask: torch.Tensor, response_lengths: list[int],

@@ -23,7 +23,7 @@ from megatron_rl import metrics as global_metrics
 from megatron_rl.batch import RolloutBatch
 from megatron_rl.config import TrainConfig
 from megatron_rl.correction import rollout_correction_weights
-from megatron_rl.loss import build_advantages, policy_loss, shape_overlong
+from megatron_rl.loss import build_advantages, num_sequences, policy_loss, shape_overlong
 from megatron_rl.packing import Layout, Microbatch
 from megatron_rl.parallel import all_reduce, data_parallel_group, data_parallel_sum, device
 
@@ -98,7 +98,8 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
             mbatch = batch.select(idx)
             norm_tokens = (rollout_tokens if loss_cfg.aggregation == "token-sum-over-batch-tokens"
                            else data_parallel_sum(mbatch.loss_mask.sum()))
-            norm_seqs = data_parallel_sum(len(idx))
+            # sequences with a loss token: an overlong-filtered or failed one is none
+            norm_seqs = data_parallel_sum(num_sequences(mbatch.loss_mask))
             micro = [loss_microbatch(batch, advantages, ref_lp, m, is_weights, rollout_lp)
                      for m in lay.microbatches(batch.tokens, batch.seq_lengths, idx,
                                                policy.pad_multiple, policy.pp_size > 1,
@@ -120,7 +121,9 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
     if grad_norms:  # mean and max over the optimizer steps of this batch (PPO minibatches)
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["grad_norm_max"] = max(grad_norms)
-    # every logged value is the global batch's (all data-parallel ranks)
+    # every logged value is the global batch's (all data-parallel ranks); the loss's kl_exact
+    # (with the exact KL in the loss), averaged over the PPO steps like kl_k1 / kl_k3, takes the
+    # place of the batch's before them
     metrics.update(global_metrics.loss_metrics(step_metrics, data_parallel_group(),
                                                num_steps=algo.ppo_epochs * algo.ppo_minibatches))
     metrics["kl_forward"] = global_metrics.forward_kl(ref_lp, batch.old_logprobs,

@@ -73,6 +73,65 @@ def test_microbatch_losses_sum_to_full_batch(aggregation, kl, policy_loss_name):
         assert v == pytest.approx(metrics[k].item(), abs=1e-14)
 
 
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("policy_loss_name", ["ppo-clip", "gspo"])
+def test_rows_without_loss_tokens_are_no_sequences(aggregation, policy_loss_name):
+    """Rows without loss tokens (overlong-filtered responses, failed episodes) change neither a
+    seq-mean loss, nor its gradient, nor the sequence metrics: the batch with three such rows
+    added, split into uneven shards (one of them holding only an empty row), with
+    num_global_seqs the sum of num_sequences over the shards, gives the batch's own values."""
+    import megatron_rl.loss as loss_module
+
+    logprobs, old, ref, mask, rewards = _batch()
+    clip = (0.02, 0.03) if policy_loss_name == "gspo" else (0.2, 0.28)
+    cfg = LossConfig(clip_low=clip[0], clip_high=clip[1], aggregation=aggregation,
+                     kl=KLConfig("k3", "loss", coef=0.1), policy_loss=policy_loss_name)
+    advantages = build_advantages(rewards, logprobs, ref, mask, cfg, group_size=4)
+    lp = logprobs.clone().requires_grad_()
+    want, want_m = policy_loss(lp, old, advantages, mask, cfg, ref_logprobs=ref,
+                               num_global_seqs=mask.shape[0])
+    (want_grad,) = torch.autograd.grad(want, lp)
+
+    gen = torch.Generator().manual_seed(1)
+    empty = [0, 4, 10]  # rows of the larger batch without a loss token
+    keep = [i for i in range(11) if i not in empty]
+
+    def with_empty_rows(x, fill):
+        """x's rows at `keep`, fill's (3 rows) at `empty`."""
+        out = torch.empty((11, *x.shape[1:]), dtype=x.dtype)
+        out[keep], out[empty] = x, fill
+        return out
+
+    noise = lambda: -torch.rand(3, mask.shape[1], generator=gen, dtype=F64)  # noqa: E731
+    big_lp, big_old = with_empty_rows(logprobs, noise()), with_empty_rows(old, noise())
+    big_ref = with_empty_rows(ref, noise())
+    big_mask = with_empty_rows(mask, torch.zeros(3, mask.shape[1], dtype=F64))
+    big_adv = with_empty_rows(advantages, torch.tensor([1.5, -2.0, 0.7], dtype=F64))
+    shards = ([0, 1, 2], [3], [4], [5, 6, 7, 8, 9, 10])  # [4]: a shard of one empty row
+    num_seqs = sum(loss_module.num_sequences(big_mask[rows]).item() for rows in shards)
+    assert num_seqs == mask.shape[0]
+
+    big = big_lp.clone().requires_grad_()
+    total, shares, extremes = torch.zeros((), dtype=F64), {}, {}
+    for rows in shards:
+        loss, m = policy_loss(big[rows], big_old[rows], big_adv[rows], big_mask[rows], cfg,
+                              ref_logprobs=big_ref[rows], num_global_seqs=num_seqs)
+        loss.backward()
+        total = total + loss.detach()
+        for k in SEQUENCE_SHARES:
+            if k in m:
+                shares[k] = shares.get(k, 0.0) + m[k].item()
+        for k, pick in (("seq_ratio_max", max), ("seq_ratio_min", min)):
+            if k in m:
+                extremes[k] = pick(extremes.get(k, m[k].item()), m[k].item())
+    assert total.item() == pytest.approx(want.item(), abs=1e-13)
+    torch.testing.assert_close(big.grad[keep], want_grad, rtol=0, atol=1e-14)
+    assert big.grad[empty].abs().sum() == 0
+    assert bool(shares) == bool(extremes) == (policy_loss_name == "gspo")
+    for k, v in {**shares, **extremes}.items():
+        assert v == pytest.approx(want_m[k].item(), abs=1e-14), k
+
+
 def test_aggregation_values_by_hand():
     per_token = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = t([[1, 1, 0], [1, 1, 1]])

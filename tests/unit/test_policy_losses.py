@@ -440,3 +440,85 @@ def test_trainer_loss_function_packed_equals_padded_with_entropy_bonus(name):
                                         expected):
         torch.testing.assert_close(got_with - got_without, e, rtol=0, atol=1e-12)
     assert expected[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+@pytest.mark.parametrize("log_ratio", [100.0, -100.0])
+@pytest.mark.parametrize("name", BUILT_INS)
+def test_finite_loss_and_gradient_at_log_ratio_100(name, log_ratio, advantage):
+    """A token whose log(pi/pi_old) is +-100 (pi_old ~0: an engine mismatch, a stale behaviour
+    policy) gives a finite loss, gradient and metrics in float32, the trainer's precision
+    (exp(100) overflows it): the log ratio is clamped to +-LOG_RATIO_BOUND before exp, and the
+    clamped token's own gradient is 0. Row 1 holds that token alone, so gspo's sequence ratio
+    is the token's."""
+    from megatron_rl.policy_losses import LOG_RATIO_BOUND
+
+    lp0 = torch.tensor([[-1.0, -1.2, -0.9], [-0.5, -3.0, -3.0]])
+    old = lp0 - torch.tensor([[log_ratio, 0.1, -0.1], [log_ratio, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    cfg = _cfg(name, aggregation="seq-mean-token-mean")
+    for adv in (torch.full((2,), advantage), torch.full((2, 3), advantage) * mask):
+        if name == "gspo" and adv.dim() == 2:
+            continue  # one advantage per sequence
+        lp = lp0.clone().requires_grad_()
+        loss, metrics = policy_loss(lp, old, adv, mask, cfg, num_global_seqs=2.0)
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), (loss, grad)
+        assert all(torch.isfinite(v).all() for v in metrics.values()), metrics
+        assert metrics["ratio_max" if log_ratio > 0 else "ratio_min"].item() == pytest.approx(
+            math.exp(math.copysign(LOG_RATIO_BOUND, log_ratio)), rel=1e-5)
+        if name not in ("gspo", "gspo-token", "cispo"):  # the token's own ratio r_t is bounded
+            assert grad[1, 0] == 0  # where the clamp binds, the token has no gradient
+
+
+def test_the_clamp_changes_nothing_below_the_bound():
+    """Log ratios within +-LOG_RATIO_BOUND: the losses' values and gradients are those of the
+    unclamped formulas (checked against the direct float64 computation at log ratio +-19.9)."""
+    from megatron_rl.policy_losses import LOG_RATIO_BOUND
+
+    old = torch.zeros(1, 2, dtype=F64)
+    mask = torch.ones(1, 2, dtype=F64)
+    x = LOG_RATIO_BOUND - 0.1
+    for name in ("ppo-clip", "sapo", "cispo"):
+        cfg = _cfg(name)
+        for adv in (1.0, -1.0):
+            lp = torch.tensor([[x, -x]], dtype=F64, requires_grad=True)
+            per_token, _ = policy_loss_per_token(lp, old, torch.tensor([adv], dtype=F64),
+                                                 mask, cfg)
+            (grad,) = torch.autograd.grad(per_token.sum(), lp)
+            lp_ref = torch.tensor([[x, -x]], dtype=F64, requires_grad=True)
+            expected = torch.stack([_naive_token_loss(name, lp_ref[0, t], old[0, t], adv, cfg,
+                                                      []) for t in range(2)])
+            (grad_ref,) = torch.autograd.grad(expected.sum(), lp_ref)
+            torch.testing.assert_close(per_token[0].detach(), expected.detach(), rtol=1e-12,
+                                       atol=0)
+            torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=0)
+
+
+def test_gspo_token_seq_clip_fraction_with_per_token_advantages():
+    """gspo-token with per-token advantages (reward-to-go: 0 at the prompt positions, which
+    come first in a row): a sequence counts as clipped where its ratio s lies outside the clip
+    range on the side its tokens' advantages push (the sign of their sum over the response);
+    with one advantage per sequence, broadcast to its tokens, the count is gspo's."""
+    cfg = _cfg("gspo-token", clip_low=0.1, clip_high=0.1)
+    old = torch.zeros(4, 5, dtype=F64)
+    mask = torch.tensor([[0, 0, 1, 1, 1]] * 4, dtype=F64)  # two prompt positions, 3 tokens
+    # s = e^0.3 > 1.1 for rows 0-2, s = e^-0.3 < 0.9 for row 3
+    lp = torch.tensor([[0.0, 0.0, 0.3, 0.3, 0.3]] * 3 + [[0.0, 0.0, -0.3, -0.3, -0.3]],
+                      dtype=F64) * mask
+    adv = torch.tensor([[0, 0, 1.0, 0.8, 0.5],     # pushes s up, above the range: clipped
+                        [0, 0, -1.0, -0.8, -0.5],  # pushes s down, s above: not clipped
+                        [0, 0, 1.0, 1.0, -3.0],    # sum -1: pushes down, s above: not clipped
+                        [0, 0, -0.2, -0.2, 0.1]],  # sum -0.3: pushes down, s below: clipped
+                       dtype=F64)
+    _, metrics = policy_loss_per_token(lp, old, adv, mask, cfg)
+    assert metrics["seq_clip_fraction"].item() == pytest.approx(2 / 4)
+
+    logprobs, old, mask, seq_adv = _batch(seed=4, spread=0.1)
+    cfg = _cfg("gspo", clip_low=0.02, clip_high=0.02)
+    _, by_seq = policy_loss_per_token(logprobs, old, seq_adv, mask, cfg)
+    cfg.policy_loss = "gspo-token"
+    _, by_token = policy_loss_per_token(logprobs, old, seq_adv[:, None] * mask, mask, cfg)
+    assert 0 < by_seq["seq_clip_fraction"].item() < 1
+    assert by_token["seq_clip_fraction"].item() == pytest.approx(
+        by_seq["seq_clip_fraction"].item(), abs=1e-15)

@@ -1,0 +1,53 @@
+"""The policy update's glue (megatron_rl.update) around stand-in models: the global
+normalizers each optimizer step's loss function gets."""
+import types
+
+import pytest
+import torch
+
+import megatron_rl.update as update
+from megatron_rl.batch import pack_rollouts
+from megatron_rl.config import TrainConfig
+from megatron_rl.rollout.base import Completion
+from megatron_rl.rollout.functions import single_turn_groups
+
+
+def _batch():
+    """Two prompts x two samples; the second sample of the first prompt hit --max-new-tokens."""
+    groups = [[Completion([5, 6, 7], [-0.5, -0.7, -0.1], "stop"),
+               Completion([8, 9, 2, 3], [-0.2] * 4, "length")],
+              [Completion([9, 2], [-1.0, -0.3], "stop"),
+               Completion([3, 4, 5, 6], [-0.4] * 4, "stop")]]
+    batch = pack_rollouts(single_turn_groups([[1, 2, 3], [4]], groups, [1.0, 0.0, 0.0, 1.0]),
+                          pad_token_id=0)
+    batch.old_logprobs = batch.rollout_logprobs.clone()
+    return batch
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_seq_mean_normalizer_counts_only_sequences_with_loss_tokens(aggregation, monkeypatch):
+    """With --overlong-filtering the truncated response keeps its row but loses its loss
+    tokens: each PPO minibatch's num_global_seqs counts the sequences that still have loss
+    tokens (minibatch [0, 1]: 1, minibatch [2, 3]: 2), so a filtered response does not shrink
+    the loss of the others."""
+    cfg = TrainConfig()
+    cfg.algorithm.ppo_minibatches = 2
+    cfg.algorithm.loss.aggregation = aggregation
+    cfg.algorithm.loss.overlong_filtering = True
+    cfg.rollout.max_new_tokens = 4
+    batch = _batch()
+    seen = []
+
+    def fake_loss_fn(policy, loss_cfg, num_global_tokens, num_global_seqs, reference=None):
+        seen.append((num_global_tokens, num_global_seqs))
+        return None
+
+    monkeypatch.setattr(update, "make_rl_loss_fn", fake_loss_fn)
+    result = {"loss": torch.zeros(()), "num_tokens": torch.ones(())}
+    policy = types.SimpleNamespace(
+        pad_multiple=1, pp_size=1, lr=1.0, parameters=lambda: [], step=lambda: (True, 1.0),
+        forward_backward=lambda micro, loss_fn, reference=None, for_scoring=True: [result])
+    reference = types.SimpleNamespace(
+        token_logprobs=lambda tokens, lay, seq_lengths=None: torch.zeros(batch.loss_mask.shape))
+    assert update.train_on_batch(policy, reference, cfg, batch, {})
+    assert seen == [(3.0, 1.0), (6.0, 2.0)]
