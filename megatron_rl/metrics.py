@@ -18,11 +18,41 @@ from megatron_rl.correction import CorrectionStats
 from megatron_rl.parallel import all_reduce
 from megatron_rl.rollout.mismatch import LogprobMismatch, combine, logprob_mismatch
 
-LOSS_METRICS = ("pg_loss", "kl_k1", "kl_k3", "clip_fraction", "entropy", "ratio_mean",
-                "dual_clip_fraction", "seq_clip_fraction", "seq_ratio_mean")
-# shares of a global quantity (loss.policy_loss: pg_loss, loss.SEQUENCE_SHARES): summed, not
-# averaged
-ADDITIVE_LOSS_METRICS = ("pg_loss", "seq_clip_fraction", "seq_ratio_mean")
+LOSS_REDUCTIONS = ("sum", "token_mean", "max", "min", "weight")
+"""How a loss metric becomes the global batch's value (loss_metrics): "sum" = a share of a
+global quantity (already divided by the global counts: pg_loss, the loss, loss.SEQUENCE_SHARES),
+summed over microbatches and ranks and divided by the optimizer steps; "token_mean" = a mean
+over the microbatch's loss tokens, weighted by num_tokens; "max" / "min" = the extreme over
+microbatches, ranks and optimizer steps; "weight" = num_tokens itself, the token means' weight,
+not logged."""
+
+LOSS_METRICS: dict[str, str] = {
+    # loss.policy_loss and update.make_rl_loss_fn
+    "loss": "sum", "pg_loss": "sum", "num_tokens": "weight", "entropy": "token_mean",
+    "kl_k1": "token_mean", "kl_k3": "token_mean", "kl_exact": "token_mean",
+    # the built-in policy losses (policy_losses.py)
+    "clip_fraction": "token_mean", "dual_clip_fraction": "token_mean",
+    "ratio_mean": "token_mean", "ratio_max": "max", "ratio_min": "min",
+    "seq_clip_fraction": "sum", "seq_ratio_mean": "sum",
+    "seq_ratio_max": "max", "seq_ratio_min": "min",
+}
+"""Every metric the loss function returns, by name, with its reduction (LOSS_REDUCTIONS). A
+name not here (a --policy-loss `module:function`'s own metric) is logged as a token mean:
+policy_losses.py's contract makes a loss's metrics scalars over its rows' masked tokens; a
+loss whose metric reduces otherwise names it with register_loss_metric."""
+
+
+def register_loss_metric(name: str, reduction: str) -> None:
+    """Log the loss function's metric `name` with `reduction` (a LOSS_REDUCTIONS entry), e.g.
+    from the module of a --policy-loss `module:function`. Raises ValueError for an unknown
+    reduction or a name registered with another one."""
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss metric {name!r}: reduction {reduction!r}; valid: "
+                         f"{', '.join(LOSS_REDUCTIONS)}")
+    if LOSS_METRICS.get(name, reduction) != reduction:
+        raise ValueError(f"loss metric {name!r} is registered with reduction "
+                         f"{LOSS_METRICS[name]!r}, not {reduction!r}")
+    LOSS_METRICS[name] = reduction
 
 
 def batch_metrics(rewards: torch.Tensor, response_lengths: list[int], finish_reasons: list[str],
@@ -42,23 +72,29 @@ def batch_metrics(rewards: torch.Tensor, response_lengths: list[int], finish_rea
 def weighted_mean_tensor(results: list[dict], keys: list[str]) -> torch.Tensor:
     """[len(keys) + 1]: sum_m num_tokens_m * value_m for each key, then sum_m num_tokens_m, over
     this rank's microbatches (the loss function's metrics), on their device."""
-    vals = torch.stack([torch.stack([r[k].float() for k in keys]) for r in results])  # [m, k]
     w = torch.stack([r["num_tokens"].float() for r in results])[:, None]              # [m, 1]
+    if not keys:
+        return w.sum().reshape(1).double()
+    vals = torch.stack([torch.stack([r[k].float() for k in keys]) for r in results])  # [m, k]
     return torch.cat([(vals * w).sum(0), w.sum().reshape(1)]).double()
 
 
 def loss_metrics(results: list[dict], group=None, num_steps: int = 1) -> dict[str, float]:
-    """The loss function's metrics (LOSS_METRICS) over all microbatches of all data-parallel
-    ranks, independent of how the batch was split into microbatches: token-weighted means of
-    the per-token ones; pg_loss, each microbatch's share of its optimizer step's loss (already
-    normalised by global counts), summed and divided by the `num_steps` optimizer steps that
-    `results` span. Ranks without results (earlier pipeline stages) return {}; all ranks of one
+    """Every metric of the loss function's (results: one dict per microbatch, the keys of the
+    first) over all microbatches of all data-parallel ranks, independent of how the batch was
+    split into microbatches, by its LOSS_METRICS reduction: the "sum" ones (each microbatch's
+    share of its optimizer step's value, already normalised by global counts) summed and
+    divided by the `num_steps` optimizer steps that `results` span; token-weighted means;
+    maxima and minima over every microbatch and step. One SUM and (with extremes) one MAX
+    all-reduce. Ranks without results (earlier pipeline stages) return {}; all ranks of one
     data-parallel group are on the same stage, so they agree on taking part."""
-    keys = [k for k in LOSS_METRICS if results and k in results[0]]
-    if not keys:
+    if not results:
         return {}
-    added = [k for k in keys if k in ADDITIVE_LOSS_METRICS]
-    meaned = [k for k in keys if k not in ADDITIVE_LOSS_METRICS]
+    kind = {k: LOSS_METRICS.get(k, "token_mean") for k in results[0]}
+    added = [k for k, r in kind.items() if r == "sum"]
+    meaned = [k for k, r in kind.items() if r == "token_mean"]
+    maxed = [k for k, r in kind.items() if r == "max"]
+    minned = [k for k, r in kind.items() if r == "min"]
     totals = torch.stack([torch.stack([r[k].float() for r in results]).sum() for k in added]
                          ).double() if added else torch.zeros(0, dtype=torch.float64)
     mean_part = weighted_mean_tensor(results, meaned)
@@ -66,6 +102,13 @@ def loss_metrics(results: list[dict], group=None, num_steps: int = 1) -> dict[st
     out = {k: v / num_steps for k, v in zip(added, reduced[:len(added)])}
     *sums, weight = reduced[len(added):]
     out.update({k: v / max(weight, 1e-9) for k, v in zip(meaned, sums)})
+    if maxed or minned:  # min x = -max(-x): both in one MAX all-reduce
+        ext = torch.stack([torch.stack([r[k].float() for r in results]).max() for k in maxed]
+                          + [-torch.stack([r[k].float() for r in results]).min()
+                             for k in minned]).double()
+        high = all_reduce(ext, group, op=dist.ReduceOp.MAX).tolist()
+        out.update(zip(maxed, high[:len(maxed)]))
+        out.update({k: -v for k, v in zip(minned, high[len(maxed):])})
     return out
 
 
