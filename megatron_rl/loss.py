@@ -318,7 +318,7 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig, 
         shard_seqs = num_sequences(loss_mask)
         for k in SEQUENCE_SHARES:
             if k in metrics:
-                metrics[k] = metrics[k] * (shard_seqs / num_global_seqs)
+                metrics[k] = metrics[k] * (shard_seqs.to(metrics[k].dtype) / num_global_seqs)
     return loss, metrics
 
 
