@@ -69,6 +69,32 @@ def train_step(policy, prompts, completions):
     assert ok
 
 
+def check_prompts_sample_independently(engine, prompt, other):
+    """A seeded call's prompts draw independent samples on `engine` (a real server):
+    - copies of one prompt in one call ([A, B, A], n=4) get different samples;
+    - the first tokens of two prompts of equal length in one call, sample j of each, agree no
+      more often than independent draws from their distributions would (estimated from the
+      same samples: sum_k f_A(k) f_B(k) matches per pair); one seed for every prompt makes
+      them agree nearly always, as their next-token distributions are close.
+    Returns (agreeing pairs, the number expected under independence)."""
+    from megatron_rl.rollout.base import SamplingParams
+
+    assert len(prompt) == len(other) and prompt != other
+    out = engine.generate([prompt, other, prompt], n=4,
+                          params=SamplingParams(max_new_tokens=8, seed=7))
+    assert [c.token_ids for c in out[0]] != [c.token_ids for c in out[2]]
+    n, agree, expected = 64, 0, 0.0
+    for seed in (3, 11):
+        a, b = engine.generate([prompt, other], n=n,
+                               params=SamplingParams(max_new_tokens=1, seed=seed))
+        first_a, first_b = [c.token_ids[0] for c in a], [c.token_ids[0] for c in b]
+        agree += sum(x == y for x, y in zip(first_a, first_b))
+        count_a, count_b = collections.Counter(first_a), collections.Counter(first_b)
+        expected += sum(count_a[k] * count_b[k] for k in count_a) / n
+    assert agree <= expected + 4 * expected ** 0.5 + 3, (agree, expected)
+    return agree, expected
+
+
 def _spoil(fault: str, body: bytes) -> bytes:
     if fault == "malformed":
         return body[:len(body) // 2]  # cut mid-JSON

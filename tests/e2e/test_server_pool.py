@@ -82,12 +82,14 @@ def test_generate_spreads_over_both_servers_and_is_reproducible(pool):
     assert all(len(c.token_ids) == 8 for row in a for c in row)
     b = pool.generate(MANY, n=2, params=params)
     assert token_ids(a) == token_ids(b)
-    # each chunk is its own seed's sample, whichever server draws it: chunk 1 (served by
-    # server 1 above) again on server 0 alone
+    # each prompt is its own seed's sample, whichever server draws it and however the call
+    # is chunked: chunk 1 (served by server 1 above) again on server 0 alone, and the whole
+    # call on server 0 alone
     _, (s1, e1) = split_chunks(len(MANY), 2)
     again = pool.engines[0].generate(MANY[s1:e1], 2,
                                      SamplingParams(max_new_tokens=8, seed=prompt_seed(21, s1)))
     assert token_ids(again) == token_ids(a[s1:e1])
+    assert token_ids(pool.engines[0].generate(MANY, 2, params)) == token_ids(a)
     # and a different seed gives different samples
     c = pool.generate(MANY, n=2, params=SamplingParams(max_new_tokens=8, seed=22))
     assert token_ids(c) != token_ids(a)

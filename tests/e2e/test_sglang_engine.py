@@ -18,7 +18,8 @@ import torch
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine, sglang_python
-from rollout_checks import CHAR_PROMPTS, PROMPTS, TINY, TOL, make_policy, train_step
+from rollout_checks import (CHAR_PROMPTS, PROMPTS, TINY, TOL, check_prompts_sample_independently,
+                            make_policy, train_step)
 from rollout_checks import mismatch as _mismatch
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -63,6 +64,16 @@ def test_generate_shapes_and_stop_ids(engine):
             assert c.token_ids[-1] in stops
             assert not any(t in stops for t in c.token_ids[:-1])
             assert len(c.rollout_logprobs) == len(c.token_ids)
+
+
+@pytest.mark.shared_server("sglang")
+def test_prompts_of_one_call_sample_independently(engine):
+    """Repeated and distinct prompts in one seeded call sample independently. SGLang applies
+    the seeds only under --enable-deterministic-inference, which its CPU backend refuses, so
+    here this checks the served samples; the seeds sent are checked in
+    tests/unit/rollout/test_sglang_answers.py."""
+    agree, expected = check_prompts_sample_independently(engine, [5, 17, 30, 42], [6, 17, 30, 42])
+    print(f"first tokens agreeing: {agree} of 128 pairs, {expected:.1f} expected")
 
 
 @pytest.mark.shared_server("sglang")

@@ -22,7 +22,8 @@ import pytest
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
-from rollout_checks import CHAR_PROMPTS, PROMPTS, TINY, TOL, make_policy, train_step
+from rollout_checks import (CHAR_PROMPTS, PROMPTS, TINY, TOL, check_prompts_sample_independently,
+                            make_policy, train_step)
 from rollout_checks import mismatch as _mismatch
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.shared_server("vllm")]
@@ -100,6 +101,14 @@ def test_seed_and_stop_token_ids(engines):
     assert s.finish_reason == "stop"
     assert s.token_ids == a.token_ids[:first + 1]
     assert len(s.rollout_logprobs) == first + 1
+
+
+def test_prompts_of_one_call_sample_independently(engines):
+    """Repeated and distinct prompts in one seeded call: each prompt its own seed (the
+    completions API's one seed per request would give every prompt the same noise)."""
+    agree, expected = check_prompts_sample_independently(engines["untied"], [5, 17, 300, 42],
+                                                         [6, 17, 300, 42])
+    print(f"first tokens agreeing: {agree} of 128 pairs, {expected:.1f} expected")
 
 
 @pytest.mark.parametrize("kind", ["tied", "untied"])

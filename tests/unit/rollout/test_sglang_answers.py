@@ -49,3 +49,36 @@ def test_moe_checkpoints_sglang_serves_wrongly_are_refused(tmp_path):
         _check_servable(dict(base, mlp_only_layers=[1]), "ckpt")
     with pytest.raises(ValueError, match="tied embeddings"):
         _check_servable(dict(base, tie_word_embeddings=True), "ckpt")
+
+
+def test_each_sample_of_each_prompt_has_its_own_seed(tmp_path):
+    """The /generate request of a seeded call: sample j of prompt i is seeded
+    prompt_seed(seed, i) + j, so copies of a prompt and samples of different prompts draw
+    their own noise (SGLang honours these seeds under --enable-deterministic-inference, a GPU
+    mode; its CPU attention backend refuses it, so a CPU server cannot show the samples)."""
+    import json
+
+    from megatron_rl.rollout.base import SamplingParams, prompt_seed
+    from megatron_rl.rollout.net import free_port
+    from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    engine = SGLangEngine(str(model), SGLangConfig(work_dir=str(tmp_path / "w"),
+                                                   url=f"http://127.0.0.1:{free_port()}"),
+                          start=False)
+    sent = []
+
+    def answer(path, payload, timeout=600.0):
+        sent.append(payload)
+        return [_item(None, tokens=(3,)) for _ in payload["input_ids"]]
+
+    engine._post = answer  # the transport: what is under test is the request it is given
+    prompts = [[5, 6], [7, 8], [5, 6]]
+    engine.generate(prompts, 3, SamplingParams(max_new_tokens=1, seed=11))
+    seeds = [sp["sampling_seed"] for sp in sent[0]["sampling_params"]]
+    assert seeds == [prompt_seed(11, i) + j for i in range(3) for j in range(3)]
+    assert len(set(seeds)) == 9
+    engine.generate(prompts, 2, SamplingParams(max_new_tokens=1))
+    assert all("sampling_seed" not in sp for sp in sent[1]["sampling_params"])
