@@ -81,25 +81,34 @@ def make_char_tokenizer(path: str, vocab_size: int = 128, special: Sequence[str]
     """Save a character-level HF tokenizer (printable ASCII + newline, one token per character;
     <pad>=0, <eos>=1, <unk>=2) to `path`, padded to `vocab_size` entries. `special`: strings
     that are one token each, after the characters (e.g. "</tool_call>", so that generation can
-    stop on it as on Qwen's)."""
+    stop on it as on Qwen's).
+
+    It is a byte-level BPE without merges, the kind of tokenizer Qwen2's is: transformers loads
+    a directory whose config.json says qwen2 as Qwen2Tokenizer whatever tokenizer_config.json
+    names, and Qwen2Tokenizer rebuilds the byte-level pre-tokenizer and decoder around the
+    saved vocabulary. Each character's token is its byte in the byte-level alphabet (" " is
+    "Ġ", "\n" is "Ċ"), so that tokenizer, like the one saved here, keeps every space and
+    newline and gives each character the same id."""
     import string
 
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    byte_char = bytes_to_unicode()
     chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
     vocab = {t: i for i, t in enumerate(CHAR_SPECIALS)}
     for c in chars:
-        vocab[c] = len(vocab)
+        vocab[byte_char[ord(c)]] = len(vocab)
     for t in special:
         vocab[t] = len(vocab)
     if len(vocab) > vocab_size:
         raise ValueError(f"character vocabulary needs {len(vocab)} entries > {vocab_size}")
     for i in range(len(vocab), vocab_size):
         vocab[f"<unused{i}>"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok = Tokenizer(models.BPE(vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    unk_token="<unk>")
     if special:
@@ -151,7 +160,7 @@ def make_tool_caller_model(path: str, tool: str, *, margin: float = 20.0,
     make_char_tokenizer(path, vocab_size=vocab, special=(TOOL_CALL_OPEN, body, TOOL_CALL_CLOSE))
     tok = AutoTokenizer.from_pretrained(path)
     ids = {s: tok.convert_tokens_to_ids(s) for s in (TOOL_CALL_OPEN, body, TOOL_CALL_CLOSE)}
-    rule = {tok.convert_tokens_to_ids(c): ids[TOOL_CALL_OPEN] for c in "=\n>"}
+    rule = {tok(c, add_special_tokens=False)["input_ids"][0]: ids[TOOL_CALL_OPEN] for c in "=\n>"}
     rule.update({ids[TOOL_CALL_OPEN]: ids[body], ids[body]: ids[TOOL_CALL_CLOSE]})
     weights_path = os.path.join(path, "model.safetensors")
     state = load_file(weights_path)

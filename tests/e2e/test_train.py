@@ -101,11 +101,10 @@ def test_an_overlong_prompt_stops_the_run_before_the_model_is_built(tiny_char_mo
 
     monkeypatch.setattr(policy, "Policy", built)
     cfg = parse_config(train_args(tiny_char_model, str(data), str(tmp_path / "run"), 1))
-    try:  # 272 tokens: the rendered prompt's characters, but for the space, which this
-        # tokenizer (as Qwen2Tokenizer) drops
+    try:  # 273 tokens: one per character of the rendered prompt
         with pytest.raises(ValueError, match=(
                 rf"--train-data: 1 of 65 prompts are too long .*--max-new-tokens \(3\) must fit "
-                rf"the model's max_position_embeddings \(256\).*: {data}:10 \(272 tokens\)\. "
+                rf"the model's max_position_embeddings \(256\).*: {data}:10 \(273 tokens\)\. "
                 rf".*--filter-overlong-prompts")):
             setup_run(cfg)
     finally:
