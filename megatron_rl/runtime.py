@@ -7,6 +7,7 @@ The training loop (train.py) receives a Run and calls the collaborators themselv
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class Codec:
     """Text <-> token ids with the run's tokenizer, and the ids generation needs: `pad_id` (for
-    padded batches) and `stop_ids` (the tokenizer's EOS ids, where sampling stops)."""
+    padded batches) and `stop_ids` (where sampling stops, on every engine)."""
 
     tokenizer: Any
     add_special_tokens: bool
@@ -35,12 +36,22 @@ class Codec:
     stop_ids: tuple[int, ...]
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, chat_template: bool) -> "Codec":
-        """A chat-templated prompt already holds the special tokens it needs."""
-        eos = tokenizer.eos_token_id
+    def from_tokenizer(cls, tokenizer, chat_template: bool, checkpoint: str | None = None
+                       ) -> "Codec":
+        """A chat-templated prompt already holds the special tokens it needs. The stop ids are
+        the tokenizer's EOS and, where the `checkpoint` directory (default: the one the
+        tokenizer was loaded from) has a generation_config.json, each id of its eos_token_id,
+        as transformers' generate stops: Llama 3.1's lists <|eom_id|>, which ends a tool-call
+        turn, beside <|eot_id|>, its tokenizer's only EOS."""
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        stop = _ids(tokenizer.eos_token_id)
+        directory = checkpoint if checkpoint is not None else getattr(tokenizer, "name_or_path", "")
+        path = os.path.join(directory, "generation_config.json") if directory else ""
+        if path and os.path.isfile(path):
+            with open(path) as f:
+                stop |= _ids(json.load(f).get("eos_token_id"))
         return cls(tokenizer, add_special_tokens=not chat_template, pad_id=pad,
-                   stop_ids=tuple(sorted({eos} if isinstance(eos, int) else set(eos or []))))
+                   stop_ids=tuple(sorted(stop)))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"]
@@ -51,6 +62,11 @@ class Codec:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _ids(value: int | list[int] | None) -> set[int]:
+    """An eos_token_id setting (one id, a list, or none) as a set of ids."""
+    return {value} if isinstance(value, int) else set(value or [])
 
 
 @dataclasses.dataclass
@@ -129,7 +145,8 @@ def setup_run(cfg: TrainConfig) -> Run:
     if cfg.algorithm.routing_replay and not args.num_experts:
         raise ValueError(f"--routing-replay replays mixture-of-experts routing; "
                          f"{cfg.model.hf_checkpoint} ({args.architecture}) has no experts")
-    codec = Codec.from_tokenizer(load_tokenizer(cfg.model.hf_checkpoint), cfg.data.chat_template)
+    codec = Codec.from_tokenizer(load_tokenizer(cfg.model.hf_checkpoint), cfg.data.chat_template,
+                                 checkpoint=cfg.model.hf_checkpoint)
     train_data, eval_data = load_data(cfg, codec, args.max_position_embeddings)
     policy = Policy(args, trainable=True, params_dtype=dtype, optim=cfg.optimizer,
                     parallel=cfg.parallel, options=cfg.model.options)
