@@ -238,15 +238,14 @@ def main(argv=None) -> None:
     data = PromptDataset.from_jsonl(a.eval_data, builder, shuffle=False)
     n = len(data) if not a.max_prompts else min(a.max_prompts, len(data))
     records = [data.record(0, i) for i in range(n)]
-    eos = tok.eos_token_id
     engine = LocalEngine(policy, pad_token_id=tok.pad_token_id or 0)
-    codec = Codec.from_tokenizer(tok, a.chat_template)
+    codec = Codec.from_tokenizer(tok, a.chat_template, checkpoint=a.hf_checkpoint)
     all_seeds, counts = [], Counter()
     with RewardScorer(num_workers=2) as scorer:
         for seed in a.seeds:
             params = SamplingParams(temperature=a.temperature, top_p=a.top_p,
                                     max_new_tokens=a.max_new_tokens,
-                                    stop_token_ids=(eos,) if isinstance(eos, int) else tuple(eos),
+                                    stop_token_ids=codec.stop_ids,
                                     seed=seed)
             all_seeds.append(evaluate_engine(
                 RolloutContext(engine, params, a.samples, codec, scorer, run_config,
