@@ -98,8 +98,9 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
             mbatch = batch.select(idx)
             norm_tokens = (rollout_tokens if loss_cfg.aggregation == "token-sum-over-batch-tokens"
                            else data_parallel_sum(mbatch.loss_mask.sum()))
-            # sequences with a loss token: an overlong-filtered or failed one is none
-            norm_seqs = data_parallel_sum(num_sequences(mbatch.loss_mask))
+            # sequences with a loss token: an overlong-filtered or failed one is none; a
+            # minibatch without any has loss 0 (each row adds 0), not 0/0
+            norm_seqs = max(data_parallel_sum(num_sequences(mbatch.loss_mask)), 1.0)
             micro = [loss_microbatch(batch, advantages, ref_lp, m, is_weights, rollout_lp)
                      for m in lay.microbatches(batch.tokens, batch.seq_lengths, idx,
                                                policy.pad_multiple, policy.pp_size > 1,

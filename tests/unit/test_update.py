@@ -12,9 +12,10 @@ from megatron_rl.rollout.base import Completion
 from megatron_rl.rollout.functions import single_turn_groups
 
 
-def _batch():
-    """Two prompts x two samples; the second sample of the first prompt hit --max-new-tokens."""
-    groups = [[Completion([5, 6, 7], [-0.5, -0.7, -0.1], "stop"),
+def _batch(first="stop"):
+    """Two prompts x two samples; the second sample of the first prompt hit --max-new-tokens,
+    the first one too where `first` is "length"."""
+    groups = [[Completion([5, 6, 7, 8], [-0.5, -0.7, -0.1, -0.3], first),
                Completion([8, 9, 2, 3], [-0.2] * 4, "length")],
               [Completion([9, 2], [-1.0, -0.3], "stop"),
                Completion([3, 4, 5, 6], [-0.4] * 4, "stop")]]
@@ -24,18 +25,22 @@ def _batch():
     return batch
 
 
+@pytest.mark.parametrize("first, expected", [("stop", [(4.0, 1.0), (6.0, 2.0)]),
+                                             ("length", [(0.0, 1.0), (6.0, 2.0)])])
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "seq-mean-token-sum"])
-def test_seq_mean_normalizer_counts_only_sequences_with_loss_tokens(aggregation, monkeypatch):
-    """With --overlong-filtering the truncated response keeps its row but loses its loss
-    tokens: each PPO minibatch's num_global_seqs counts the sequences that still have loss
-    tokens (minibatch [0, 1]: 1, minibatch [2, 3]: 2), so a filtered response does not shrink
-    the loss of the others."""
+def test_seq_mean_normalizer_counts_only_sequences_with_loss_tokens(aggregation, first,
+                                                                    expected, monkeypatch):
+    """With --overlong-filtering a truncated response keeps its row but loses its loss tokens:
+    each PPO minibatch's num_global_seqs counts the sequences that still have loss tokens
+    (minibatch [0, 1]: 1, minibatch [2, 3]: 2), so a filtered response does not shrink the loss
+    of the others. A minibatch whose every response was filtered gets 1 (its loss is 0, not
+    0/0, which would count as a non-finite update)."""
     cfg = TrainConfig()
     cfg.algorithm.ppo_minibatches = 2
     cfg.algorithm.loss.aggregation = aggregation
     cfg.algorithm.loss.overlong_filtering = True
     cfg.rollout.max_new_tokens = 4
-    batch = _batch()
+    batch = _batch(first)
     seen = []
 
     def fake_loss_fn(policy, loss_cfg, num_global_tokens, num_global_seqs, reference=None):
@@ -50,4 +55,4 @@ def test_seq_mean_normalizer_counts_only_sequences_with_loss_tokens(aggregation,
     reference = types.SimpleNamespace(
         token_logprobs=lambda tokens, lay, seq_lengths=None: torch.zeros(batch.loss_mask.shape))
     assert update.train_on_batch(policy, reference, cfg, batch, {})
-    assert seen == [(3.0, 1.0), (6.0, 2.0)]
+    assert seen == expected
