@@ -159,3 +159,32 @@ def test_vllm_engine_model_parallel_layouts_log_tp1_metrics(arithmetic_jsonl, tm
                 assert b[key] == a[key], (name, a["step"], key)
             for key in ("kl_k1", "kl_k3", "pg_loss", "entropy", "grad_norm", "kl_forward"):
                 assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (name, a["step"], key)
+
+
+# the partition at every data-parallel size, packed or not, without a run:
+# tests/unit/test_packing.py::test_a_ppo_minibatch_holds_the_same_groups_at_every_data_parallel_size_and_packing
+@pytest.mark.extended
+def test_a_resume_onto_two_ranks_continues_the_single_rank_run(char_model, char_ref, tmp_path,
+                                                               torchrun):
+    """A run preempted at DP1 and resumed at DP2 (packed, two PPO minibatches; the process
+    engine samples the whole batch with the step's seed) logs the uninterrupted DP1 run's
+    steps: each minibatch holds the same groups on any number of ranks. The prompts' lengths
+    differ, so packing's dealing by token count does not follow the groups' order."""
+    from megatron_rl.data.records import TaskExample, write_jsonl
+
+    data = str(tmp_path / "lengths.jsonl")
+    write_jsonl(data, [TaskExample(f"Calculate {a}+{b}.", str(a + b), "arithmetic")
+                       for a in (1, 23, 456, 7890, 12345, 678901, 2345678, 90123456)
+                       for b in range(8)])
+    flags = ["--rollout-engine", "process", "--ppo-minibatches", "2", "--num-prompts-per-step", "8"]
+    run = lambda n, name, iters: _train_metrics(torchrun, n, str(tmp_path / name), char_model,  # noqa: E731
+                                                char_ref, data, flags, iters)
+    whole = run(1, "whole", 3)
+    run(1, "resumed", 1)
+    resumed = run(2, "resumed", 3)
+    assert [r["step"] for r in resumed] == [1, 2, 3] and whole[-1]["grad_norm"] > 1e-4
+    for a, b in zip(whole[1:], resumed[1:]):
+        for key in ("reward/mean", "response/length_mean", "response/truncated_fraction"):
+            assert b[key] == a[key], (a["step"], key)
+        for key in ("kl_k1", "kl_k3", "pg_loss", "entropy", "grad_norm", "kl_forward"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (a["step"], key)
