@@ -163,49 +163,66 @@ def _registry(names: tuple[str, ...]) -> ToolRegistry:
 # -- the text between the policy's turns ------------------------------------------------------
 
 _ASSISTANT = "assistant-turn-text"  # stand-ins: only the template's text around them is used
-_BASE = [{"role": "user", "content": "user-turn-text"}, {"role": "assistant", "content": _ASSISTANT}]
+_USER = {"role": "user", "content": "user-turn-text"}
 
 
 class ChatFormat:
-    """The environment's text after a policy turn: `after_turn(messages, last_token_text)`.
-    With a chat template (tokenizer.chat_template) it is what the template renders for the
-    environment's messages (tool responses, user messages) and the next assistant header,
-    preceded by the end of the assistant turn unless the policy's last token already ended it;
-    without one, each tool response in <tool_response> tags on lines of its own and any other
-    message's content on lines of its own."""
+    """The environment's text after a policy turn: `after_turn(messages, last_token)`.
 
-    def __init__(self, tokenizer: Any):
+    With a chat template (tokenizer.chat_template) it is what the template renders after an
+    assistant message followed by the environment's messages (tool responses, user messages)
+    and the next assistant header: the end of the assistant turn, the messages, the header.
+    Only that text is taken, from the end of a stand-in assistant message's content on, so
+    what a template renders before it does not enter: Qwen3's hybrid-thinking template gives
+    the assistant message an empty think block only while it is the last message, and Llama
+    3.2/3.3's put today's date in the system header; neither is part of the trajectory, whose
+    prompt and policy turns are already tokens.
+
+    A policy that ended its turn itself, with one of `end_ids` (the stop ids of generation:
+    Llama 3.1 ends a tool call with <|eom_id|> and other turns with <|eot_id|>) or with the
+    template's own end-of-turn token, gets no second end of turn: the template's end-of-turn
+    token is left out. The turn end is told by token id, never by text, so a turn cut after a
+    token that reads like the start of the end-of-turn token ("<") still gets it.
+
+    Without a template, each tool response is in <tool_response> tags on lines of its own and
+    any other message's content on lines of its own."""
+
+    def __init__(self, tokenizer: Any, end_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.templated = getattr(tokenizer, "chat_template", None) is not None
-        self._close = self._tool_header = ""
+        self.end_ids = frozenset(end_ids)
+        self._close_id: int | None = None  # the template's end-of-turn token, where it is one
         if self.templated:
-            rendered = self._render(_BASE, False)
-            if _ASSISTANT not in rendered:
-                raise ValueError("the chat template does not render an assistant message's text")
-            self._close = rendered[rendered.rindex(_ASSISTANT) + len(_ASSISTANT):]  # <|im_end|>\n
-            self._base = rendered
+            after = self._after_assistant([_USER], generation_prompt=False)  # <|im_end|>\n...
+            ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+            if ids and ids[0] in set(tokenizer.all_special_ids):
+                self._close_id = ids[0]
+                self.end_ids |= {ids[0]}
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+    def _after_assistant(self, messages: list[dict], generation_prompt: bool) -> str:
+        """The template's text after an assistant message's content, `messages` following it."""
+        rendered = self.tokenizer.apply_chat_template(
+            [_USER, {"role": "assistant", "content": _ASSISTANT}, *messages], tokenize=False,
+            add_generation_prompt=generation_prompt)
+        if _ASSISTANT not in rendered:
+            raise ValueError("the chat template does not render an assistant message's text")
+        return rendered[rendered.index(_ASSISTANT) + len(_ASSISTANT):]
 
-    def after_turn(self, results: Sequence[str | dict[str, str]], last_token_text: str) -> str:
-        """The text appended after a policy turn whose last token reads `last_token_text`
-        (special tokens kept), holding the environment's messages `results` in order: a str
-        is a tool response (a "tool" message), a dict a chat message ({"role", "content"})."""
+    def after_turn(self, results: Sequence[str | dict[str, str]], last_token: int | None
+                   ) -> str:
+        """The text appended after a policy turn whose last token id is `last_token` (None: an
+        empty turn), holding the environment's messages `results` in order: a str is a tool
+        response (a "tool" message), a dict a chat message ({"role", "content"})."""
         msgs = [{"role": "tool", "content": r} if isinstance(r, str) else r for r in results]
         if not self.templated:
             return "".join(f"\n<tool_response>\n{m['content']}\n</tool_response>\n"
                            if m["role"] == "tool" else f"\n{m['content']}\n" for m in msgs)
-        full = self._render(_BASE + msgs, True)
-        if not full.startswith(self._base):
-            raise ValueError("the chat template renders the conversation before the "
-                             "environment's messages differently once they follow: the "
-                             "environment's text between turns cannot be taken from it")
-        close = self._close
-        if last_token_text and close.startswith(last_token_text):
-            close = close[len(last_token_text):]  # the policy ended its turn itself
-        return close + full[len(self._base):]
+        text = self._after_assistant(msgs, generation_prompt=True)
+        if self._close_id is not None and last_token in self.end_ids:
+            close = self.tokenizer.decode([self._close_id], skip_special_tokens=False)
+            if text.startswith(close):
+                text = text[len(close):]  # the policy ended its turn itself
+        return text
 
 
 def _marker_stop_id(tokenizer: Any, marker: str | None) -> int | None:
@@ -277,7 +294,7 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord],
     (default: --agent-tools')."""
     config = getattr(ctx.config, "agent", None) or AgentConfig()
     tokenizer = ctx.codec.tokenizer
-    fmt = ChatFormat(tokenizer)
+    fmt = ChatFormat(tokenizer, end_ids=ctx.codec.stop_ids)
     with_tools = config.agent_environment == "tools"
     factory = None if with_tools else resolve_environment(config.agent_environment)
     marker = (_END_MARKERS[config.tool_call_format] if with_tools
@@ -348,7 +365,7 @@ class _Turns:
         outcomes = self.envs.step([self.number[id(e)] for e in episodes],
                                   [self.decode(e.last_turn) for e in episodes])
         for e, outcome in zip(episodes, outcomes):
-            _answer(e, outcome, self.fmt, self.config, self.decode, self.tokenizer,
+            _answer(e, outcome, self.fmt, self.config, self.tokenizer,
                     last_turn=turn + 1 >= self.config.agent_max_turns)
 
 
@@ -443,7 +460,7 @@ def _start(ctx: RolloutContext, records: Sequence[PromptRecord], resets: list[Ca
     return episodes
 
 
-def _answer(e: _Episode, outcome: CallOutcome, fmt: ChatFormat, config: AgentConfig, decode,
+def _answer(e: _Episode, outcome: CallOutcome, fmt: ChatFormat, config: AgentConfig,
             tokenizer, last_turn: bool) -> None:
     """The environment's `outcome` for the policy's last turn applied to `e`: its failure, the
     end it gives, or its observation appended (mask 0)."""
@@ -461,7 +478,8 @@ def _answer(e: _Episode, outcome: CallOutcome, fmt: ChatFormat, config: AgentCon
     if last_turn:
         e.end = "max_turns"
         return
-    text = fmt.after_turn(list(result.observation or ()), decode(e.last_turn[-1:]))
+    last_token = e.last_turn[-1] if e.last_turn else None
+    text = fmt.after_turn(list(result.observation or ()), last_token)
     env = tokenizer(text, add_special_tokens=False)["input_ids"]
     if e.length + len(env) >= config.agent_max_tokens:
         e.end = "max_tokens"  # no room for the observation and a next turn

@@ -131,10 +131,11 @@ def test_the_chat_template_gives_the_text_between_turns(tmp_path, scorer):
     fmt = ChatFormat(tok)
     expected = ("<|im_start|>user\n<tool_response>\n408\n</tool_response>\n<tool_response>\n"
                 "x\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    im_end, gt = tok.convert_tokens_to_ids("<|im_end|>"), _encode(tok, ">")[0]
     # the policy's turn ended with its end-of-turn token: only the newline after it is added
-    assert fmt.after_turn(["408", "x"], "<|im_end|>") == "\n" + expected
+    assert fmt.after_turn(["408", "x"], im_end) == "\n" + expected
     # it did not (stopped at </tool_call>): the environment closes the turn
-    assert fmt.after_turn(["408", "x"], ">") == "<|im_end|>\n" + expected
+    assert fmt.after_turn(["408", "x"], gt) == "<|im_end|>\n" + expected
 
     def policy(context, _):
         if "<tool_response>" not in context:

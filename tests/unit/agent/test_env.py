@@ -137,11 +137,12 @@ def test_an_observation_is_a_user_message_of_the_chat_template(tmp_path):
     tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>", "<|im_start|>"]})
     tok.chat_template = QWEN_LIKE
     fmt = ChatFormat(tok)
-    assert fmt.after_turn([{"role": "user", "content": "lower"}], "<|im_end|>") == (
+    im_end, gt = tok.convert_tokens_to_ids("<|im_end|>"), _encode(tok, ">")[0]
+    assert fmt.after_turn([{"role": "user", "content": "lower"}], im_end) == (
         "\n<|im_start|>user\nlower<|im_end|>\n<|im_start|>assistant\n")
-    assert fmt.after_turn([], ">") == "<|im_end|>\n<|im_start|>assistant\n"
+    assert fmt.after_turn([], gt) == "<|im_end|>\n<|im_start|>assistant\n"
     plain = ChatFormat(AutoTokenizer.from_pretrained(make_char_tokenizer(str(tmp_path / "p"))))
-    assert plain.after_turn([{"role": "user", "content": "lower"}, "7"], ">") == (
+    assert plain.after_turn([{"role": "user", "content": "lower"}, "7"], gt) == (
         "\nlower\n\n<tool_response>\n7\n</tool_response>\n")
 
 
