@@ -10,6 +10,7 @@ reason, log-prob mismatch statistics) are exchanged as small objects and combine
 from __future__ import annotations
 
 import collections
+import math
 
 import torch
 import torch.distributed as dist
@@ -107,8 +108,10 @@ def loss_metrics(results: list[dict], group=None, num_steps: int = 1) -> dict[st
                           + [-torch.stack([r[k].float() for r in results]).min()
                              for k in minned]).double()
         high = all_reduce(ext, group, op=dist.ReduceOp.MAX).tolist()
-        out.update(zip(maxed, high[:len(maxed)]))
-        out.update({k: -v for k, v in zip(minned, high[len(maxed):])})
+        # an extreme over no loss token anywhere is -inf: left out of the log, not logged as
+        # an infinity (metrics.jsonl stays strict JSON)
+        out.update((k, v) for k, v in zip(maxed, high[:len(maxed)]) if math.isfinite(v))
+        out.update((k, -v) for k, v in zip(minned, high[len(maxed):]) if math.isfinite(v))
     return out
 
 

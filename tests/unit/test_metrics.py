@@ -79,6 +79,9 @@ def test_each_reduction_over_microbatches_and_steps():
                  ratio_min=torch.tensor(float("inf")), num_tokens=torch.tensor(0.0))
     out = metrics.loss_metrics([empty, results[1]])
     assert (out["ratio_max"], out["ratio_min"]) == pytest.approx((3.0, 0.8))
+    # a step without any loss token: no extreme logged (never an infinity in metrics.jsonl)
+    out = metrics.loss_metrics([empty])
+    assert "ratio_max" not in out and "ratio_min" not in out and "pg_loss" in out
 
 
 def test_register_loss_metric():
