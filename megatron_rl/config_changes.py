@@ -6,7 +6,14 @@ with --load) compares its own configuration with that one before any model is bu
 (`check_resume`), setting by setting:
 
 - settings that only steer how the run operates, not what its steps compute (RESUME_FREE: where
-  it stops, when it saves, where generation runs, timeouts, kernels), may change freely;
+  it stops, when it saves, where generation runs, timeouts, kernels), may change freely; the
+  parallel layout and microbatches leave a PPO minibatch's sequences and its loss normaliser
+  as they were (packing.rank_groups, loss.py), so the steps agree up to float rounding;
+- settings a resume may change without a flag that keep how the run samples and its loss but
+  change which samples it draws or keeps against the uninterrupted run (RESAMPLES, decided per
+  resume in _rules_of_this_resume: the tensor/pipeline-parallel sizes, which set the
+  data-parallel size whose replicas seed the in-process engine; the microbatches under
+  --dynamic-sampling-keep-kl): a warning names each with what differs;
 - settings that cannot take effect on a resume (RESUME_FIXED, and _rules_of_this_resume for the
   ones that depend on the checkpoint: the model, --seed, the optimizer's format) are refused
   even with --allow-config-change, each with the reason;
@@ -26,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import warnings
 from typing import Any
@@ -37,15 +45,21 @@ HISTORY = "config_history.jsonl"
 
 # -- what a resume may change: the one place that decides it -------------------------------------
 
-FREE, FIXED, NEEDS_FLAG = "free", "fixed", "needs_flag"
+FREE, FIXED, NEEDS_FLAG, RESAMPLES = "free", "fixed", "needs_flag", "resamples"
 
 # Settings that only steer how a run operates: a resume may change them freely.
 # {flat name: why its steps compute the same whatever its value}.
 _PLACEMENT = "where generation runs: the same weights and per-request seeds"
+_CONTEXT = ("; with --filter-overlong-prompts a change of the context limit changes the data "
+            "and needs the flag (_rules_of_this_resume)")
 _LAYOUT = ("how the same model is split over the ranks: a checkpoint reshards to the new layout "
-           "(not the distributed optimizer's: see _rules_of_this_resume)")
+           "(not the distributed optimizer's: see _rules_of_this_resume) and a PPO minibatch "
+           "holds the same groups at any layout (packing.rank_groups); the in-process engine's "
+           "samples follow the data-parallel size (RESAMPLES)")
 _MICROBATCHES = ("how a batch is cut into microbatches: the loss is normalised over the whole "
-                 "batch whatever the cut (loss.py)")
+                 "minibatch or batch whatever the cut (loss.py), and packing deals a "
+                 "minibatch's groups over the ranks, not over the minibatches "
+                 "(packing.rank_groups)")
 _RECOMPUTE = "memory traded for compute: the same gradients"
 _KERNELS = "which kernels compute the same functions"
 _EVAL = "evaluation measures the policy (its own sampling seeds) and feeds nothing back"
@@ -68,14 +82,16 @@ RESUME_FREE: dict[str, str] = {
     "eval_interval": _EVAL,
     "eval_samples": _EVAL,
     "eval_max_prompts": _EVAL,
-    "rollout_url": _PLACEMENT,
-    "rollout_num_servers": _PLACEMENT,
+    "rollout_url": _PLACEMENT + _CONTEXT,
+    "rollout_num_servers": "where generation runs: each prompt's seed depends on its index in the "
+                           "call, not on the server or chunk",
     "rollout_host": _PLACEMENT,
     "rollout_gpus": _PLACEMENT,
     "rollout_process_cores": _PLACEMENT,
     "rollout_process_gpu": _PLACEMENT,
     "rollout_gpu_memory_utilization": "a server's memory (too little is refused at its start)",
-    "rollout_max_context_len": "a server's capacity (too little is refused at its start)",
+    "rollout_max_context_len": ("a server's capacity (too little is refused at its start)"
+                                + _CONTEXT),
     "rollout_release_memory": "where a server's memory is while the trainer trains",
     "weight_sync": "how the same weights reach the engine",
     "weight_sync_bucket_mb": "how the same weights reach the engine",
@@ -113,7 +129,7 @@ _ACCEPT = "allow_config_change"  # the setting that accepts the differences
 
 
 def _rules_of_this_resume(old: dict, new: dict, ckpt: str, from_load: bool) -> dict[str, tuple]:
-    """The settings whose freedom depends on this resume: {flat name: (FREE or FIXED, why)}.
+    """The settings whose freedom depends on this resume: {flat name: (kind, why)}.
 
     --load, --finetune: where a run checkpoint given with --load resumes from (free then); a
     resume from --save's own checkpoint reads --load only as a weights-only reference, compared.
@@ -122,10 +138,33 @@ def _rules_of_this_resume(old: dict, new: dict, ckpt: str, from_load: bool) -> d
     the initial weights). The distributed optimizer's state reloads only in the TP x PP x EP
     layout it was saved in (checkpoint._sharded_state_dict: dp_reshardable). A reference saved
     with the checkpoint (--ref-reset-interval) is the run's reference: --ref-checkpoint would not
-    take effect."""
+    take effect. Under --filter-overlong-prompts the context limit (--rollout-max-context-len,
+    where --rollout-url leaves servers to start) decides which rows the run trains on: a change
+    of it needs the flag. The tensor/pipeline-parallel sizes (RESAMPLES where _layout_resamples
+    says what they redraw) set the data-parallel size at a given number of ranks."""
     from megatron_rl.checkpoint import step_reference
 
     rules: dict[str, tuple] = {}
+    redraws = _layout_resamples(old, new)
+    if redraws:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            rules[name] = (RESAMPLES, "it sets the data-parallel size at a given number of ranks "
+                                      "(world size / (TP x PP)): " + redraws)
+    if _keeps_filtered_groups(old) and _microbatch_unit(old) != _microbatch_unit(new):
+        for name in ("micro_batch_size", "sequence_packing"):
+            rules[name] = (RESAMPLES, "under pipeline parallelism without --sequence-packing a "
+                                      "--dynamic-sampling-keep-kl batch holds a multiple of the "
+                                      "groups that fill whole microbatches "
+                                      "(orchestrate._batch_unit), so it may keep other groups "
+                                      "without reward spread")
+    if old.get("filter_overlong_prompts") and new.get("filter_overlong_prompts"):
+        before, after = _context_limit(old, ckpt), _context_limit(new, ckpt)
+        if before[0] != after[0]:
+            why = (f"under --filter-overlong-prompts the context limit decides which rows the run "
+                   f"trains on: {before[1]} -> {after[1]}")
+            for name in ("rollout_max_context_len", "rollout_url"):
+                if old.get(name) != new.get(name):
+                    rules[name] = (NEEDS_FLAG, why)
     if from_load:
         for name in ("load", "finetune"):
             rules[name] = (FREE, "where the resumed run checkpoint is read from")
@@ -149,6 +188,58 @@ def _rules_of_this_resume(old: dict, new: dict, ckpt: str, from_load: bool) -> d
     return rules
 
 
+def _keeps_filtered_groups(flat: dict) -> bool:
+    """AlgorithmConfig.keeps_filtered_groups of the flat configuration `flat`."""
+    return bool(flat.get("dynamic_sampling") and flat.get("dynamic_sampling_keep_kl")
+                and flat.get("kl_placement", "none") != "none")
+
+
+def _microbatch_unit(flat: dict) -> int:
+    """The factor orchestrate._batch_unit takes from the microbatches of the flat configuration
+    `flat`: groups per whole microbatch under pipeline parallelism without packing, else 1."""
+    mbs = flat.get("micro_batch_size", 1)
+    if flat.get("pipeline_model_parallel_size", 1) > 1 and not flat.get("sequence_packing"):
+        return mbs // math.gcd(mbs, flat.get("group_size", 1))
+    return 1
+
+
+def _layout_resamples(old: dict, new: dict) -> str:
+    """What another data-parallel size draws differently in the run of the flat configurations
+    `old` -> `new` ("" when nothing: the same samples and minibatches, up to float rounding)."""
+    from megatron_rl.rollout.factory import ENGINES
+
+    effects = []
+    if not ENGINES[new["rollout_engine"]].holds_own_weights:
+        effects.append("the in-process engine samples each data-parallel replica's share of the "
+                       "prompts with a seed of its own (the step's + its rank), so another "
+                       "data-parallel size draws other samples from the same distribution")
+    if _keeps_filtered_groups(old):
+        effects.append("a --dynamic-sampling-keep-kl batch holds a multiple of data-parallel "
+                       "size x --ppo-minibatches groups, so another size may keep other groups "
+                       "without reward spread")
+    return "; ".join(effects)
+
+
+def _context_limit(flat: dict, ckpt: str) -> tuple[int, str]:
+    """rollout.factory.context_limit for the flat configuration `flat`, with the positions of
+    the model the checkpoint `ckpt` holds (its hf_config.json; unreadable: any number)."""
+    import sys
+    import types
+
+    from megatron_rl.models.config import ModelArgs
+    from megatron_rl.rollout.factory import context_limit
+
+    try:
+        positions = ModelArgs.from_pretrained(
+            os.path.join(ckpt, "hf_config.json")).max_position_embeddings
+    except (OSError, ValueError, KeyError):
+        positions = sys.maxsize
+    r = types.SimpleNamespace(**{k: flat[k] for k in (
+        "rollout_engine", "rollout_url", "rollout_max_context_len")})
+    tokens, source = context_limit(r, positions)
+    return tokens, ("the model's max_position_embeddings" if tokens == sys.maxsize else source)
+
+
 def _same_architecture(ckpt: str, hf_dir: str) -> bool | str | None:
     """True when the HF directory `hf_dir` describes the architecture of the checkpoint `ckpt`
     (its hf_config.json; the HF weights' storage dtype aside); else what differs, or None when
@@ -167,8 +258,8 @@ def _same_architecture(ckpt: str, hf_dir: str) -> bool | str | None:
 
 
 def classify(name: str, rules: dict[str, tuple] | None = None) -> tuple[str, str]:
-    """(FREE, FIXED or NEEDS_FLAG, why) of a change of setting `name` on a resume; `rules`:
-    _rules_of_this_resume's, which come first."""
+    """(FREE, FIXED, NEEDS_FLAG or RESAMPLES, why) of a change of setting `name` on a resume;
+    `rules`: _rules_of_this_resume's, which come first."""
     if rules and name in rules:
         return rules[name]
     if name in RESUME_FREE:
@@ -262,13 +353,16 @@ def check_resume(cfg: TrainConfig, ckpt: str | None) -> dict | None:
                  != os.path.abspath(cfg.checkpoint.save))
     diffs = config_differences(old, new)
     rules = _rules_of_this_resume(old, new, ckpt, from_load)
-    fixed, needs = [], []
+    fixed, needs, redraws = [], [], []
     for name, (a, b) in diffs.items():
         kind, why = classify(name, rules)
         if kind == FIXED:
             fixed.append(f"  {describe(name, a, b)} ({why})")
         elif kind == NEEDS_FLAG:
-            needs.append(f"  {describe(name, a, b)}{_note(name, diffs, new)}")
+            needs.append(f"  {describe(name, a, b)}{_note(name, diffs, new)}"
+                         + (f" ({why})" if why else ""))
+        elif kind == RESAMPLES:
+            redraws.append(f"  {describe(name, a, b)} ({why})")
     source = "--load" if from_load else "--save"
     allowed = cfg.checkpoint.allow_config_change
     if fixed or (needs and not allowed):
@@ -291,6 +385,10 @@ def check_resume(cfg: TrainConfig, ckpt: str | None) -> dict | None:
     if needs:
         warnings.warn(f"resuming {ckpt} with changed settings (--allow-config-change), in "
                       "effect from the resumed step:\n" + "\n".join(needs), stacklevel=2)
+    if redraws:
+        warnings.warn(f"resuming {ckpt} with settings that keep how the run samples and its "
+                      "loss but change which samples it draws or keeps against the "
+                      "uninterrupted run:\n" + "\n".join(redraws), stacklevel=2)
     return old
 
 

@@ -70,11 +70,12 @@ def test_a_changed_lr_is_refused_listing_it_and_the_flag_that_accepts_it(tmp_pat
 
 def test_free_settings_resume_without_the_flag(tmp_path):
     _checkpoint(tmp_path, BASE)
-    saved = _resume(tmp_path, BASE + [
-        "--train-iters", "9", "--save-interval", "3", "--eval-interval", "2", "--eval-data",
-        "e.jsonl", "--exit-duration-in-mins", "30", "--no-exit-signal-handler",
-        "--rank-wait-timeout-minutes", "5", "--micro-batch-size", "2",
-        "--tensor-model-parallel-size", "2", "--rollout-process-cores", "0", "1"])
+    with pytest.warns(UserWarning, match="in-process engine"):  # the layout: its own test
+        saved = _resume(tmp_path, BASE + [
+            "--train-iters", "9", "--save-interval", "3", "--eval-interval", "2", "--eval-data",
+            "e.jsonl", "--exit-duration-in-mins", "30", "--no-exit-signal-handler",
+            "--rank-wait-timeout-minutes", "5", "--micro-batch-size", "2",
+            "--tensor-model-parallel-size", "2", "--rollout-process-cores", "0", "1"])
     assert saved is not None and saved["lr"] == 0.01 and saved["train_iters"] == 4
 
 
@@ -190,3 +191,74 @@ def test_each_start_appends_its_record_and_config_json_is_the_current_configurat
     again = parse_config(["--config", str(tmp_path / config_changes.CONFIG)])
     assert again.optimizer.lr == 0.005 and not again.checkpoint.allow_config_change
     assert to_flat_dict(again) == {**to_flat_dict(second), "allow_config_change": False}
+
+
+SERVERS = ["--rollout-engine", "vllm", "--filter-overlong-prompts"]
+
+
+def test_a_context_limit_that_decides_the_filtered_rows_needs_the_flag(tmp_path):
+    """Under --filter-overlong-prompts the context limit decides which rows the run trains on:
+    a resume that changes it is refused like a change of the data, naming why."""
+    _checkpoint(tmp_path, BASE + SERVERS + ["--rollout-max-context-len", "4096"])
+    with pytest.raises(ValueError) as e:
+        _resume(tmp_path, BASE + SERVERS + ["--rollout-max-context-len", "2048"])
+    assert ("--rollout-max-context-len: 4096 -> 2048 (under --filter-overlong-prompts the "
+            "context limit decides which rows the run trains on: --rollout-max-context-len 4096 "
+            "-> --rollout-max-context-len 2048)") in str(e.value)
+    # attached servers: the model's positions are the limit, not --rollout-max-context-len
+    with pytest.raises(ValueError, match="--rollout-url: unset -> http://h:1 .*decides which rows"):
+        _resume(tmp_path, BASE + SERVERS + ["--rollout-max-context-len", "4096",
+                                            "--rollout-url", "http://h:1"])
+    with pytest.warns(UserWarning, match="--rollout-max-context-len: 4096 -> 2048"):
+        _resume(tmp_path, BASE + SERVERS + ["--rollout-max-context-len", "2048",
+                                            "--allow-config-change"])
+
+
+@pytest.mark.parametrize("saved, resumed", [
+    # without the filter an overlong prompt is refused at the start: the rows are the same
+    (["--rollout-engine", "vllm", "--rollout-max-context-len", "4096"],
+     ["--rollout-engine", "vllm", "--rollout-max-context-len", "2048"]),
+    # the in-process engine's limit is the model's positions whatever the flag
+    (["--filter-overlong-prompts", "--rollout-max-context-len", "4096"],
+     ["--filter-overlong-prompts", "--rollout-max-context-len", "2048"]),
+    # attached servers, another address: the same limit
+    (SERVERS + ["--rollout-url", "http://a:1"], SERVERS + ["--rollout-url", "http://b:1"]),
+])
+def test_a_context_change_that_keeps_the_rows_stays_free(tmp_path, saved, resumed):
+    _checkpoint(tmp_path, BASE + saved)
+    assert _resume(tmp_path, BASE + resumed) is not None
+
+
+def test_another_data_parallel_size_with_the_in_process_engine_resumes_with_a_warning(tmp_path):
+    """The layout stays free (a preemption onto other nodes is normal); where it changes the
+    samples (the in-process engine seeds each data-parallel replica), the resume says so."""
+    _checkpoint(tmp_path, BASE)
+    with pytest.warns(UserWarning, match=r"change which samples it draws or keeps[^\n]*\n"
+                                         r"  --tensor-model-parallel-size: 1 -> 2 \(it sets the "
+                                         r"data-parallel size.*in-process engine"):
+        assert _resume(tmp_path, BASE + ["--tensor-model-parallel-size", "2"]) is not None
+
+
+def test_another_layout_with_an_engine_of_its_own_resumes_silently(tmp_path, recwarn):
+    process = BASE + ["--rollout-engine", "process"]
+    _checkpoint(tmp_path, process)
+    assert _resume(tmp_path, process + ["--tensor-model-parallel-size", "2",
+                                        "--pipeline-model-parallel-size", "2",
+                                        "--no-sequence-packing", "--micro-batch-size", "2"])
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_a_keep_kl_batch_unit_that_changes_with_the_layout_is_named(tmp_path):
+    """--dynamic-sampling-keep-kl rounds a batch to whole data-parallel shares and, under
+    pipeline parallelism without packing, whole microbatches: another layout may keep other
+    groups, which the resume says (process engine: the samples themselves are the same)."""
+    keep = BASE + ["--rollout-engine", "process", "--dynamic-sampling", "--kl-placement",
+                   "reward", "--pipeline-model-parallel-size", "2", "--no-sequence-packing",
+                   "--group-size", "2", "--micro-batch-size", "2"]
+    _checkpoint(tmp_path, keep)
+    with pytest.warns(UserWarning, match=r"--micro-batch-size: 2 -> 4 \(under pipeline "
+                                         r"parallelism.*keep other groups"):
+        _resume(tmp_path, keep + ["--micro-batch-size", "4"])
+    with pytest.warns(UserWarning, match=r"--tensor-model-parallel-size: 1 -> 2 .*multiple of "
+                                         r"data-parallel size x --ppo-minibatches"):
+        _resume(tmp_path, keep + ["--tensor-model-parallel-size", "2"])
