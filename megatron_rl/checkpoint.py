@@ -27,6 +27,8 @@ checks the checkpoint `latest` names against its manifest: a damaged one is rena
 `iter_XXXXXXX.damaged` (kept, not deleted) with a warning naming the file, and the run resumes
 from the newest earlier checkpoint that is complete. Checkpoints without a manifest (written
 before manifests existed) load unchecked, with their required files checked for presence.
+A `latest` that is missing, empty or names anything but an `iter_XXXXXXX` directory of the root
+is not trusted: the iterations present are, the newest complete one resumed with a warning.
 """
 
 from __future__ import annotations
@@ -320,38 +322,83 @@ def remove_partial_saves(root: str) -> None:
                     os.remove(path)
 
 
+def _read_latest(root: str) -> tuple[str | None, str | None]:
+    """(the checkpoint directory name `<root>/latest` names, what is wrong with the file): one of
+    them is None, or both when there is no `latest`. Only an `iter_XXXXXXX` directory of `root`
+    itself is a name; anything else (an empty file, `../x`, a path elsewhere) is a problem."""
+    path = os.path.join(root, LATEST)
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"cannot be read ({type(e).__name__}: {e})"
+    if not text:
+        return None, "is empty"
+    named = os.path.abspath(os.path.join(root, text))
+    if os.path.dirname(named) == os.path.abspath(root) and _ITER.fullmatch(os.path.basename(named)):
+        return os.path.basename(named), None
+    return None, f"names {text!r}, which is not a checkpoint directory (iter_XXXXXXX) of {root}"
+
+
+def _steps_present(root: str) -> list[int]:
+    """The steps of the `iter_XXXXXXX` directories under `root`, newest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted((int(m.group(1)) for m in map(_ITER.fullmatch, os.listdir(root)) if m),
+                  reverse=True)
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, LATEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+
+
 def complete_checkpoint(root: str) -> str | None:
-    """The newest complete checkpoint under `root`, or None when there is none (no `latest`).
+    """The newest complete checkpoint under `root`, or None when there is none.
 
     Partial saves are removed first (remove_partial_saves). The checkpoint `latest` names is
     checked (checkpoint_damage); when it is damaged, so are the earlier ones, newest first: the
     first complete one is returned, and each damaged one newer than it is renamed aside to
     `<name>.damaged` with a warning naming the file at fault, and `latest` rewritten. Raises
     ValueError naming every damaged checkpoint when none is complete (nothing renamed then).
+
+    Without a usable `latest` (missing, empty, or naming anything but an iteration directory
+    of `root`: a hand edit, a copy, a file system that lost it) the iterations present are
+    checked the same way, newest first, and the one found is resumed with a warning naming
+    `latest`'s problem, which is rewritten: a run is never restarted from step 0 over its own
+    checkpoints, and nothing outside `root` is read or renamed. None only when `root` holds no
+    `iter_XXXXXXX` directory (with a warning when `latest` was there but unusable).
     Rank 0's work (checkpoints_to_load gives every rank its answer)."""
     remove_partial_saves(root)
     path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
+    name, problem = _read_latest(root)
+    if name is None and problem is None and not _steps_present(root):
+        return None  # a new run
+    newest = int(name[len("iter_"):]) if name is not None else None
+    earlier = [s for s in _steps_present(root) if newest is None or s < newest]
+    candidates = ([os.path.join(root, name)] if name is not None else []) + [
+        os.path.join(root, iter_dir_name(s)) for s in earlier]
+    if not candidates:
+        warnings.warn(f"{path} {problem}, and {root} holds no checkpoint (iter_XXXXXXX): the "
+                      "run starts at step 0", stacklevel=2)
         return None
-    with open(path) as f:
-        name = f.read().strip()
-    match = _ITER.fullmatch(name)
-    newest = int(match.group(1)) if match else None
-    earlier = sorted((int(m.group(1)) for m in map(_ITER.fullmatch, os.listdir(root))
-                      if m and (newest is None or int(m.group(1)) < newest)), reverse=True)
-    candidates = [os.path.join(root, name)] + [os.path.join(root, iter_dir_name(s))
-                                               for s in earlier]
     damaged = []
     for ckpt in candidates:
-        problem = checkpoint_damage(ckpt)
-        if problem is None:
+        problem_found = checkpoint_damage(ckpt)
+        if problem_found is None:
             break
-        damaged.append((ckpt, problem))
+        damaged.append((ckpt, problem_found))
     else:
         raise ValueError(f"no complete checkpoint under {root}: " + "; ".join(
             f"{os.path.basename(c)}: {p}" for c, p in damaged) + ". Move the directory aside "
             "(or pass another --save) to start the run over")
-    for bad, problem in damaged:
+    for bad, why in damaged:
         aside = bad + ".damaged"
         n = 1
         while os.path.exists(aside):
@@ -360,29 +407,41 @@ def complete_checkpoint(root: str) -> str | None:
         if os.path.isdir(bad):
             os.rename(bad, aside)
             kept = f" Kept as {aside};"
-        warnings.warn(f"checkpoint {bad} is damaged: {problem}.{kept} resuming from the previous "
+        warnings.warn(f"checkpoint {bad} is damaged: {why}.{kept} resuming from the previous "
                       f"complete checkpoint {ckpt} instead (the steps after it are redone)",
                       stacklevel=2)
-    if damaged:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(os.path.basename(ckpt) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+    if name is None:
+        warnings.warn(f"{path} {problem or 'is missing'}: resuming from the newest complete "
+                      f"checkpoint present, {ckpt} (to start the run over instead, move {root} "
+                      "aside or pass another --save)", stacklevel=2)
+    if damaged or name is None:
+        _write_latest(root, os.path.basename(ckpt))
     return ckpt
 
 
 def latest_checkpoint(root: str) -> str | None:
-    """The newest complete checkpoint directory under `root`, or None."""
-    path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
+    """The newest checkpoint directory under `root` (what `latest` names), or None when `root`
+    has neither `latest` nor an `iter_XXXXXXX` directory (it may be one checkpoint itself).
+    Without a usable `latest` (missing, empty, naming anything but an iteration directory of
+    `root`) the newest iteration present is taken, with a warning; nothing outside `root` is."""
+    if not os.path.isdir(root):
         return None
-    with open(path) as f:
-        name = f.read().strip()
-    ckpt = os.path.join(root, name)
-    if not os.path.isdir(ckpt):
-        raise FileNotFoundError(f"{path} names {name!r}, which does not exist under {root}")
+    path = os.path.join(root, LATEST)
+    name, problem = _read_latest(root)
+    if name is not None:
+        ckpt = os.path.join(root, name)
+        if not os.path.isdir(ckpt):
+            raise FileNotFoundError(f"{path} names {name!r}, which does not exist under {root}")
+        return ckpt
+    steps = _steps_present(root)
+    if not steps:
+        if problem is None:
+            return None
+        raise FileNotFoundError(f"{path} {problem}, and {root} holds no checkpoint "
+                                "(iter_XXXXXXX)")
+    ckpt = os.path.join(root, iter_dir_name(steps[0]))
+    warnings.warn(f"{path} {problem or 'is missing'}: taking the newest checkpoint present, "
+                  f"{ckpt}", stacklevel=2)
     return ckpt
 
 

@@ -196,6 +196,60 @@ def test_partial_saves_are_removed_at_the_next_start(saved, tmp_path):
     assert resume == os.path.join(root, "iter_0000002") and not os.path.exists(partial)
 
 
+@pytest.mark.parametrize("latest", ["missing", "empty", "../elsewhere", "absolute"])
+def test_a_missing_empty_or_foreign_latest_resumes_the_newest_checkpoint_with_a_warning(
+        saved, tmp_path, latest):
+    """`latest` lost (a hand edit, a copy without it) with checkpoints present: the run resumes
+    the newest complete one and says so, never starts over at step 0 on top of them; a `latest`
+    naming a directory beside --save leaves that directory alone."""
+    root = _copy(saved, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("not a checkpoint")
+    path = os.path.join(root, "latest")
+    if latest == "missing":
+        os.remove(path)
+    else:
+        with open(path, "w") as f:
+            f.write({"empty": "", "absolute": str(elsewhere)}.get(latest, latest) + "\n")
+    with pytest.warns(UserWarning) as record:
+        resume, weights = checkpoint.checkpoints_to_load(CheckpointConfig(save=root))
+    message = " ".join(str(w.message) for w in record)
+    assert resume == os.path.join(root, "iter_0000002") and weights is None
+    assert path in message and resume in message
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "run"]  # nothing renamed, inside or out
+    assert os.listdir(elsewhere) == ["keep.txt"]
+    assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == [
+        "iter_0000001", "iter_0000002"]
+    with open(path) as f:
+        assert f.read().strip() == "iter_0000002"
+    # a damaged newest checkpoint without `latest` falls back as with it
+    os.remove(path)
+    _truncate(resume)
+    with pytest.warns(UserWarning) as record:
+        assert checkpoint.complete_checkpoint(root) == os.path.join(root, "iter_0000001")
+    assert os.path.isdir(resume + ".damaged")
+    assert any("damaged" in str(w.message) for w in record)
+
+
+def test_a_load_root_without_latest_gives_its_newest_checkpoint(saved, tmp_path):
+    """--load of a run directory whose `latest` is missing or names a directory beside it: the
+    newest iteration inside it, never the other directory."""
+    root = _copy(saved, tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    ck = CheckpointConfig(save=str(tmp_path / "new"), load=root)
+    for content in (None, "../elsewhere"):
+        path = os.path.join(root, "latest")
+        if content is None:
+            os.remove(path)
+        else:
+            with open(path, "w") as f:
+                f.write(content)
+        with pytest.warns(UserWarning, match="latest"):
+            assert checkpoint.checkpoints_to_load(ck) == (os.path.join(root, "iter_0000002"),
+                                                          None)
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 512 KiB tmpfs mounted on a fresh directory (root only): a full disk that cannot fill the
