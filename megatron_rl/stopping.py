@@ -26,8 +26,9 @@ failure, retry later". It differs from success (0), from an error (1) and from a
 
 STOPPED_EARLY = "stopped_early"
 """File in --save that says the run stopped early and resumes when started again (JSON: step,
-reason); the next start of the run removes it. It tells a launcher that only sees torchrun's
-own status (non-zero whenever a worker's is) to requeue."""
+reason); the next start of the run removes it first thing, before it checks its flags
+(train.main), so that a start that fails leaves none. It tells a launcher that only sees
+torchrun's own status (non-zero whenever a worker's is) to requeue."""
 
 
 class StoppedEarly(Exception):
@@ -97,6 +98,36 @@ def write_stopped_marker(save: str, step: int, reason: str) -> None:
     if dist_rank() == 0:
         with open(os.path.join(save, STOPPED_EARLY), "w") as f:
             json.dump({"step": step, "reason": reason}, f)
+
+
+def save_dir_of(argv: list[str]) -> str:
+    """The --save directory the trainer's command line `argv` names, read before (and without)
+    checking the rest of it: the last `--save DIR` / `--save=DIR`, else the `save` key of the
+    --config file, else the default. A --config file that cannot be read counts as naming
+    none (the full parse reports it)."""
+    import yaml
+
+    from megatron_rl.config import CheckpointConfig
+
+    found: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        for flag in ("--save", "--config"):
+            if arg == flag and i + 1 < len(argv):
+                found[flag] = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                found[flag] = arg[len(flag) + 1:]
+    save = found.get("--save")
+    if save is None and "--config" in found:
+        try:
+            with open(found["--config"]) as f:
+                loaded = yaml.safe_load(f)
+            if isinstance(loaded, dict) and isinstance(loaded.get("save"), str):
+                save = loaded["save"]
+        except (OSError, ValueError, yaml.YAMLError):
+            pass
+    return os.path.abspath(save if save is not None else CheckpointConfig().save)
 
 
 def remove_stopped_marker(save: str) -> None:

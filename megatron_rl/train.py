@@ -27,7 +27,7 @@ from megatron_rl.parallel import data_parallel_sum
 from megatron_rl.rollout.orchestrate import RolloutQueue
 from megatron_rl.runtime import Run, setup_run
 from megatron_rl.stopping import (EXIT_RESUMABLE, StoppedEarly, StopRequests,
-                                  remove_stopped_marker, write_stopped_marker)
+                                  remove_stopped_marker, save_dir_of, write_stopped_marker)
 from megatron_rl.update import train_on_batch
 
 
@@ -111,6 +111,10 @@ def train_loop(run: Run, rollouts: RolloutQueue, stops: StopRequests | None = No
 
 def main(argv=None) -> None:
     """Train; exit 0 at --train-iters, EXIT_RESUMABLE (75) when stopped early and saved."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # before the flags are checked: an attempt refused for its configuration leaves no marker
+    # of an earlier stop, so a job that requeues on the marker does not requeue it forever
+    remove_stopped_marker(save_dir_of(argv))
     cfg = parse_config(argv)
     from megatron_rl.parallel import destroy_distributed
     from megatron_rl.processes import skip_exit_collection

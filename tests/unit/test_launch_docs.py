@@ -25,3 +25,11 @@ def test_the_slurm_job_requeues_into_the_same_save():
     assert f'[ -f "$SAVE/{STOPPED_EARLY}" ]' in script and "scontrol requeue" in script
     assert "#SBATCH --requeue" in script
     assert re.search(r"#SBATCH --signal=TERM@\d+", script)
+
+
+def test_the_slurm_job_requeues_only_on_this_attempts_stop():
+    """The marker is removed before the trainer starts: an attempt that fails before it
+    could stop early (even one whose trainer never starts) is not requeued."""
+    script = _slurm_script()
+    remove = script.find(f'rm -f "$SAVE/{STOPPED_EARLY}"')
+    assert 0 <= remove < script.find("srun "), "remove the marker before srun"

@@ -45,3 +45,26 @@ def test_time_budget_and_no_handler():
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         assert stops.reason() == "--exit-duration-in-mins 0.00833333 spent"
     assert StopRequests(False, 0.0, time.monotonic() - 1e6).reason() is None
+
+
+@pytest.mark.parametrize("how", ["flag", "config"])
+def test_a_start_refused_for_its_flags_leaves_no_stop_marker(tmp_path, how):
+    """A run stopped early (status 75, <save>/stopped_early), then a start whose flags are
+    refused: the marker is gone, so a job that requeues on it (docs/launch.md) stops
+    requeueing a run that cannot start."""
+    from megatron_rl import train
+    from megatron_rl.stopping import STOPPED_EARLY
+
+    save = tmp_path / "run"
+    save.mkdir()
+    marker = save / STOPPED_EARLY
+    marker.write_text('{"step": 3, "reason": "SIGTERM"}')
+    if how == "flag":
+        argv = ["--save", str(save), "--group-size", "five"]
+    else:  # --save given by the config file, which holds a key no setting reads
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(f"save: {save}\nlearning_rate: 0.1\n")
+        argv = ["--config", str(recipe)]
+    with pytest.raises((SystemExit, ValueError)):
+        train.main(argv)
+    assert not marker.exists()
