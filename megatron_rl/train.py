@@ -25,6 +25,7 @@ from megatron_rl.config import TrainConfig, parse_config
 from megatron_rl.evaluation import evaluate
 from megatron_rl.parallel import data_parallel_sum
 from megatron_rl.rollout.orchestrate import RolloutQueue
+from megatron_rl.run_lock import RunLock
 from megatron_rl.runtime import Run, setup_run
 from megatron_rl.stopping import (EXIT_RESUMABLE, StoppedEarly, StopRequests,
                                   remove_stopped_marker, save_dir_of, write_stopped_marker)
@@ -37,10 +38,12 @@ def train(cfg: TrainConfig) -> dict:
     (--exit-signal-handler) or the time budget (--exit-duration-in-mins) stopped it earlier."""
     stops = StopRequests(cfg.checkpoint.exit_signal_handler,
                          cfg.checkpoint.exit_duration_in_mins, time.monotonic())
-    # this start takes over from the one that stopped early (before the setup: a run that
-    # fails in it is not requeued again and again)
-    remove_stopped_marker(cfg.checkpoint.save)
-    with stops:  # a signal during the setup too stops the run at its first step boundary
+    # one run per --save: global rank 0 holds the lock until the run ends, however it ends;
+    # a signal during the setup too stops the run at its first step boundary
+    with RunLock(cfg.checkpoint.save), stops:
+        # this start takes over from the one that stopped early (before the setup: a run that
+        # fails in it is not requeued again and again)
+        remove_stopped_marker(cfg.checkpoint.save)
         run = setup_run(cfg)
         rollouts = RolloutQueue(run)
         try:
