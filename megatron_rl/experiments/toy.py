@@ -121,6 +121,7 @@ Without --policy-loss this study is not run.
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -1687,6 +1688,16 @@ def plot(result: dict, path: Path):
     plt.close(fig)
 
 
+def study_threads(num_threads: int | None) -> int:
+    """The CLI's torch thread count: `num_threads` when given, else OMP_NUM_THREADS when set,
+    else 1. Every op of the study is on tensors of at most 2^T rows, where torch's default of
+    one thread per core only adds synchronisation (and, with the cores busy, waits on it)."""
+    if num_threads is not None:
+        return num_threads
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(env) if env.isdigit() and int(env) > 0 else 1
+
+
 def main(argv=None) -> int:
     """`megatron-rl toy` / `python tools/toy_kl_study.py`: print the study; write table.md,
     results.json and figure.png under --out."""
@@ -1758,7 +1769,13 @@ def main(argv=None) -> int:
         "results.json are written either way (default: off)"))
     parser.add_argument("--no-plot", action="store_true", help=(
         "do not draw figure.png (nor import matplotlib) (default: off, the figure is written)"))
+    parser.add_argument("--num-threads", type=int, help=(
+        "torch's CPU threads; the study's tensors are small, so more threads add "
+        "synchronisation and, on a busy machine, wait for each other (default: unset, "
+        "OMP_NUM_THREADS when set, else 1)"))
     args = parser.parse_args(argv)
+    if args.num_threads is not None and args.num_threads < 1:
+        parser.error(f"--num-threads must be >= 1, got {args.num_threads}")
     if not 1 <= args.seq_len <= MAX_SEQ_LEN:
         parser.error(f"--seq-len must be in [1, {MAX_SEQ_LEN}] (2^T sequences are enumerated), "
                      f"got {args.seq_len}")
@@ -1789,6 +1806,7 @@ def main(argv=None) -> int:
                      env=tuple(args.env) if args.env is not None else None,
                      policy_losses=losses, loss_aggregation=args.loss_aggregation,
                      stop_after=args.stop_after_ones)
+    torch.set_num_threads(study_threads(args.num_threads))
     result = run_study(setup)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
