@@ -105,6 +105,12 @@ def lm_head_peak_bytes(num_tokens: int, hidden_size: int, vocab_local: int, dtyp
     E.g. on a GPU at N = 8192, H = 896, V = 151936 in bf16 with the exact KL: b = 32768
     (512 MiB blocks), 3 x 512 MiB + W 260 MiB + G 28 MiB = 1.78 GiB, against the logits path's
     three [N, V] tensors (logits, reference logits, their gradient) of 2.3 GiB each.
+
+    Not counted: the workspace a CPU matmul's library allocates while it runs (one matmul at a
+    time). For 16-bit dtypes it depends on the CPU's oneDNN path: none below AVX-512, per-thread
+    blocks under brgemm (AVX-512 with bf16, AMX), and an fp32 copy of the whole output on
+    AVX-512 without bf16 (Skylake/Cascade Lake servers: 4 x the largest block's element count,
+    e.g. 256 MiB beside a 128 MiB bf16 block). tests/ops/test_lm_head.py bounds it per path.
     """
     device = torch.device(device)
     n, h, v = int(num_tokens), int(hidden_size), int(vocab_local)
