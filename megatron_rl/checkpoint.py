@@ -172,7 +172,7 @@ def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
     def prepare() -> None:  # removing a stale directory can take minutes on a shared FS
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, REFERENCE) if reference is not None else tmp)
+        os.makedirs(tmp)
 
     def publish() -> None:
         try:
@@ -201,8 +201,14 @@ def save_checkpoint(root: str, step: int, policy, extra: dict | None = None,
                     with open(os.path.join(tmp, name), "w") as f:
                         json.dump(content, f, indent=2)
         if reference is not None:
+            # each dist_checkpointing.save goes into an empty directory, made only now: one
+            # holding anything (reference/ made before the policy's save) makes megatron warn
+            # "Overwriting old incomplete / corrupted checkpoint" (megatron-core 0.16.1,
+            # dist_checkpointing/serialization.py:383-387)
+            ref_dir = os.path.join(tmp, REFERENCE)
+            run_on_rank(0, lambda: os.makedirs(ref_dir), f"preparing {ref_dir}")
             dist_checkpointing.save(_sharded_state_dict(reference, with_optimizer=False),
-                                    os.path.join(tmp, REFERENCE))
+                                    ref_dir)
     except (Exception, CheckpointException) as e:  # the latter is a BaseException
         _raise_if_disk_full(e, tmp)
         raise

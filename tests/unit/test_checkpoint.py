@@ -375,6 +375,19 @@ def test_the_manifest_covers_the_reference_and_a_damaged_one_falls_back_as_a_pai
     assert torch.equal(_first(resumed_ref), pairs[1][1])
 
 
+def test_a_healthy_save_with_its_reference_warns_of_nothing(dist_env, tiny_qwen2, tmp_path,
+                                                             caplog):
+    """A save of a step with its reference (--ref-reset-interval), over an earlier step and a
+    killed save's leftover, logs no warning: megatron's "Overwriting old incomplete / corrupted
+    checkpoint" on a healthy run sends a user looking for damage that is not there."""
+    root = str(tmp_path / "run")
+    os.makedirs(os.path.join(root, ".tmp-iter_0000002", checkpoint.REFERENCE))
+    with caplog.at_level("WARNING"):
+        _save_pairs(root, tiny_qwen2, [1, 2])
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+    assert checkpoint.complete_checkpoint(root) == os.path.join(root, "iter_0000002")
+
+
 def test_a_resumed_step_without_its_reference_is_refused_naming_it(saved, tiny_qwen2, tmp_path):
     """The older layout (<root>/reference/iter_N beside the steps): a run killed between its
     policy's and its reference's save has step 2 without a reference. Resuming it with step 1's
