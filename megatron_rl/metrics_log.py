@@ -1,18 +1,27 @@
 """Where a run's metrics go: TensorBoard scalars, one JSON line per step in
 <save>/metrics.jsonl, Weights & Biases (with --wandb-project) and the progress display. Written
 by one rank, the last (the last pipeline stage, which holds the loss metrics); every other
-rank's logger does nothing."""
+rank's logger does nothing.
+
+A log is a record of the run, not part of it: a write that fails mid-run (metrics.jsonl made
+unwritable, the TensorBoard directory removed by a cleanup, W&B's service gone, a full disk) is
+reported once, with the path and the error, and retried at every later step with the rows it
+missed, while training and its checkpoints go on. A start refuses a metrics.jsonl it cannot
+read or append to, naming it, before any model is built (`check_log_files`): nothing is lost
+then, and a run that started would otherwise log a gap the user notices only later."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import importlib.util
 import json
 import os
 import sys
 import warnings
 from dataclasses import field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -23,6 +32,10 @@ PROGRESS_KEYS = ("reward/mean", "kl_k1", "eval/mean_at_k")
 
 # the file under --save that keeps the id of the run's W&B run, continued by each later start
 WANDB_RUN_ID = os.path.join("wandb", "run_id")
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+# the most rows a failing log keeps for its retries (each a few kB): older ones are dropped
+MAX_UNWRITTEN_ROWS = 10_000
 
 
 @dataclasses.dataclass
@@ -95,21 +108,31 @@ class MetricsLogger:
     values of the last start that logged it; joining several offline directories into one run
     is then `wandb sync`'s part, which W&B supports only in part for resumed runs.
     Closing marks the W&B run failed (exit code 1) when an exception is in flight (a failure, or
-    a stop before --train-iters), finished otherwise."""
+    a stop before --train-iters), finished otherwise.
+
+    A log that fails (metrics.jsonl, TensorBoard, W&B; at the start too, for TensorBoard and
+    W&B's logging) never stops the run: the first failure of each is reported by one warning
+    naming its path and the error, the rows it missed are kept (the newest MAX_UNWRITTEN_ROWS)
+    and written with the next step's when a write succeeds again (TensorBoard into a new event
+    file, its directory made again), so a log repaired mid-run holds every step. Closing warns
+    of the steps a log still lacks."""
 
     def __init__(self, save_dir: str, enabled: bool, start_step: int = 0,
                  wandb_cfg: LoggingConfig | None = None, config: dict[str, Any] | None = None):
         self.save_dir, self.enabled = save_dir, enabled
-        self.path = os.path.join(save_dir, "metrics.jsonl")
+        self.path = os.path.join(save_dir, METRICS_FILE)
+        self.tensorboard_dir = os.path.join(save_dir, TENSORBOARD_DIR)
         self.writer = None
         self.wandb_run = None
         self._bar = None
+        # TensorBoard's first event file hides an earlier attempt's events past start_step
+        self._purge_step: int | None = start_step + 1
+        # per log: the rows it missed, and its first error (reported once)
+        self._unwritten: dict[str, list[tuple[int, dict]]] = {}
+        self._failed: dict[str, str] = {}
         if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
             redone = self.truncate(start_step)
-            self.writer = SummaryWriter(os.path.join(save_dir, "tensorboard"),
-                                        purge_step=start_step + 1)
+            self._write("tensorboard", self.tensorboard_dir, [], self._write_tensorboard)
             if wandb_cfg is not None and wandb_cfg.wandb_project:
                 self.wandb_run = _start_wandb(wandb_cfg, save_dir, start_step,
                                               rewind=redone > 0, config=config)
@@ -119,17 +142,87 @@ class MetricsLogger:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items() if _is_number(v)}
-        if self.writer is not None:
-            for k, v in clean.items():
-                self.writer.add_scalar(k, v, step)
-            self.writer.flush()
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **clean}) + "\n")
+        row = [(step, clean)]
+        self._write("metrics.jsonl", self.path, row, self._write_jsonl)
+        self._write("tensorboard", self.tensorboard_dir, row, self._write_tensorboard)
         if self.wandb_run is not None:  # after metrics.jsonl: see the class docstring
-            self.wandb_run.log(clean, step=step, commit=True)
+            self._write("W&B", f"W&B run {self.wandb_run.id}", row, self._write_wandb)
         if self._bar is not None:
             self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.3g}" for k in PROGRESS_KEYS
                                    if k in clean})
+
+    def _write(self, name: str, where: str, rows: list[tuple[int, dict]],
+               write: Callable[[list[tuple[int, dict]]], None]) -> None:
+        """`rows`, after the ones log `name` missed, through `write` (which drops from the list
+        the rows it wrote); a failure is reported once and the rows left are kept for the
+        next attempt."""
+        late = self._unwritten.get(name, [])
+        pending = late + rows
+        try:
+            write(pending)
+        except Exception as e:  # noqa: BLE001 -- whatever a log raises, training goes on
+            if name not in self._failed:
+                self._failed[name] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"{where}: writing the metrics failed ({type(e).__name__}: {e}); "
+                              "training goes on, and this log is retried at every step with "
+                              "the rows it missed (reported once)", stacklevel=3)
+            self._unwritten[name] = pending[-MAX_UNWRITTEN_ROWS:]
+            return
+        if late:
+            print(f"[megatron-rl] {where}: written again (steps {_steps(late)} late)",
+                  file=sys.stderr, flush=True)
+        self._unwritten[name] = []
+
+    def _write_jsonl(self, rows: list[tuple[int, dict]]) -> None:
+        """Append `rows` to metrics.jsonl, each flushed on its own, dropping it from `rows` once
+        written. After a failed write the file may end in a torn line: it is ended first, so
+        that the next start drops it (truncate) without losing the row after it."""
+        with open(self.path, "a", encoding="utf-8") as f:
+            if "metrics.jsonl" in self._failed and f.tell() > 0:
+                with open(self.path, "rb") as tail:
+                    tail.seek(-1, os.SEEK_END)
+                    if tail.read(1) != b"\n":
+                        f.write("\n")
+            while rows:
+                step, clean = rows[0]
+                f.write(json.dumps({"step": step, **clean}) + "\n")
+                f.flush()
+                rows.pop(0)
+
+    def _write_tensorboard(self, rows: list[tuple[int, dict]]) -> None:
+        """`rows` as TensorBoard scalars; the writer made (again, after a failure) first."""
+        if self.writer is not None and not os.path.isdir(self.tensorboard_dir):
+            # removed since the last flush: the writer holds nothing to write, so it closes
+            # quietly (its thread fails, with a traceback, on a write into the removed file)
+            writer, self.writer = self.writer, None
+            with contextlib.suppress(Exception):
+                writer.close()
+            raise FileNotFoundError(errno.ENOENT, "the directory was removed",
+                                    self.tensorboard_dir)
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(self.tensorboard_dir, exist_ok=True)
+            self.writer = SummaryWriter(self.tensorboard_dir, purge_step=self._purge_step)
+            self._purge_step = None
+        try:
+            for step, clean in rows:
+                for k, v in clean.items():
+                    self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        except Exception:
+            writer, self.writer = self.writer, None
+            with contextlib.suppress(Exception):  # its writer thread has failed: so does close
+                writer.close()
+            raise
+        rows.clear()
+
+    def _write_wandb(self, rows: list[tuple[int, dict]]) -> None:
+        assert self.wandb_run is not None
+        while rows:
+            step, clean = rows[0]
+            self.wandb_run.log(clean, step=step, commit=True)
+            rows.pop(0)
 
     def progress(self, steps: Iterable[int], total: int, initial: int) -> Iterator[int]:
         """`steps`, shown as progress on the logging rank (a bar on a terminal, a line now and
@@ -143,23 +236,27 @@ class MetricsLogger:
         is not a complete JSON row: the last one, torn by a kill or a full disk mid-write (with
         a warning naming the file and line). Rewritten through a temporary file and a rename,
         so a kill here leaves the old file or the new one. Returns the number of complete rows
-        dropped (beyond `step`)."""
+        dropped (beyond `step`). A file that cannot be read or rewritten is refused
+        (ValueError naming it: rows appended after the steps to redo would log them twice)."""
         if not self.enabled or not os.path.exists(self.path):
             return 0
         rows, dropped, torn = [], 0, []
-        with open(self.path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row_step = json.loads(line)["step"]
-                except (ValueError, KeyError, TypeError):
-                    torn.append(lineno)
-                    continue
-                if row_step <= step:
-                    rows.append(line if line.endswith("\n") else line + "\n")
-                else:
-                    dropped += 1
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row_step = json.loads(line)["step"]
+                    except (ValueError, KeyError, TypeError):
+                        torn.append(lineno)
+                        continue
+                    if row_step <= step:
+                        rows.append(line if line.endswith("\n") else line + "\n")
+                    else:
+                        dropped += 1
+        except OSError as e:
+            raise ValueError(_unusable_log(self.path, e)) from e
         if torn:
             warnings.warn(f"{self.path}: dropping {len(torn)} incomplete line(s) (line "
                           f"{', '.join(map(str, torn))}), written when a run was killed or the "
@@ -167,17 +264,69 @@ class MetricsLogger:
         if not torn and not dropped:
             return 0
         tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(rows)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(rows)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise ValueError(_unusable_log(self.path, e)) from e
         return dropped
 
     def close(self) -> None:
+        """Close the logs; a warning names each one that still lacks steps."""
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except Exception as e:  # noqa: BLE001
+                self._failed.setdefault("tensorboard", f"{type(e).__name__}: {e}")
+                warnings.warn(f"{self.tensorboard_dir}: closing the TensorBoard log failed "
+                              f"({type(e).__name__}: {e})", stacklevel=2)
+            self.writer = None
+        for name, rows in self._unwritten.items():
+            if rows:
+                warnings.warn(f"{name}: steps {_steps(rows)} of this run were not written "
+                              f"({self._failed[name]})", stacklevel=2)
         if self.wandb_run is not None:
-            self.wandb_run.finish(exit_code=0 if sys.exc_info()[1] is None else 1)
+            try:
+                self.wandb_run.finish(exit_code=0 if sys.exc_info()[1] is None else 1)
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(f"W&B run {self.wandb_run.id}: finishing it failed "
+                              f"({type(e).__name__}: {e})", stacklevel=2)
             self.wandb_run = None
+
+
+def _steps(rows: list[tuple[int, dict]]) -> str:
+    """The steps of `rows` as "a-b" (or "a")."""
+    first, last = rows[0][0], rows[-1][0]
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def _unusable_log(path: str, error: OSError) -> str:
+    return (f"{path} cannot be read and appended to ({type(error).__name__}: {error}): it "
+            "holds the run's metrics, one row per step. Make it a writable file again (or "
+            "move it aside: the run then starts a new one) and start the run again")
+
+
+def check_log_files(save_dir: str) -> None:
+    """Raise ValueError naming the path when the logs under `save_dir` cannot be used: a
+    metrics.jsonl that cannot be read and appended to (a directory in its place, its
+    permissions), a TensorBoard path that is not a directory. Checked at the start, before any
+    model is built; touches nothing (an existing file is opened, not written)."""
+    path = os.path.join(save_dir, METRICS_FILE)
+    if os.path.lexists(path):
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+            with open(path, "ab"):
+                pass
+        except OSError as e:
+            raise ValueError(_unusable_log(path, e)) from e
+    tensorboard = os.path.join(save_dir, TENSORBOARD_DIR)
+    if os.path.lexists(tensorboard) and not os.path.isdir(tensorboard):
+        raise ValueError(f"{tensorboard} is not a directory: it holds the run's TensorBoard "
+                         "logs. Move it aside and start the run again")
 
 
 def _start_wandb(cfg: LoggingConfig, save: str, start_step: int, rewind: bool,

@@ -194,3 +194,87 @@ def test_wandb_without_the_package_fails_at_startup_saying_how_to_install(monkey
     with pytest.raises(ImportError, match=r"not installed: pip install wandb"):
         MetricsLogger(str(tmp_path), enabled=True, wandb_cfg=LoggingConfig("p"))
     MetricsLogger(str(tmp_path), enabled=True, wandb_cfg=LoggingConfig()).close()  # W&B off
+
+
+# -- a log that fails mid-run -------------------------------------------------------------------
+
+def test_a_failing_log_is_reported_once_and_a_repaired_one_gets_every_step(tmp_path, capsys):
+    """metrics.jsonl turned into a directory (what no process can append to, root included)
+    and the TensorBoard directory removed after step 2: logging goes on with one warning each;
+    once metrics.jsonl is a file again it receives the steps it missed, in order, and
+    TensorBoard's directory is made again for the steps after its removal."""
+    import shutil
+
+    save = str(tmp_path)
+    path = tmp_path / "metrics.jsonl"
+    logger = MetricsLogger(save, enabled=True, start_step=0)
+    logger.log(1, {"loss": 101.0})
+    logger.log(2, {"loss": 102.0})
+    path.rename(tmp_path / "moved.jsonl")
+    path.mkdir()
+    shutil.rmtree(tmp_path / "tensorboard")
+    with pytest.warns(UserWarning) as caught:
+        for step in (3, 4, 5):
+            logger.log(step, {"loss": 100.0 + step})
+    messages = [str(w.message) for w in caught]
+    assert len([m for m in messages if "metrics.jsonl: writing the metrics failed" in m]) == 1
+    assert len([m for m in messages if "tensorboard: writing the metrics failed" in m]) <= 1
+    path.rmdir()
+    (tmp_path / "moved.jsonl").rename(path)
+    logger.log(6, {"loss": 106.0})
+    logger.close()
+    assert "metrics.jsonl: written again (steps 3-5 late)" in capsys.readouterr().err
+    assert _jsonl(save) == [(s, 100.0 + s) for s in range(1, 7)]
+    assert [s for s, _ in _tensorboard(save)] == [3, 4, 5, 6]
+
+
+def test_a_log_still_failing_at_the_end_names_the_steps_it_lacks(tmp_path):
+    logger = MetricsLogger(str(tmp_path), enabled=True, start_step=4)
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl: writing the metrics failed "
+                                         r"\(IsADirectoryError"):
+        logger.log(5, {"loss": 1.0})
+        logger.log(6, {"loss": 2.0})
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl: steps 5-6 of this run were not "
+                                         r"written \(IsADirectoryError"):
+        logger.close()
+    assert _tensorboard(str(tmp_path)) == [(5, 1.0), (6, 2.0)]
+
+
+def test_an_unusable_metrics_file_is_refused_at_the_start_naming_it(tmp_path):
+    from megatron_rl.metrics_log import check_log_files
+
+    check_log_files(str(tmp_path))  # nothing there yet
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(ValueError, match=rf"{tmp_path}/metrics\.jsonl cannot be read and "
+                                         r"appended to \(IsADirectoryError"):
+        check_log_files(str(tmp_path))
+    with pytest.raises(ValueError, match=r"metrics\.jsonl cannot be read and appended to"):
+        MetricsLogger(str(tmp_path), enabled=True, start_step=3)
+    (tmp_path / "metrics.jsonl").rmdir()
+    (tmp_path / "tensorboard").write_text("")
+    with pytest.raises(ValueError, match=rf"{tmp_path}/tensorboard is not a directory"):
+        check_log_files(str(tmp_path))
+
+
+def test_a_failing_wandb_run_is_retried_with_the_steps_it_missed(tmp_path):
+    class FlakyRun:  # W&B's service unreachable for two steps
+        id, failures, logged = "abc123", 2, []
+
+        def log(self, row, step, commit):
+            if self.failures:
+                self.failures -= 1
+                raise ConnectionError("W&B service unreachable")
+            self.logged.append((step, row["loss"]))
+
+        def finish(self, exit_code):
+            pass
+
+    logger = MetricsLogger(str(tmp_path), enabled=True)
+    logger.wandb_run = FlakyRun()  # type: ignore[assignment]
+    with pytest.warns(UserWarning, match=r"W&B run abc123: writing the metrics failed "
+                                         r"\(ConnectionError"):
+        for step in (1, 2, 3):
+            logger.log(step, {"loss": float(step)})
+    assert FlakyRun.logged == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    logger.close()
