@@ -425,6 +425,13 @@ def complete_checkpoint(root: str) -> str | None:
     return ckpt
 
 
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint root (`latest_checkpoint`: what `latest` names, else the newest iteration
+    present) or one iteration directory -> the iteration directory."""
+    latest = latest_checkpoint(path)
+    return path if latest is None else latest
+
+
 def latest_checkpoint(root: str) -> str | None:
     """The newest checkpoint directory under `root` (what `latest` names), or None when `root`
     has neither `latest` nor an `iter_XXXXXXX` directory (it may be one checkpoint itself).
@@ -459,17 +466,45 @@ def latest_checkpoint(root: str) -> str | None:
 _CONFIGURED_GROUP_KEYS = ("lr", "weight_decay", "max_lr", "min_lr", "betas", "eps")
 
 
-def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True) -> dict:
+def check_checkpoint(ckpt_dir: str, source: str = "") -> None:
+    """Raise ValueError when the checkpoint `ckpt_dir` is damaged (checkpoint_damage), naming
+    the file at fault and the newest complete checkpoint before it in the same root, if any.
+    `source` (e.g. "--load runs/x: ") opens the message. For readers that load what they are
+    given and fall back to nothing: an export or an evaluation of a damaged checkpoint would
+    carry its garbage (NaN weights) on silently. Reads the whole checkpoint once: run it on
+    one rank."""
+    problem = checkpoint_damage(ckpt_dir)
+    if problem is None:
+        return
+    hint = "; move it aside or restore it from a copy"
+    m = _ITER.fullmatch(os.path.basename(os.path.normpath(ckpt_dir)))
+    if m:
+        root = os.path.dirname(os.path.abspath(ckpt_dir))
+        for step in _steps_present(root):
+            before = os.path.join(root, iter_dir_name(step))
+            if step < int(m.group(1)) and checkpoint_damage(before) is None:
+                hint = f"; the newest complete checkpoint before it is {before}: load that instead"
+                break
+    raise ValueError(f"{source}checkpoint {ckpt_dir} is damaged, not loaded: {problem}{hint}")
+
+
+def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True,
+                    verify: bool = True) -> dict:
     """Collective: load model (and optimizer) into `policy` in its current layout, resharding as
     needed. Returns this rank's extra-state dict (with "step").
 
-    The optimizer's state comes from the checkpoint, its hyperparameters (_CONFIGURED_GROUP_KEYS,
-    the learning-rate schedule's shape) from `policy`'s OptimConfig: those of the run resuming.
+    `verify`: rank 0 first checks the checkpoint against its manifest (check_checkpoint) and a
+    damaged one is refused on every rank; False where the caller has just checked it
+    (checkpoints_to_load's answers). The optimizer's state comes from the checkpoint, its
+    hyperparameters (_CONFIGURED_GROUP_KEYS, the learning-rate schedule's shape) from
+    `policy`'s OptimConfig: those of the run resuming.
     """
     from megatron.core import dist_checkpointing
 
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
+    if verify:
+        run_on_rank(0, lambda: check_checkpoint(ckpt_dir), f"checking checkpoint {ckpt_dir}")
     sd = _sharded_state_dict(policy, with_optimizer, is_loading=True)
     try:
         # a state dict: load returns a tuple only under a RETURN_* strict mode, not asked here
@@ -512,11 +547,17 @@ def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True) -> dict:
 
 def _unreadable(path: str, error: BaseException) -> RuntimeError:
     """The error for a checkpoint (or one of its files) at `path` that fails to load, with the
-    way out: a damaged checkpoint moved aside lets the run resume from the one before."""
+    way out. One whose files match its manifest is not damaged: it holds something other than
+    what was asked of it (another model, a weights-only checkpoint loaded with its optimizer).
+    One without a manifest may be damaged: moved aside, the run resumes from the one before."""
     ckpt = path if os.path.isdir(path) else os.path.dirname(path)
-    return RuntimeError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error}). "
-                        f"If it is damaged, move {ckpt} aside: the next start resumes from the "
-                        f"newest complete checkpoint before it")
+    what = f"checkpoint {path} cannot be read ({type(error).__name__}: {error})."
+    if os.path.exists(os.path.join(ckpt, MANIFEST)) and checkpoint_damage(ckpt) is None:
+        return RuntimeError(f"{what} Its files match its manifest, so it is not damaged: it does "
+                            "not hold what this run loads (another model or layout, or weights "
+                            "only where a run's optimizer state is needed)")
+    return RuntimeError(f"{what} If it is damaged, move {ckpt} aside: the next start resumes "
+                        "from the newest complete checkpoint before it")
 
 
 def is_run_checkpoint(ckpt_dir: str) -> bool:
@@ -539,30 +580,60 @@ def checkpoints_to_load(ck) -> tuple[str | None, str | None]:
     """(run checkpoint to resume exactly, weights-only checkpoint to start from); either None,
     for a CheckpointConfig `ck`.
 
-    The newest checkpoint under --save resumes the run. Else --load: a run's checkpoint
-    resumes (optimizer, RNG, data position, step), a weights-only one (tools/convert_checkpoint.py,
-    or any with --finetune) gives the initial weights at step 0. A run resumed under --save that
-    started from weights-only --load keeps that checkpoint as its reference.
+    The newest checkpoint under --save resumes the run. A weights-only one there (a conversion
+    written into --save, `megatron-rl convert hf-to-megatron --save <save>`, with or without
+    --load naming it) is no run to resume: the run starts from its weights at step 0 with a
+    fresh optimizer, and once the run has saved steps of its own beside it, it stays the
+    reference those resume with. Else --load: a run's checkpoint resumes (optimizer, RNG, data
+    position, step), a weights-only one (tools/convert_checkpoint.py, or any with --finetune)
+    gives the initial weights at step 0. A run resumed under --save that started from
+    weights-only --load keeps that checkpoint as its reference.
 
     Decided on rank 0 (the checkpoints checked there: complete_checkpoint), the same answer on
-    every rank. A damaged --load checkpoint is refused naming the file.
+    every rank. A damaged --load checkpoint, or a damaged weights-only one in --save that a
+    resumed run takes its reference from, is refused naming the file.
     """
-    from megatron_rl.convert import resolve_checkpoint
-
     def decide() -> tuple[str | None, str | None]:
-        given = (resolve_checkpoint(ck.load)
-                 if ck.load and os.path.abspath(ck.load) != ck.save else None)
+        save = os.path.abspath(ck.save)
+        into_save = bool(ck.load) and os.path.abspath(ck.load) == save
+        given = resolve_checkpoint(ck.load) if ck.load and not into_save else None
         if given is not None and (problem := checkpoint_damage(given)) is not None:
             raise ValueError(f"--load {ck.load}: the checkpoint is damaged: {problem}")
         weights_only = given is not None and (ck.finetune or not is_run_checkpoint(given))
-        own = complete_checkpoint(ck.save) if os.path.isdir(ck.save) else None
+        own = complete_checkpoint(save) if os.path.isdir(save) else None
+        if own is not None and not is_run_checkpoint(own):  # no step of the run saved yet
+            if given is not None:
+                warnings.warn(f"--load {ck.load} is not read: --save {save} holds the "
+                              f"weights-only checkpoint {own}, which the run starts from",
+                              stacklevel=2)
+            return None, own
         if own is not None:
-            return own, given if weights_only else None
+            if into_save and ck.finetune:
+                warnings.warn(f"--finetune: --load is --save {save}, whose run checkpoint {own} "
+                              "is resumed (optimizer, step, data position); to start over from "
+                              "weights only, pass --load that checkpoint and another --save",
+                              stacklevel=2)
+            return own, given if weights_only else _weights_only_start(save)
         if given is not None and not weights_only:
             return given, None
         return None, given
 
     return run_on_rank(0, decide, "checking the checkpoints of --save and --load")
+
+
+def _weights_only_start(root: str) -> str | None:
+    """The weights-only checkpoint a run under `root` started from when a conversion wrote it
+    there (`root`/iter_0000000 without a run's RNG and data position), or None. Refused
+    (ValueError naming the file) when damaged: the resumed run takes its reference from it."""
+    ckpt = os.path.join(root, iter_dir_name(0))
+    if not os.path.isdir(ckpt):
+        return None
+    if (problem := checkpoint_damage(ckpt)) is not None:
+        raise ValueError(f"{ckpt}, the weights-only checkpoint this run started from and takes "
+                         f"its reference from, is damaged: {problem}. Restore it: convert the "
+                         f"model again into a new directory and copy its {iter_dir_name(0)} "
+                         "here")
+    return None if is_run_checkpoint(ckpt) else ckpt
 
 
 def step_reference(ckpt_dir: str) -> str | None:
@@ -591,21 +662,24 @@ def load_run_weights(policy, reference, resume: str | None, weights: str | None,
             f"checkpoint {resume} holds no reference policy ({os.path.join(resume, REFERENCE)}"
             f"), which its run saves with every step (--ref-reset-interval). Move {resume} "
             "aside to resume from the checkpoint before it")
+    # resume and weights were checked against their manifests (checkpoints_to_load), and so
+    # was a reference inside resume; one beside it (the older layout) is checked here
+    inside = saved_ref is not None and resume is not None and saved_ref.startswith(resume + os.sep)
     extra = None
     if resume is not None:
-        extra = load_checkpoint(resume, policy)
+        extra = load_checkpoint(resume, policy, verify=False)
     elif weights is not None:
-        load_checkpoint(weights, policy, with_optimizer=False)
+        load_checkpoint(weights, policy, with_optimizer=False, verify=False)
     else:
         policy.load_hf(hf)
     if saved_ref is not None:
-        load_checkpoint(saved_ref, reference, with_optimizer=False)
+        load_checkpoint(saved_ref, reference, with_optimizer=False, verify=not inside)
     elif ref_hf:
         reference.load_hf(ref_hf)
     elif resume is None:
         copy_weights(policy, reference)
     elif weights is not None:
-        load_checkpoint(weights, reference, with_optimizer=False)
+        load_checkpoint(weights, reference, with_optimizer=False, verify=False)
     else:
         reference.load_hf(hf)
     return extra

@@ -140,14 +140,6 @@ def load_megatron_args(ckpt_dir: str):
     return ModelArgs.from_pretrained(path)
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint root (with `latest`) or one iteration directory -> the iteration directory."""
-    from megatron_rl.checkpoint import latest_checkpoint
-
-    latest = latest_checkpoint(path)  # None without a `latest` file
-    return path if latest is None else latest
-
-
 def megatron_to_hf(load: str, hf_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
                    overwrite: bool = False) -> None:
     """Export a Megatron checkpoint (root or iteration dir) to a new HF directory
@@ -155,16 +147,20 @@ def megatron_to_hf(load: str, hf_dir: str, tp: int = 1, pp: int = 1, dtype: str 
     check_destination(load, hf_dir, overwrite)  # before any heavy import
     import torch
 
-    from megatron_rl.checkpoint import load_checkpoint
+    from megatron_rl.checkpoint import check_checkpoint, load_checkpoint, resolve_checkpoint
     from megatron_rl.models import hf_mapping
     from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import run_on_rank
 
     _init(tp, pp)
     ckpt = resolve_checkpoint(load)
+    # a damaged checkpoint (its manifest's sizes and CRC-32s) is refused before the model is
+    # built: loaded, it would export garbage (NaN weights) without an error
+    run_on_rank(0, lambda: check_checkpoint(ckpt, f"--load {load}: "),
+                f"checking the checkpoint {ckpt}")
     args = load_megatron_args(ckpt)
     policy = Policy(args, trainable=False)
-    load_checkpoint(ckpt, policy, with_optimizer=False)
+    load_checkpoint(ckpt, policy, with_optimizer=False, verify=False)
     full = policy.full_state_dict(dst=0)
 
     def write() -> None:

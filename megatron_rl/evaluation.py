@@ -223,9 +223,9 @@ def main(argv=None) -> None:
     args = ModelArgs.from_pretrained(a.hf_checkpoint)
     policy = Policy(args, trainable=False)
     if a.load:
-        from megatron_rl.checkpoint import load_checkpoint
-        from megatron_rl.convert import resolve_checkpoint
+        from megatron_rl.checkpoint import load_checkpoint, resolve_checkpoint
 
+        # checked against its manifest first: a damaged checkpoint is refused naming the file
         load_checkpoint(resolve_checkpoint(a.load), policy, with_optimizer=False)
     else:
         policy.load_hf(a.hf_checkpoint)

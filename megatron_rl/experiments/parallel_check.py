@@ -75,8 +75,8 @@ def run_layout(hf_path: str | None, tp: int, pp: int, out_dir: str, global_batch
 
     dp = init_distributed(ParallelConfig(tp, pp))
     if load is not None:
-        from megatron_rl.checkpoint import load_checkpoint
-        from megatron_rl.convert import load_megatron_args, resolve_checkpoint
+        from megatron_rl.checkpoint import load_checkpoint, resolve_checkpoint
+        from megatron_rl.convert import load_megatron_args
 
         ckpt = resolve_checkpoint(load)
         args = load_megatron_args(ckpt)

@@ -479,3 +479,69 @@ def test_kills_at_random_moments_of_back_to_back_saves_always_resume_a_matching_
         checkpoint.load_checkpoint(ref, reference, with_optimizer=False)
         assert torch.all(_first(reference) == -float(step)), (attempt, step)
     assert newest >= 2, "the saves never got going: the test did not exercise them"
+
+
+# -- a weights-only checkpoint in --save; every reader checks the manifest ------------------------
+
+def test_a_conversion_in_save_starts_the_run_at_step_0_and_stays_its_reference(
+        dist_env, tiny_qwen2, tmp_path):
+    """`megatron-rl convert hf-to-megatron --save X`, then `train --save X` (with --load X,
+    --finetune, or neither): the run starts at step 0 from the converted weights with a fresh
+    optimizer, not a resume of optimizer state that a conversion does not hold; once the run has
+    saved a step, a restart resumes that step and keeps the conversion as its reference."""
+    from megatron_rl.convert import hf_to_megatron
+
+    root = str(tmp_path / "run")
+    converted = hf_to_megatron(tiny_qwen2, root)
+    initial = _first(_tiny_policy(tiny_qwen2))
+    for load, finetune in ((None, False), (root, False), (root, True)):
+        ck = CheckpointConfig(save=root, load=load, finetune=finetune)
+        assert checkpoint.checkpoints_to_load(ck) == (None, converted)
+    resume, weights = checkpoint.checkpoints_to_load(CheckpointConfig(save=root, load=root))
+    policy = _tiny_policy(tiny_qwen2, shift=-9.0, trainable=True)
+    reference = _tiny_policy(tiny_qwen2, shift=-9.0)
+    assert checkpoint.load_run_weights(policy, reference, resume, weights, hf=tiny_qwen2,
+                                       ref_hf=None, reference_resets=False) is None  # step 0
+    assert torch.equal(_first(policy), initial) and torch.equal(_first(reference), initial)
+    assert len(policy.optimizer.optimizer.state) == 0  # fresh: no moments loaded
+    # the run trains and saves step 2 into the same directory
+    for p in policy.parameters():
+        p.main_grad.fill_(0.01)  # pyright: ignore[reportAttributeAccessIssue]
+    assert policy.step()[0]
+    checkpoint.save_run(root, 2, policy, {}, 2)
+    trained = _first(policy)
+    resume, weights = checkpoint.checkpoints_to_load(CheckpointConfig(save=root, load=root))
+    assert (resume, weights) == (os.path.join(root, "iter_0000002"), converted)
+    extra, resumed, resumed_ref = _resume(root, tiny_qwen2, reference_resets=False)
+    assert extra is not None and extra["step"] == 2
+    assert torch.equal(_first(resumed), trained) and torch.equal(_first(resumed_ref), initial)
+
+
+def test_a_checkpoint_loaded_for_what_it_does_not_hold_is_not_called_damaged(
+        dist_env, tiny_qwen2, tmp_path):
+    """A complete weights-only checkpoint loaded with an optimizer fails to load; the message
+    says it is not damaged (its files match the manifest) rather than to move it aside."""
+    from megatron_rl.convert import hf_to_megatron
+
+    converted = hf_to_megatron(tiny_qwen2, str(tmp_path / "converted"))
+    with pytest.raises(RuntimeError) as e:
+        checkpoint.load_checkpoint(converted, _tiny_policy(tiny_qwen2, trainable=True))
+    assert converted in str(e.value) and "not damaged" in str(e.value)
+    assert "aside" not in str(e.value)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _overwrite_4k, _corrupt_extra_state])
+def test_loading_a_damaged_checkpoint_is_refused_naming_the_file_before_any_weight(
+        saved, policy, tmp_path, damage):
+    """Every reader of a checkpoint (convert, eval, a resume) loads through load_checkpoint,
+    which checks the manifest first: a damaged checkpoint is refused naming the file at fault
+    and the newest complete checkpoint before it, and no weight is changed (a checkpoint
+    overwritten in place loaded before as NaN or garbage weights, without an error)."""
+    root = _copy(saved, tmp_path)
+    newest = os.path.join(root, "iter_0000002")
+    bad = damage(newest)
+    before = _first(policy)
+    with pytest.raises(ValueError, match="damaged") as e:
+        checkpoint.load_checkpoint(newest, policy, with_optimizer=False)
+    assert bad in str(e.value) and os.path.join(root, "iter_0000001") in str(e.value)
+    assert torch.equal(_first(policy), before)

@@ -115,3 +115,57 @@ def test_overwrite_replaces_only_an_earlier_conversion(tiny_qwen2, tmp_path):
                                          r"wrote there, but it also holds \['README.md'\]"):
         main(["megatron-to-hf", "--load", str(mg), "--save", str(hf), "--overwrite"])
     assert (hf / "README.md").read_text() == "my notes"
+
+
+def _trained_root(hf_model: str, root) -> None:
+    """A run directory as training leaves it: iter_0000000 (the conversion of `hf_model`) and
+    iter_0000001 (its weights + 1, saved by a run), `latest` naming the newest."""
+    from megatron_rl import checkpoint
+    from megatron_rl.models import ModelArgs
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import ParallelConfig, init_distributed
+
+    main(["hf-to-megatron", "--load", hf_model, "--save", str(root)])
+    os.remove(root / MARKER)  # a run's directory now, not a conversion's
+    init_distributed(ParallelConfig(1, 1))  # (the conversion ended its process group)
+    args = ModelArgs.from_pretrained(hf_model)
+    policy = Policy(args, trainable=False)
+    policy.load_hf(hf_model)
+    with torch.no_grad():
+        for p in policy.module.parameters():
+            p.add_(1.0)
+    checkpoint.save_checkpoint(str(root), 1, policy, {"rng": checkpoint.rng_state()},
+                               with_optimizer=False, hf_config=args.to_hf_config())
+
+
+def test_a_damaged_checkpoint_is_not_exported_and_a_root_without_latest_exports_its_newest(
+        tiny_qwen2, tmp_path):
+    """megatron-to-hf checks the checkpoint against its manifest first: a damaged one is
+    refused naming the file at fault and the complete checkpoint before it, and nothing is
+    written (an export of it had NaN weights and exit status 0). A run directory whose `latest`
+    is lost exports its newest iteration, with a warning naming `latest`."""
+    from megatron_rl.models import hf_mapping
+
+    torch.set_num_threads(1)
+    root, hf = tmp_path / "run", tmp_path / "hf"
+    _trained_root(tiny_qwen2, root)
+    os.remove(root / "latest")
+    with pytest.warns(UserWarning, match=re.escape(str(root / "latest"))):
+        main(["megatron-to-hf", "--load", str(root), "--save", str(hf)])
+    base = hf_mapping.load_hf_state_dict(tiny_qwen2)
+    exported = hf_mapping.load_hf_state_dict(str(hf))
+    assert all(exported[k].equal(base[k] + 1.0) for k in base)  # iter_0000001's weights
+    shutil.rmtree(hf)
+
+    newest = root / "iter_0000001"
+    shard = max((p for p in newest.iterdir() if p.name.endswith(".distcp")),
+                key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:  # overwritten in place, same size: only the checksum tells
+        f.seek(shard.stat().st_size // 2)
+        f.write(os.urandom(4096))
+    for load in (root, newest):
+        with pytest.raises(ValueError, match="damaged") as e:
+            main(["megatron-to-hf", "--load", str(load), "--save", str(hf)])
+        assert f"--load {load}" in str(e.value) and str(shard) in str(e.value)
+        assert str(root / "iter_0000000") in str(e.value)  # the complete one before it
+        assert sorted(os.listdir(tmp_path)) == ["run"]  # nothing written, nothing left
