@@ -23,6 +23,7 @@ import time
 from megatron_rl.checkpoint import copy_weights
 from megatron_rl.config import TrainConfig, parse_config
 from megatron_rl.evaluation import evaluate
+from megatron_rl.metrics_log import check_log_files
 from megatron_rl.parallel import data_parallel_sum
 from megatron_rl.rollout.orchestrate import RolloutQueue
 from megatron_rl.run_lock import RunLock
@@ -44,6 +45,7 @@ def train(cfg: TrainConfig) -> dict:
         # this start takes over from the one that stopped early (before the setup: a run that
         # fails in it is not requeued again and again)
         remove_stopped_marker(cfg.checkpoint.save)
+        check_log_files(cfg.checkpoint.save)  # a log that cannot be written: before the model
         run = setup_run(cfg)
         rollouts = RolloutQueue(run)
         try:
