@@ -50,13 +50,15 @@ terminal's Ctrl-C for the trainer to handle.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
+import platform
 import selectors
 import shutil
 import signal
+import struct
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -66,39 +68,149 @@ SANDBOX_UID = 65534  # "nobody": the host user a sandbox runs as when the traine
 _READ_CHUNK = 65536
 _SIGNAL_EXIT_BASE = 128  # bwrap exits with 128 + N when its command dies of signal N
 _EXIT_GRACE_S = 2.0  # for a killed sandbox's processes to exit and close their pipes
+_KEEPER_GRACE_S = 5.0  # for the keeper to kill and reap the sandbox once asked
+
+# The keeper: the process between the caller and bwrap (``python3 -I -S -c _KEEPER <caller pid>
+# -- <bwrap argv>``). It dies with the caller's thread (PR_SET_PDEATHSIG), is a child subreaper
+# (PR_SET_CHILD_SUBREAPER: the sandbox's pid 1 becomes its child when bwrap exits, which bwrap
+# does as soon as the program's exit status is reported, before pid 1 ends), starts bwrap, and
+# once bwrap has exited, or on SIGTERM, kills every child left (pid 1: its whole pid namespace
+# dies with it) and reaps them, then exits with bwrap's status (128 + N for a signal N).
+# A child is killed by pid only while unreaped, so the pid cannot belong to another process.
+_KEEPER = r"""
+import os, signal, sys
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(1, signal.SIGKILL, 0, 0, 0) or libc.prctl(36, 1, 0, 0, 0):
+    sys.exit("sandbox keeper: prctl: " + os.strerror(ctypes.get_errno()))
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)  # the caller is gone already
+argv = sys.argv[3:]
+bwrap = None
+stopping = False
+
+def stop(signum, frame):
+    global stopping
+    stopping = True
+    if bwrap is not None:
+        os.kill(bwrap, signal.SIGKILL)
+
+def children():
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+        return found
+
+signal.signal(signal.SIGTERM, stop)
+pid = os.fork()
+if pid == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        os.execv(argv[0], argv)
+    except OSError as e:
+        os.write(2, f"sandbox keeper: cannot run {argv[0]}: {e}\n".encode())
+    os._exit(127)
+bwrap = pid
+if stopping:
+    os.kill(bwrap, signal.SIGKILL)
+null = os.open(os.devnull, os.O_RDWR)
+for fd in (0, 1, 2):
+    os.dup2(null, fd)
+os.closerange(3, 65536)
+os.waitid(os.P_PID, bwrap, os.WEXITED | os.WNOWAIT)  # a zombie: its pid stays reserved
+bwrap = None
+status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+while True:
+    for child in children():
+        os.kill(child, signal.SIGKILL)
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+os._exit(128 - status if status < 0 else status)
+"""
+
+# The seccomp filter (a classic BPF program, given to bwrap with --seccomp): these system calls
+# fail with EPERM inside the sandbox, and so does every call of another ABI (32-bit x86, x32).
+# Denied are: access to other processes (ptrace, process_vm_*, process_madvise, pidfd_getfd,
+# kcmp: the sandbox's pid 1 runs as the same user, so without this a program could take it
+# over and end the call while its processes run on); memory that RLIMIT_AS does not count
+# (memfd_create, memfd_secret, System V shared memory, message queues and semaphores); and
+# kernel interfaces an interpreter's programs have no use for (bpf, perf_event_open,
+# userfaultfd, io_uring, the key rings). {name: (x86_64 number, aarch64 number)}.
+_DENIED_SYSCALLS = {
+    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
+    "process_madvise": (440, 440), "pidfd_getfd": (438, 438), "kcmp": (312, 272),
+    "memfd_create": (319, 279), "memfd_secret": (447, 447), "shmget": (29, 194),
+    "msgget": (68, 186), "semget": (64, 190), "bpf": (321, 280), "perf_event_open": (298, 241),
+    "userfaultfd": (323, 282), "io_uring_setup": (425, 425), "keyctl": (250, 219),
+    "add_key": (248, 217), "request_key": (249, 218),
+}
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}  # seccomp_data.arch
+_X32_SYSCALL_BIT = 0x40000000
+
+
+def seccomp_filter(machine: str | None = None) -> bytes:
+    """The sandbox's seccomp program for ``machine`` (default this one's), as bwrap reads it:
+    an array of ``struct sock_filter``. Raises SandboxUnavailable on another architecture."""
+    machine = machine or platform.machine()
+    if machine not in _AUDIT_ARCH:
+        raise SandboxUnavailable(
+            f"the sandbox's seccomp filter knows x86_64 and aarch64, not {machine!r}")
+    column = 0 if machine == "x86_64" else 1
+    ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, |JGE|K, BPF_RET|K
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38  # SECCOMP_RET_*
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    prog = [op(ld_abs, 4), op(jeq, _AUDIT_ARCH[machine], 1, 0), op(ret, enosys), op(ld_abs, 0)]
+    if machine == "x86_64":
+        prog += [op(jge, _X32_SYSCALL_BIT, 0, 1), op(ret, enosys)]
+    for nr in sorted({numbers[column] for numbers in _DENIED_SYSCALLS.values()}):
+        prog += [op(jeq, nr, 0, 1), op(ret, eperm)]
+    prog.append(op(ret, allow))
+    return b"".join(prog)
 
 
 class _Run:
     """The parent's side of one sandboxed call: its pipes, the output kept, how it ended."""
 
-    def __init__(self, proc: subprocess.Popen, info_fd: int, max_output_bytes: int):
+    def __init__(self, proc: subprocess.Popen, max_output_bytes: int):
         self.proc = proc
         self.cap = max_output_bytes
-        self.out, self.err, self.info = bytearray(), bytearray(), bytearray()
+        self.out, self.err = bytearray(), bytearray()
         self.timed_out = self.truncated = False
         self.selector = selectors.DefaultSelector()
         self.selector.register(proc.stdout, selectors.EVENT_READ, self.out)  # type: ignore[arg-type]
         self.selector.register(proc.stderr, selectors.EVENT_READ, self.err)  # type: ignore[arg-type]
-        self.info_file = os.fdopen(info_fd, "rb", buffering=0)
-        self.selector.register(self.info_file, selectors.EVENT_READ, self.info)
 
     def _read(self, timeout: float, keep: bool) -> None:
         for key, _ in self.selector.select(timeout):
             chunk = os.read(key.fd, _READ_CHUNK)
             if not chunk:
                 self.selector.unregister(key.fileobj)
-            elif keep or key.data is self.info:
+            elif keep:
                 key.data.extend(chunk)
 
     def collect(self, deadline: float) -> None:
-        """Keep stdout and stderr until both close and bwrap exits, the deadline passes
+        """Keep stdout and stderr until both close and the keeper exits, the deadline passes
         (``timed_out``), or they hold more than the cap together (``truncated``, cut to it)."""
         while self.selector.get_map() or self.proc.poll() is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.timed_out = True
                 return
-            if not self.selector.get_map():  # pipes closed: only bwrap's exit is left
+            if not self.selector.get_map():  # pipes closed: only the keeper's exit is left
                 try:
                     self.proc.wait(timeout=remaining)
                 except subprocess.TimeoutExpired:
@@ -111,37 +223,26 @@ class _Run:
                 self.truncated = True
                 return
 
-    def _child_pid(self) -> int | None:
-        try:
-            return int(json.loads(bytes(self.info))["child-pid"])
-        except (ValueError, KeyError, TypeError):
-            return None
-
     def stop(self) -> None:
-        """Kill what is still running and wait until the whole tree is gone. The sandbox's pid 1
-        is killed first, so that bwrap reaps it and the kernel the rest of its pid namespace;
-        killing only bwrap would leave that pid 1 to the host's init (a zombie until reaped,
-        forever under an init that does not reap). Then the pipes are drained to EOF: every
-        sandboxed process holds them, so EOF means none is left."""
+        """End what is still running and wait until the whole tree is gone and reaped: SIGTERM
+        asks the keeper to kill bwrap and the sandbox's pid 1 and reap them (it exits when it
+        has); SIGKILL is the last resort for a keeper that does not (bwrap and pid 1 then die of
+        their parent-death signals). Then the pipes are drained to EOF: every sandboxed process
+        holds them, so EOF means none is left."""
         try:
             if self.proc.poll() is None:
-                if self.info_file.fileno() in [k.fd for k in self.selector.get_map().values()]:
-                    self._read(0.0, keep=False)  # the info may not be read yet
-                pid = self._child_pid()
+                self.proc.send_signal(signal.SIGTERM)
                 try:
-                    if pid is None:  # bwrap has not started the sandbox yet
-                        raise ProcessLookupError
-                    os.kill(pid, signal.SIGKILL)
-                    self.proc.wait(timeout=_EXIT_GRACE_S)
-                except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
-                    self.proc.kill()  # --die-with-parent then kills the sandbox's pid 1
+                    self.proc.wait(timeout=_KEEPER_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
                     self.proc.wait()
             deadline = time.monotonic() + _EXIT_GRACE_S
             while self.selector.get_map() and (remaining := deadline - time.monotonic()) > 0:
                 self._read(remaining, keep=False)
         finally:
             self.selector.close()
-            for f in (self.proc.stdout, self.proc.stderr, self.info_file):
+            for f in (self.proc.stdout, self.proc.stderr):
                 if f is not None:
                     f.close()
 
@@ -233,13 +334,15 @@ class PythonSandbox:
         real = os.path.realpath(self.python)
         prefix = os.path.dirname(os.path.dirname(real))
         self._extra_binds = [] if real.startswith("/usr/") else [prefix]
+        self._keeper_python = sys.executable or self.python
+        self._seccomp = seccomp_filter()
 
-    def command(self, code_fd: int, info_fd: int) -> list[str]:
-        """The argv of one call: the program is read from the open file ``code_fd``; bwrap
-        writes the host pid of the sandbox's pid 1 to ``info_fd``."""
+    def command(self, code_fd: int, seccomp_fd: int) -> list[str]:
+        """The argv of one call: the program is read from the open file ``code_fd``, the seccomp
+        filter (``seccomp_filter()``) from ``seccomp_fd``."""
         lim = self.limits
         scratch = str(lim.scratch_mb * 1024 * 1024)
-        argv: list[str] = []
+        argv: list[str] = [self._keeper_python, "-I", "-S", "-c", _KEEPER, str(os.getpid()), "--"]
         if self._tools["choom"] is not None:
             argv += [self._tools["choom"], "-n", "1000", "--"]
         if os.geteuid() == 0:
@@ -247,7 +350,7 @@ class PythonSandbox:
                      "--clear-groups", "--"]
         argv += [self._tools["bwrap"], "--unshare-all", "--unshare-user", "--disable-userns",
                  "--die-with-parent", "--new-session", "--hostname", "sandbox",
-                 "--info-fd", str(info_fd),
+                 "--seccomp", str(seccomp_fd),
                  "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
                  "--setenv", "LANG", "C.UTF-8",
                  "--ro-bind", "/usr", "/usr"]
@@ -274,26 +377,25 @@ class PythonSandbox:
         return argv
 
     def run(self, code: str) -> SandboxResult:
-        """Run ``code`` as a program; never raises for the program's sake."""
+        """Run ``code`` as a program; never raises for the program's sake. When it returns, every
+        process of the call has ended and been reaped."""
         lim = self.limits
         code_fd = os.memfd_create("sandbox-main.py")
-        info_r, info_w = os.pipe()  # bwrap reports the sandbox's pid 1 here
+        seccomp_fd = os.memfd_create("sandbox-seccomp")
         try:
-            view = memoryview(code.encode("utf-8", errors="replace"))
-            while view:
-                view = view[os.write(code_fd, view):]
-            os.lseek(code_fd, 0, os.SEEK_SET)
+            for fd, data in ((code_fd, code.encode("utf-8", errors="replace")), (seccomp_fd, self._seccomp)):
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.lseek(fd, 0, os.SEEK_SET)
             start = time.monotonic()
-            proc = subprocess.Popen(self.command(code_fd, info_w), stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(self.command(code_fd, seccomp_fd), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
-                                    pass_fds=(code_fd, info_w), start_new_session=True)
-        except BaseException:
-            os.close(info_r)
-            raise
+                                    pass_fds=(code_fd, seccomp_fd), start_new_session=True)
         finally:
             os.close(code_fd)
-            os.close(info_w)
-        run = _Run(proc, info_r, lim.max_output_bytes)
+            os.close(seccomp_fd)
+        run = _Run(proc, lim.max_output_bytes)
         try:
             run.collect(start + lim.wall_time_s)
         finally:

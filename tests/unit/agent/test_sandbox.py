@@ -1,11 +1,13 @@
 """The Python interpreter tool's bubblewrap sandbox: code runs and reports stdout/stderr, and
 hostile programs (fork bomb, busy loop, writes outside the scratch dir, reading host files and
-environment, network, killing the parent, a 10 GiB allocation, endless output) each end in an
-error or timeout response, change nothing outside, and leave no process behind.
+environment, network, killing the parent, a 10 GiB allocation, memory outside the address space,
+endless output, taking over the sandbox's pid 1) each end in an error or timeout response, change
+nothing outside, and leave no process behind, not even a zombie.
 
 Skipped only where bwrap is not installed (scripts/setup.sh installs it as root)."""
 import ast
 import os
+import platform
 import secrets
 import shutil
 import socket
@@ -28,6 +30,60 @@ NO_BWRAP = "bubblewrap (bwrap) is not installed; scripts/setup.sh installs it wh
 needs_bwrap = pytest.mark.skipif(BWRAP is None, reason=NO_BWRAP)
 REPO = Path(__file__).resolve().parents[3]
 LIMITS = SandboxLimits(wall_time_s=2.0, memory_mb=256, max_processes=8, scratch_mb=8, max_output_bytes=16384)
+x86_64_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="the ptrace injection is x86_64 code")
+
+# A take-over of bwrap's init (the sandbox's pid 1, which runs as the sandbox's user): attach
+# with ptrace, make it clear its parent-death signal, close its stdout and stderr, and write
+# exit status 0 to the eventfd bwrap waits on. bwrap then returns at once while the sandbox's
+# processes run on. Run inside the sandbox on pid 1, or by the test on pid 1's host pid.
+FORGE_EXIT = r'''
+import ctypes, os
+
+def forge_exit(pid):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.restype = ctypes.c_long
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    ATTACH, DETACH, GETREGS, SETREGS, SINGLESTEP, PEEKTEXT, POKEDATA = 16, 17, 12, 13, 9, 1, 5
+    RAX, ORIG_RAX, RIP, RSP, RDI, RSI, RDX = 10, 15, 16, 19, 14, 13, 12  # user_regs_struct
+
+    def call(request, addr=0, data=0):
+        ctypes.set_errno(0)
+        res = libc.ptrace(request, pid, ctypes.c_void_p(addr), ctypes.c_void_p(data))
+        if res == -1 and ctypes.get_errno():
+            raise OSError(ctypes.get_errno(), f"ptrace({request}): {os.strerror(ctypes.get_errno())}")
+        return res
+
+    eventfd = next(int(fd) for fd in os.listdir(f"/proc/{pid}/fd")
+                   if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[eventfd]")
+    call(ATTACH)
+    os.waitpid(pid, 0x40000000)  # __WALL
+    Regs = ctypes.c_ulonglong * 27
+    saved = Regs()
+    call(GETREGS, 0, ctypes.addressof(saved))
+    insn = saved[RIP] - 2  # init waits in wait4: the syscall instruction just before
+    assert call(PEEKTEXT, insn) & 0xFFFF == 0x050F
+    scratch = (saved[RSP] - 1024) & ~7
+    call(POKEDATA, scratch, 1)
+
+    def syscall(nr, *args):
+        regs = Regs.from_buffer_copy(saved)
+        regs[RIP], regs[RAX], regs[ORIG_RAX] = insn, nr, 2**64 - 1
+        for index, value in zip((RDI, RSI, RDX), args):
+            regs[index] = value
+        call(SETREGS, 0, ctypes.addressof(regs))
+        call(SINGLESTEP)
+        os.waitpid(pid, 0x40000000)
+
+    syscall(157, 1, 0)  # prctl(PR_SET_PDEATHSIG, 0)
+    syscall(3, 1)  # close(1)
+    syscall(3, 2)  # close(2)
+    syscall(1, eventfd, scratch, 8)  # write(eventfd, 1): bwrap exits with status 0
+    try:
+        call(SETREGS, 0, ctypes.addressof(saved))
+        call(DETACH)
+    except ProcessLookupError:
+        pass  # pid 1 was killed once bwrap returned
+'''
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +365,138 @@ def test_background_processes_end_with_the_program(sandbox):
     """)
     assert response.text == "left children behind\n" and result.duration_s < 1.5, result
     assert _leftover_pids() == []
+
+
+@x86_64_only
+def test_a_program_cannot_take_over_the_sandboxs_init(sandbox):
+    result, response = _run(sandbox, FORGE_EXIT + """
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(64)
+iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 64)
+remote = (ctypes.c_void_p * 2)(int(open("/proc/1/maps").read().split("-")[0], 16), 64)
+got = libc.process_vm_readv(1, iov, 1, remote, 1, 0)
+print("process_vm_readv:", "denied" if ctypes.get_errno() == 1 else f"returned {got}", flush=True)
+got = libc.syscall(438, os.pidfd_open(1), 0, 0)  # pidfd_getfd(pid 1's stdin)
+print("pidfd_getfd:", "denied" if got == -1 and ctypes.get_errno() == 1 else f"returned {got}", flush=True)
+try:
+    forge_exit(1)
+except PermissionError:
+    print("ptrace: denied")
+    sys.exit()
+null = os.open("/dev/null", os.O_WRONLY)
+os.dup2(null, 1)
+os.dup2(null, 2)
+time.sleep(5)
+""")
+    assert result.stdout == "process_vm_readv: denied\npidfd_getfd: denied\nptrace: denied\n", response.text
+    assert _leftover_pids() == []
+
+
+def _sandbox_init_pid(others: set[int]) -> int | None:
+    """The host pid of a running sandbox's pid 1 (bwrap's init) not in ``others``, if any."""
+    for pid in set(_sandboxed_pids()) - others:
+        try:
+            nspid = [line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                     if line.startswith("NSpid:")][0].split()
+        except (OSError, IndexError):
+            continue
+        if nspid[-1] == "1" and len(nspid) > 2:
+            return pid
+    return None
+
+
+@x86_64_only
+def test_the_call_ends_every_process_even_when_bwrap_is_made_to_return(sandbox):
+    """Whatever happened inside (here the test takes over pid 1 from outside, as a program could
+    without the seccomp filter): when the call returns, nothing of it runs or waits to be reaped."""
+    calls: list = []
+    program = """
+        import os, time
+        null = os.open("/dev/null", os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        time.sleep(5)
+    """
+    others = set(_sandboxed_pids())
+    caller = threading.Thread(target=lambda: calls.append(_run(sandbox, program)[0]))
+    caller.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (len(set(_sandboxed_pids()) - others) < 2 or _sandbox_init_pid(others) is None
+               ) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        init = _sandbox_init_pid(others)
+        assert init is not None
+        time.sleep(0.2)  # the program has closed its output, pid 1 waits for it
+        pids = set(_sandboxed_pids()) - others
+        namespace: dict = {}
+        exec(FORGE_EXIT, namespace)
+        namespace["forge_exit"](init)
+    finally:
+        caller.join()
+    result = calls[0]
+    assert result.duration_s < LIMITS.wall_time_s, result  # bwrap returned early, as forged
+    # and still every process of the call has ended and been reaped (a zombie keeps its /proc entry)
+    assert [pid for pid in pids if os.path.exists(f"/proc/{pid}")] == []
+
+
+def test_no_call_leaves_a_zombie():
+    """The caller is a child subreaper here, so that a process of the call left unreaped would
+    become its child: none does, whether the program exits, fails, runs too long or writes too
+    much."""
+    if BWRAP is None:
+        pytest.skip(NO_BWRAP)
+    script = textwrap.dedent("""
+        import ctypes, os
+        assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+        from megatron_rl.agent import PythonSandbox, SandboxLimits
+        box = PythonSandbox(SandboxLimits(wall_time_s=1.0, max_output_bytes=2048))
+        for code in ["print(1)", "import sys; sys.exit(3)", "import time; time.sleep(30)",
+                     "while True: print(1)", "import os, time; os.fork(); time.sleep(30)"]:
+            box.run(code)
+        try:
+            print("orphans:", os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG))
+        except ChildProcessError:
+            print("orphans: none")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout == "orphans: none\n", done.stdout + done.stderr
+
+
+def test_memory_outside_the_address_space_is_refused():
+    """memfd files and System V shared memory hold memory that RLIMIT_AS does not count: both
+    are refused, so a program holds no more than its address space and the two tmpfs."""
+    if BWRAP is None:
+        pytest.skip(NO_BWRAP)
+    box = PythonSandbox(SandboxLimits(wall_time_s=5.0, memory_mb=64, max_processes=2, scratch_mb=8))
+    result, response = _run(box, """
+        import ctypes, mmap, os
+        held = 0
+        try:
+            for i in range(4):
+                fd = os.memfd_create(f"held{i}")
+                os.write(fd, b"x" * (8 << 20))  # kept while fd is open
+                held += 8
+            print("memfd: held", held, "MiB")
+        except OSError as e:
+            print("memfd:", e.strerror)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmat.restype = ctypes.c_void_p
+        for i in range(4):
+            shmid = libc.shmget(0, 8 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+            if shmid < 0:
+                print("shmget:", os.strerror(ctypes.get_errno()))
+                break
+            address = libc.shmat(shmid, None, 0)
+            ctypes.memset(address, 1, 8 << 20)
+            libc.shmdt(ctypes.c_void_p(address))  # out of the address space, still held
+            held += 8
+        print("held outside the address space:", held, "MiB")
+    """)
+    assert result.stdout == ("memfd: Operation not permitted\nshmget: Operation not permitted\n"
+                             "held outside the address space: 0 MiB\n"), response.text
 
 
 @needs_bwrap
