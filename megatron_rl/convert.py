@@ -11,6 +11,12 @@ A conversion never destroys: the output is built in a temporary sibling of --sav
 place, with a marker file (MARKER) listing what it wrote. A --save that is the source (or holds
 it) is refused; so is a non-empty --save, a training run's directory included, unless it holds
 only an earlier conversion's output and --overwrite is given.
+
+While it runs, rank 0 holds the lock file `.tmp-<save>.convert.lock` beside --save
+(writer_lock): a second conversion into the same --save is refused, and one that finds the lock
+free removes what killed conversions left beside their --save (the staging directories and
+their temporaries, `_leftovers`): into this --save, and into any sibling whose lock file is there
+and free. Nothing else is touched.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -84,6 +91,50 @@ def _staging_dir(save: str) -> str:
     return os.path.join(os.path.dirname(save), ".tmp-" + os.path.basename(save) + ".convert")
 
 
+def _leftovers(parent: str, base: str) -> list[str]:
+    """What a conversion into `parent`/`base` creates beside it, if present: its staging
+    directory (_staging_dir), the temporary that hf_mapping.save_hf_checkpoint builds the
+    staging directory's files in (`.tmp-<staging>-` and tempfile's 8 characters) and the `.old`
+    it renames an existing one to, and _publish's `.old-<base>.convert`."""
+    staging = ".tmp-" + base + ".convert"
+    exact = {staging, staging + ".old", ".old-" + base + ".convert"}
+    tmp = re.compile(re.escape(".tmp-" + staging + "-") + "[a-z0-9_]{8}")
+    return [os.path.join(parent, n) for n in os.listdir(parent) if n in exact or tmp.fullmatch(n)]
+
+
+_LOCK = re.compile(r"\.tmp-(.+)\.convert\.lock")
+
+
+def _take_destination(save: str):
+    """Rank 0, before anything is written: the lock of conversions into `save` (a WriterLock,
+    taken), with what killed conversions left removed (module docstring). Raises ValueError
+    naming `save` and the lock file while a live conversion into `save` holds it. Where the
+    file system refuses locks nothing is removed (the staging directory excepted, replaced as
+    ever) and the lock is not held."""
+    from megatron_rl.writer_lock import WriterLock, remove_stale
+
+    parent, base = os.path.split(os.path.realpath(save))
+    os.makedirs(parent, exist_ok=True)
+    lock = WriterLock(os.path.join(parent, f".tmp-{base}.convert.lock"))
+    state = lock.take()
+    if state == "held":
+        raise ValueError(f"--save {save}: another conversion into it is running (it holds "
+                         f"{lock.path}); wait for it to end, or give --save another directory")
+    if state != "taken":
+        return lock
+    remove_stale(_leftovers(parent, base), f"a conversion into {save}")
+    for name in sorted(os.listdir(parent)):
+        m = _LOCK.fullmatch(name)
+        if m is None or m.group(1) == base:
+            continue
+        other = WriterLock(os.path.join(parent, name))
+        if other.take() == "taken":
+            with other:
+                remove_stale(_leftovers(parent, m.group(1)),
+                             f"a conversion into {os.path.join(parent, m.group(1))}")
+    return lock
+
+
 def _publish(staging: str, save: str, direction: str, load: str) -> None:
     """Rank 0: write the marker into `staging` and rename it to `save`, replacing an earlier
     conversion there (check_destination allowed it) only once the new one is complete."""
@@ -118,16 +169,24 @@ def hf_to_megatron(hf_dir: str, save_root: str, tp: int = 1, pp: int = 1,
     from megatron_rl.parallel import dist_rank, run_on_rank
 
     _init(tp, pp)
-    args = ModelArgs.from_pretrained(hf_dir)
-    policy = Policy(args, trainable=False)
-    policy.load_hf(hf_dir)
-    staging = _staging_dir(save_root)
-    if dist_rank() == 0:  # the others first touch it inside save_checkpoint, after rank 0
-        shutil.rmtree(staging, ignore_errors=True)
-    out = save_checkpoint(staging, 0, policy, with_optimizer=False, hf_config=args.to_hf_config())
-    _copy_tokenizer(hf_dir, out)
-    run_on_rank(0, lambda: _publish(staging, save_root, "hf-to-megatron", hf_dir),
-                f"publishing the Megatron checkpoint {save_root}")
+    locks = []  # rank 0's
+    run_on_rank(0, lambda: locks.append(_take_destination(save_root)),
+                f"taking the lock of conversions into {save_root}")
+    try:
+        args = ModelArgs.from_pretrained(hf_dir)
+        policy = Policy(args, trainable=False)
+        policy.load_hf(hf_dir)
+        staging = _staging_dir(save_root)
+        if dist_rank() == 0:  # the others first touch it inside save_checkpoint, after rank 0
+            shutil.rmtree(staging, ignore_errors=True)
+        out = save_checkpoint(staging, 0, policy, with_optimizer=False,
+                              hf_config=args.to_hf_config())
+        _copy_tokenizer(hf_dir, out)
+        run_on_rank(0, lambda: _publish(staging, save_root, "hf-to-megatron", hf_dir),
+                    f"publishing the Megatron checkpoint {save_root}")
+    finally:
+        for lock in locks:
+            lock.release()
     return os.path.join(save_root, iter_dir_name(0))
 
 
@@ -145,6 +204,21 @@ def megatron_to_hf(load: str, hf_dir: str, tp: int = 1, pp: int = 1, dtype: str 
     """Export a Megatron checkpoint (root or iteration dir) to a new HF directory
     (check_destination: `overwrite` replaces only an earlier conversion). Collective."""
     check_destination(load, hf_dir, overwrite)  # before any heavy import
+    from megatron_rl.parallel import run_on_rank
+
+    _init(tp, pp)
+    locks = []  # rank 0's
+    run_on_rank(0, lambda: locks.append(_take_destination(hf_dir)),
+                f"taking the lock of conversions into {hf_dir}")
+    try:
+        _export(load, hf_dir, dtype)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _export(load: str, hf_dir: str, dtype: str | None) -> None:
+    """megatron_to_hf's work, under the lock of conversions into `hf_dir`."""
     import torch
 
     from megatron_rl.checkpoint import check_checkpoint, load_checkpoint, resolve_checkpoint
@@ -152,7 +226,6 @@ def megatron_to_hf(load: str, hf_dir: str, tp: int = 1, pp: int = 1, dtype: str 
     from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import run_on_rank
 
-    _init(tp, pp)
     ckpt = resolve_checkpoint(load)
     # a damaged checkpoint (its manifest's sizes and CRC-32s) is refused before the model is
     # built: loaded, it would export garbage (NaN weights) without an error

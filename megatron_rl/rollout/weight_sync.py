@@ -20,7 +20,9 @@ rank 0) and loads it into one target or several (a server pool), each through it
 `WeightExporter` writes one directory per version, `<root>/v<version>`, each complete
 (config.json + safetensors + `weight_version.json`), written atomically; older versions are
 deleted once a newer one is in use. The newest directory is also what a crashed server restarts
-from, so a restart serves the current weights.
+from, so a restart serves the current weights. An export holds the lock file `<root>/.export.lock`
+(writer_lock) while its temporaries exist; an exporter made when it is free (the next start)
+removes what a killed export left: `.version-*`, `.tmp-vNNNNNN-*` and `vNNNNNN.old`, nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -37,8 +40,14 @@ import torch
 
 from megatron_rl.models import hf_mapping
 from megatron_rl.rollout.shm_weights import SharedBuckets
+from megatron_rl.writer_lock import WriterLock, remove_stale
 
 VERSION_FILE = "weight_version.json"
+EXPORT_LOCK = ".export.lock"
+# what an export creates in its root besides the versions: export_state_dict's directory for the
+# version file, hf_mapping.save_hf_checkpoint's temporary (tempfile's 8 characters after the
+# prefix) and the `.old` it renames a version being rewritten to
+_EXPORT_TEMPS = re.compile(r"\.version-[a-z0-9_]{8}|\.tmp-v\d{6,}-[a-z0-9_]{8}|v\d{6,}\.old")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,6 +99,17 @@ class WeightExporter:
         self.dtype = to_torch_dtype(dtype)
         self.keep = keep
         self.last_seconds = 0.0
+        self.remove_stale()
+
+    def remove_stale(self) -> None:
+        """Remove the temporaries of exports into `root` that were killed (_EXPORT_TEMPS), when no
+        live export holds its lock; with a warning naming them."""
+        if not os.path.isdir(self.root):
+            return
+        with WriterLock(os.path.join(self.root, EXPORT_LOCK)) as lock:
+            if lock.take() == "taken":
+                remove_stale([os.path.join(self.root, n) for n in os.listdir(self.root)
+                              if _EXPORT_TEMPS.fullmatch(n)], "a weight export")
 
     def path_for(self, version: int) -> str:
         return os.path.join(self.root, f"v{version:06d}")
@@ -111,12 +131,14 @@ class WeightExporter:
         """Write an HF state dict (full tensors) as version `version`; returns its directory."""
         os.makedirs(self.root, exist_ok=True)
         path = self.path_for(version)
-        with tempfile.TemporaryDirectory(dir=self.root, prefix=".version-") as tmp:
-            version_file = os.path.join(tmp, VERSION_FILE)
-            with open(version_file, "w") as f:
-                json.dump({"version": int(version), "time": time.time()}, f)
-            hf_mapping.save_hf_checkpoint(hf, args, path, extra_files=(version_file,),
-                                          dtype=self.dtype)
+        with WriterLock(os.path.join(self.root, EXPORT_LOCK)) as lock:
+            lock.take(wait=True)  # (not held where the file system refuses locks)
+            with tempfile.TemporaryDirectory(dir=self.root, prefix=".version-") as tmp:
+                version_file = os.path.join(tmp, VERSION_FILE)
+                with open(version_file, "w") as f:
+                    json.dump({"version": int(version), "time": time.time()}, f)
+                hf_mapping.save_hf_checkpoint(hf, args, path, extra_files=(version_file,),
+                                              dtype=self.dtype)
         return path
 
     def prune(self, current: str) -> None:

@@ -4,6 +4,8 @@ earlier conversion's own output, and the output appears by rename, complete."""
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -169,3 +171,53 @@ def test_a_damaged_checkpoint_is_not_exported_and_a_root_without_latest_exports_
         assert f"--load {load}" in str(e.value) and str(shard) in str(e.value)
         assert str(root / "iter_0000000") in str(e.value)  # the complete one before it
         assert sorted(os.listdir(tmp_path)) == ["run"]  # nothing written, nothing left
+
+
+def _start_stalled(what: str, a, b) -> subprocess.Popen:
+    """stalled_writer_worker.py, returned once it has written its first file and stalled."""
+    worker = os.path.join(os.path.dirname(__file__), "stalled_writer_worker.py")
+    proc = subprocess.Popen([sys.executable, worker, what, str(a), str(b)],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "stalled", f"the worker failed: {proc.wait()}"
+    return proc
+
+
+def test_a_killed_conversions_temporaries_are_removed_by_the_next_and_a_live_ones_kept(
+        tiny_qwen2, tmp_path):
+    """kill -9 during megatron-to-hf leaves its staging temporaries beside --save; the next
+    conversion removes them (with a warning naming them), also those a killed conversion into a
+    sibling directory left, and nothing else: not while their conversion is alive (a second
+    conversion into the same --save is refused then), never files of other names."""
+    torch.set_num_threads(1)
+    mg, hf = tmp_path / "megatron", tmp_path / "hf"
+    main(["hf-to-megatron", "--load", tiny_qwen2, "--save", str(mg)])
+    mine = {"keep.txt": "x", ".tmp-hf.convert-notes": "y", ".tmp-hf.convert.lock.bak": "z"}
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text)
+    expected_after = sorted(["megatron", "hf", *mine])
+
+    proc = _start_stalled("convert", mg, hf)
+    try:
+        left = sorted(set(os.listdir(tmp_path)) - {"megatron", *mine})
+        assert ".tmp-hf.convert.lock" in left
+        assert any(re.fullmatch(r"\.tmp-\.tmp-hf\.convert-[a-z0-9_]{8}", n) for n in left)
+        with pytest.raises(ValueError, match=f"--save {re.escape(str(hf))}: another conversion "
+                                             "into it is running"):
+            main(["megatron-to-hf", "--load", str(mg), "--save", str(hf)])
+        assert sorted(set(os.listdir(tmp_path)) - {"megatron", *mine}) == left  # untouched
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not hf.exists()
+    # a conversion into a sibling killed as well: its lock file (free: its process is gone)
+    (tmp_path / ".tmp-other.convert.lock").write_text("")
+    (tmp_path / ".tmp-.tmp-other.convert-ab12cd_9").mkdir()
+    (tmp_path / ".tmp-.tmp-other.convert-ab12cd_9" / "model.safetensors").write_text("partial")
+    with pytest.warns(UserWarning, match="removing .*did not finish") as record:
+        main(["megatron-to-hf", "--load", str(mg), "--save", str(hf)])
+    removed = " ".join(str(w.message) for w in record)
+    assert ".tmp-.tmp-hf.convert-" in removed and ".tmp-.tmp-other.convert-ab12cd_9" in removed
+    assert sorted(os.listdir(tmp_path)) == expected_after
+    assert all((tmp_path / n).read_text() == t for n, t in mine.items())
