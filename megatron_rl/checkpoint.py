@@ -686,12 +686,15 @@ def load_run_weights(policy, reference, resume: str | None, weights: str | None,
 
 
 def save_run(root: str, step: int, policy, data_state: dict, engine_version: int,
-             reference=None, config: dict | None = None) -> None:
+             reference=None, config: dict | None = None, ahead: bytes | None = None) -> None:
     """Collective: checkpoint `step` of a run under `root`: the policy with its optimizer, per
-    rank the RNG states, the data position and the rollout engine's weight version, the run's
-    flat configuration `config` (what a resume compares its own with), and the reference when
-    given (it differs from the initial weights after a reset, --ref-reset-interval), all
-    published together (save_checkpoint)."""
+    rank the RNG states, the data position, the rollout engine's weight version and the
+    batches generated ahead (`ahead`, extra["ahead"]: rollout.orchestrate.RolloutQueue.
+    saved_state), the run's flat configuration `config` (what a resume compares its own with),
+    and the reference when given (it differs from the initial weights after a reset,
+    --ref-reset-interval), all published together (save_checkpoint)."""
     extra = {"rng": rng_state(), "data": data_state, "engine_version": engine_version}
+    if ahead is not None:
+        extra["ahead"] = ahead
     save_checkpoint(root, step, policy, extra, hf_config=policy.args.to_hf_config(),
                     reference=reference, config=config)

@@ -74,7 +74,8 @@ class Run:
     """A training run's collaborators. dp_rank / dp_size: this rank's data-parallel position;
     start_step: the step the run starts (or resumes) at; saves_reference: whether each checkpoint
     holds the reference (it is not the initial weights: --ref-reset-interval, or a reference
-    resumed from a checkpoint)."""
+    resumed from a checkpoint); ahead: the batches the resumed checkpoint saved ahead
+    (rollout.orchestrate.RolloutQueue.saved_state), taken by the run's RolloutQueue."""
 
     cfg: TrainConfig
     policy: Policy
@@ -89,6 +90,7 @@ class Run:
     dp_size: int
     start_step: int = 0
     saves_reference: bool = False
+    ahead: bytes | None = None
 
     def sampling_params(self, seed: int) -> SamplingParams:
         """The run's sampling settings (--temperature, --top-p, --max-new-tokens) with `seed`."""
@@ -98,14 +100,14 @@ class Run:
                               seed=seed,
                               return_routed_experts=self.cfg.algorithm.routing_replay)
 
-    def save(self, step: int, data_state: dict | None = None) -> None:
+    def save(self, step: int, data_state: dict | None = None, ahead: bytes | None = None) -> None:
         """Checkpoint `step` (collective); `data_state`: the data position to resume from
-        (default: the current one)."""
+        (default: the current one); `ahead`: the batches generated ahead, saved with it."""
         checkpoint.save_run(self.cfg.checkpoint.save, step, self.policy,
                             data_state or self.train_data.state_dict(),
                             self.engine.weight_version,
                             reference=self.reference if self.saves_reference else None,
-                            config=config_changes.flat_config(self.cfg))
+                            config=config_changes.flat_config(self.cfg), ahead=ahead)
 
     def close(self) -> None:
         """Stop the engine, the scorer's workers and the logger."""
@@ -177,7 +179,8 @@ def setup_run(cfg: TrainConfig) -> Run:
     return Run(cfg=cfg, policy=policy, reference=reference, engine=engine, codec=codec,
                train_data=train_data, eval_data=eval_data, scorer=RewardScorer(num_workers=2),
                logger=logger, dp_rank=ps.get_data_parallel_rank(), dp_size=dp,
-               start_step=start_step, saves_reference=saves_reference)
+               start_step=start_step, saves_reference=saves_reference,
+               ahead=(extra or {}).get("ahead"))
 
 
 def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,

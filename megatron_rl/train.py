@@ -104,8 +104,9 @@ def train_loop(run: Run, rollouts: RolloutQueue, stops: StopRequests | None = No
         interval = cfg.checkpoint.save_interval
         if (step + 1 == cfg.train_iters or stop is not None
                 or (interval and (step + 1) % interval == 0)):
-            # a resume generates the batches started ahead again: their data position
-            run.save(step + 1, data_state=rollouts.data_state())
+            # the batches started ahead are saved with the step, and the data position
+            # before them, for a resume that has to generate them again
+            run.save(step + 1, data_state=rollouts.data_state(), ahead=rollouts.saved_state())
             saved = step + 1
         if stop is not None:
             write_stopped_marker(cfg.checkpoint.save, step + 1, stop)

@@ -23,6 +23,13 @@ prompt no finished batch consumed.
 
 `RolloutQueue` is what the training loop uses: each step's batch, generated up to --async-level
 steps ahead. `generate_batch(run, step)` builds one step's batch at once (tools, tests).
+
+A checkpoint saved with batches generated ahead (a SIGTERM stop, a periodic save) keeps them
+(`RolloutQueue.saved_state`: their trajectories, or the in-process engine's finished batches,
+their weight versions and the data position after them), so that the resumed run trains on the
+batches, at the staleness, that the uninterrupted run does. A resume under settings that would
+generate other batches (`ahead_free` lists the settings that may differ) generates them again
+from the resumed weights, with a warning.
 """
 
 from __future__ import annotations
@@ -31,16 +38,18 @@ import collections
 import concurrent.futures
 import copy
 import dataclasses
+import io
 import math
 import warnings
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl import metrics as global_metrics
 from megatron_rl.batch import RolloutBatch, pack_rollouts
 from megatron_rl.packing import rank_groups
-from megatron_rl.parallel import data_parallel_group, device, dist_rank
+from megatron_rl.parallel import all_reduce, data_parallel_group, device, dist_rank
 from megatron_rl.rewards.types import REASONS
 from megatron_rl.rollout.base import on_client
 from megatron_rl.rollout.functions import RolloutContext, Trajectory, run_rollout, trajectory_counts
@@ -128,6 +137,9 @@ class RolloutQueue:
         self.cursor = (copy.copy(run.train_data)
                        if self.threads is not None and algo.dynamic_sampling else None)
         self.pending: collections.deque[Rollout] = collections.deque()  # started ahead
+        saved, run.ahead = run.ahead, None
+        if saved is not None:
+            self._restore(saved)
 
     def take(self, step: int) -> tuple[RolloutBatch, dict]:
         """`step`'s batch and metrics (finish_rollout), the later ones started ahead."""
@@ -156,9 +168,65 @@ class RolloutQueue:
                 r.future.result()
 
     def data_state(self) -> dict | None:
-        """The data position a resume starts from: before the batches started ahead (they are
-        generated again), or None for the current one (after the last finished batch)."""
+        """The data position a resume starts from: before the batches started ahead (a resume
+        that cannot use the saved ones, saved_state, generates them again), or None for the
+        current one (after the last finished batch)."""
         return self.pending[0].data_state if self.pending else None
+
+    def saved_state(self) -> bytes | None:
+        """The batches started ahead, all finished (finish_generations ran), for the checkpoint
+        of the step just trained; None when none is. What this rank holds of each: the
+        trajectories its client rank generated (or the in-process engine's finished batch),
+        the prompts, the weight version that generated it, and the data position after them.
+        Serialized here (torch.save) so that the checkpoint's extra state loads whatever they
+        hold: a resume that cannot read them generates them again."""
+        if not self.pending:
+            return None
+        from megatron_rl.config_changes import flat_config
+
+        run = self.run
+        state = {
+            "format": AHEAD_FORMAT, "config": flat_config(run.cfg), "world_size": _world_size(),
+            "data": (self.cursor if self.cursor is not None else run.train_data).state_dict(),
+            "rollouts": [{"step": r.step, "version": r.version, "data_state": r.data_state,
+                          "records": r.records, "done": r.done,
+                          "generated": r.future.result() if r.future is not None else None}
+                         for r in self.pending]}
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
+
+    def _restore(self, saved: bytes) -> None:
+        """The batches a checkpoint saved ahead (saved_state) as the first ones pending, the data
+        position after them; or, where any rank cannot use them (_ahead_problem), none: they
+        are generated again, with a warning."""
+        run = self.run
+        state: dict = {}
+        try:
+            state = torch.load(io.BytesIO(saved), map_location=device(), weights_only=False)
+            problem = _ahead_problem(run, state)
+        except Exception as e:  # noqa: BLE001 -- saved by another version: generated again
+            problem = f"they cannot be read ({type(e).__name__}: {e})"
+        if all_reduce([float(problem is not None)], op=dist.ReduceOp.MAX).item():
+            if dist_rank() == 0:
+                saved_steps = state.get("rollouts", []) if isinstance(state, dict) else []
+                steps = ", ".join(str(r["step"] + 1) for r in saved_steps) or "?"
+                warnings.warn(
+                    f"the batches generated ahead (--async-level) for steps {steps} and saved "
+                    f"with the checkpoint of step {run.start_step} are generated again, from "
+                    f"the resumed weights: {problem or 'another rank cannot use its share'}. "
+                    "Their samples and rollout/staleness differ from those of a run that was "
+                    "not stopped", stacklevel=2)
+            return
+        for item in state["rollouts"]:
+            future = None
+            if item["generated"] is not None:
+                future = concurrent.futures.Future()
+                future.set_result(item["generated"])
+            self.pending.append(Rollout(item["step"], item["data_state"], item["version"],
+                                        item["records"], future, item["done"]))
+        (self.cursor if self.cursor is not None else run.train_data).load_state_dict(
+            state["data"])
 
     def close(self, wait: bool) -> None:
         """Stop the background threads. wait=False (a failed or interrupted run): nothing waits
@@ -170,6 +238,50 @@ class RolloutQueue:
 
 def _seed(run: Run, step: int) -> int:
     return run.cfg.seed + 7919 * step
+
+
+AHEAD_FORMAT = 1  # the layout of RolloutQueue.saved_state
+
+# The settings under which batches generated ahead and saved are the ones the resuming run would
+# generate and train on: those a resume may change freely (config_changes.RESUME_FREE: where it
+# stops and saves, where generation runs, kernels), but for the ones that decide how a batch
+# is dealt to the ranks and cut (the in-process engine saves each rank's finished share).
+_DEALING = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "expert_model_parallel_size", "sequence_parallel", "micro_batch_size",
+            "sequence_packing", "max_tokens_per_microbatch")
+
+
+def ahead_free() -> set[str]:
+    """The settings (flat names) a resume may change and still train on the saved batches."""
+    from megatron_rl.config_changes import RESUME_FREE
+
+    return set(RESUME_FREE) - set(_DEALING)
+
+
+def _ahead_problem(run: Run, state: dict) -> str | None:
+    """Why the batches `state` saved ahead (RolloutQueue.saved_state) are not the ones `run`
+    would train on, or None when they are."""
+    from megatron_rl.config_changes import config_differences, flat_config
+
+    if state.get("format") != AHEAD_FORMAT:
+        return f"saved in another format ({state.get('format')!r})"
+    if state["world_size"] != _world_size():
+        return f"saved by {state['world_size']} ranks, resumed on {_world_size()}"
+    steps = [r["step"] for r in state["rollouts"]]
+    if steps[0] != run.start_step:
+        return f"they start at step {steps[0] + 1}, the resumed run at {run.start_step + 1}"
+    if steps[-1] >= run.cfg.train_iters:
+        return f"--train-iters {run.cfg.train_iters} ends before step {steps[-1] + 1}"
+    changed = {k: v for k, v in config_differences(state["config"], flat_config(run.cfg)).items()
+               if k not in ahead_free()}
+    if changed:
+        return "settings differ from the saving run's: " + ", ".join(
+            f"--{k.replace('_', '-')}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+    return None
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:

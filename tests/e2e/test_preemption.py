@@ -87,6 +87,39 @@ def test_sigterm_saves_the_step_in_flight_then_resume_matches_uninterrupted_run(
     assert _latest(stopped_dir) == f"iter_{iters:07d}"
 
 
+def test_a_stop_under_async_level_resumes_on_the_batch_generated_ahead(
+        tiny_char_model, tiny_char_ref, arithmetic_jsonl, tmp_path):
+    """--async-level 1 with the process engine: step 2's batch is generated during step 1 from
+    the weights one update old. A stop after step 1 (the SIGTERM path, triggered by the time
+    budget at a known step) saves that batch with step 1's checkpoint, so the resumed run
+    trains on it at staleness 1 and logs what the run that was not stopped logs."""
+    iters = 4
+    flags = RESUME_FLAGS + ["--rollout-engine", "process", "--async-level", "1"]
+
+    def run(name, extra=()):
+        save = str(tmp_path / name)
+        args = train_args(tiny_char_model, arithmetic_jsonl, save, iters, [*flags, *extra],
+                          ref=tiny_char_ref)
+        return save, subprocess.run(train_cmd(*args), env=train_env(), capture_output=True,
+                                    text=True, timeout=600)
+
+    ref_save, p = run("uninterrupted")
+    assert p.returncode == 0, p.stderr[-4000:]
+    save, p = run("stopped", ["--exit-duration-in-mins", "0.00001"])
+    assert p.returncode == EXIT_RESUMABLE, p.stderr[-4000:]
+    assert _checkpoints(save) == ["iter_0000001"]
+    _, p = run("stopped")
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "generated again" not in p.stderr
+    ref, resumed = read_metrics(ref_save), read_metrics(save)
+    assert [r["step"] for r in resumed] == list(range(1, iters + 1))
+    assert [r["rollout/staleness"] for r in resumed] == [0.0, 1.0, 1.0, 1.0]
+    for a, b in zip(ref, resumed):
+        for key in ("reward/mean", "kl_k1", "pg_loss", "grad_norm", "entropy",
+                    "rollout/staleness", "response/length_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
 @pytest.mark.parametrize("interval, iters, saved", [(0, 2, [2]), (2, 3, [2, 3])])
 def test_the_last_step_is_always_saved(tiny_char_model, arithmetic_jsonl, tmp_path, interval,
                                        iters, saved):
