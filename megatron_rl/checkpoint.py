@@ -29,6 +29,8 @@ from the newest earlier checkpoint that is complete. Checkpoints without a manif
 before manifests existed) load unchecked, with their required files checked for presence.
 A `latest` that is missing, empty or names anything but an `iter_XXXXXXX` directory of the root
 is not trusted: the iterations present are, the newest complete one resumed with a warning.
+Every other read (load_checkpoint: an export, an evaluation) checks the manifest as well and
+refuses a damaged checkpoint naming the file, having nothing to fall back to.
 """
 
 from __future__ import annotations
