@@ -65,6 +65,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -185,7 +187,12 @@ class ChatFormat:
     token that reads like the start of the end-of-turn token ("<") still gets it.
 
     Without a template, each tool response is in <tool_response> tags on lines of its own and
-    any other message's content on lines of its own."""
+    any other message's content on lines of its own.
+
+    `encode_after_turn` gives the token ids: the format's own text (the template's, with its
+    special tokens) encoded with special tokens live, each message's content as plain text, so
+    that a tool or an environment printing "<|im_end|>" gives the characters, never the policy's
+    end-of-turn token."""
 
     def __init__(self, tokenizer: Any, end_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
@@ -217,12 +224,59 @@ class ChatFormat:
         if not self.templated:
             return "".join(f"\n<tool_response>\n{m['content']}\n</tool_response>\n"
                            if m["role"] == "tool" else f"\n{m['content']}\n" for m in msgs)
-        text = self._after_assistant(msgs, generation_prompt=True)
+        return "".join(text for text, _ in self._segments(msgs, last_token))
+
+    def encode_after_turn(self, results: Sequence[str | dict[str, str]], last_token: int | None
+                          ) -> list[int]:
+        """The token ids of `after_turn(results, last_token)`'s text: the format's own text
+        with special tokens live, each message's content with special tokens off (read as the
+        characters they are made of)."""
+        msgs = [{"role": "tool", "content": r} if isinstance(r, str) else r for r in results]
+        ids: list[int] = []
+        for text, content in self._segments(msgs, last_token):
+            if text:
+                ids += self.tokenizer(text, add_special_tokens=False,
+                                      split_special_tokens=content)["input_ids"]
+        return ids
+
+    def _segments(self, msgs: list[dict], last_token: int | None) -> list[tuple[str, bool]]:
+        """The text after a policy turn as (text, is a message's content) pieces in order.
+
+        With a template, the messages are rendered once with a unique placeholder for each
+        content and split there; each content is put back as the template renders it (a
+        template may trim it: Llama 3's does), found by rendering the real messages too."""
+        if not self.templated:
+            out: list[tuple[str, bool]] = []
+            for m in msgs:
+                tool = m["role"] == "tool"
+                out += [("\n<tool_response>\n" if tool else "\n", False), (m["content"], True),
+                        ("\n</tool_response>\n" if tool else "\n", False)]
+            return out
+        nonce = secrets.token_hex(8)
+        holders = {f"{{content-{i}-{nonce}}}": m["content"] for i, m in enumerate(msgs)
+                   if isinstance(m.get("content"), str)}
+        ids = iter(holders)
+        placed = [dict(m, content=next(ids)) if isinstance(m.get("content"), str) else m
+                  for m in msgs]
+        template = self._after_assistant(placed, generation_prompt=True)
+        pieces = re.split("(" + "|".join(map(re.escape, holders)) + ")", template) if holders else [template]
+        real = self._after_assistant(msgs, generation_prompt=True)
+        out, pos = [], 0
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                out.append((piece, False))
+                pos += len(piece)
+                continue
+            content, after = holders[piece], pieces[i + 1]
+            rendered = next((c for c in (content, content.strip())
+                             if real.startswith(c + after, pos)), content)
+            out.append((rendered, True))
+            pos += len(rendered)
         if self._close_id is not None and last_token in self.end_ids:
             close = self.tokenizer.decode([self._close_id], skip_special_tokens=False)
-            if text.startswith(close):
-                text = text[len(close):]  # the policy ended its turn itself
-        return text
+            if out[0][0].startswith(close):
+                out[0] = (out[0][0][len(close):], False)  # the policy ended its turn itself
+        return out
 
 
 def _marker_stop_id(tokenizer: Any, marker: str | None) -> int | None:
@@ -365,7 +419,7 @@ class _Turns:
         outcomes = self.envs.step([self.number[id(e)] for e in episodes],
                                   [self.decode(e.last_turn) for e in episodes])
         for e, outcome in zip(episodes, outcomes):
-            _answer(e, outcome, self.fmt, self.config, self.tokenizer,
+            _answer(e, outcome, self.fmt, self.config,
                     last_turn=turn + 1 >= self.config.agent_max_turns)
 
 
@@ -461,7 +515,7 @@ def _start(ctx: RolloutContext, records: Sequence[PromptRecord], resets: list[Ca
 
 
 def _answer(e: _Episode, outcome: CallOutcome, fmt: ChatFormat, config: AgentConfig,
-            tokenizer, last_turn: bool) -> None:
+            last_turn: bool) -> None:
     """The environment's `outcome` for the policy's last turn applied to `e`: its failure, the
     end it gives, or its observation appended (mask 0)."""
     if outcome.status != OK:
@@ -479,8 +533,7 @@ def _answer(e: _Episode, outcome: CallOutcome, fmt: ChatFormat, config: AgentCon
         e.end = "max_turns"
         return
     last_token = e.last_turn[-1] if e.last_turn else None
-    text = fmt.after_turn(list(result.observation or ()), last_token)
-    env = tokenizer(text, add_special_tokens=False)["input_ids"]
+    env = fmt.encode_after_turn(list(result.observation or ()), last_token)
     if e.length + len(env) >= config.agent_max_tokens:
         e.end = "max_tokens"  # no room for the observation and a next turn
         return

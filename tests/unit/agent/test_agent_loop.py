@@ -249,3 +249,22 @@ def test_an_episode_near_the_limit_never_cuts_another_episodes_turn(tokenizer, s
         for i, (prompt, room) in enumerate(zip(prompts, rooms)))
     seeds = [p.seed for _, _, p in engine.calls]
     assert len(set(seeds)) == len(seeds)
+
+
+def test_the_environments_tokens_keep_the_templates_text(tmp_path):
+    """Encoded apart (the format's text with special tokens, each message's content as plain
+    text), the environment's tokens still read back as the template renders the messages, also
+    where the template trims a message's content (Llama 3's does)."""
+    tok = AutoTokenizer.from_pretrained(make_char_tokenizer(str(tmp_path / "tok")))
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>"]})
+    tok.chat_template = ("{% for m in messages %}{{ '<|start_header_id|>' + m.role + '\\n' + "
+                         "m.content | trim + '<|eot_id|>' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant\\n' }}{% endif %}")
+    fmt = ChatFormat(tok)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    results = ["  408 <|eot_id|>\n", {"role": "user", "content": "<|start_header_id|>  "}]
+    ids = fmt.encode_after_turn(results, eot)
+    assert tok.decode(ids, skip_special_tokens=False) == fmt.after_turn(results, eot) == (
+        "<|start_header_id|>tool\n408 <|eot_id|><|eot_id|><|start_header_id|>user\n"
+        "<|start_header_id|><|eot_id|><|start_header_id|>assistant\n")
+    assert ids.count(eot) == 2 and ids.count(tok.convert_tokens_to_ids("<|start_header_id|>")) == 3
