@@ -12,8 +12,9 @@ it. Token in, token out:
 - The environment's tokens are the text the chat format puts between the policy's turns (the
   end of the policy's turn where it did not end it itself, the environment's messages: tool
   responses as "tool" messages, an environment's str observation as a "user" message; the
-  header of the next assistant turn), encoded once, without special tokens added, and
-  appended. They have mask
+  header of the next assistant turn), encoded once, without special tokens added (the
+  format's own text with its special tokens, each message's content as plain text: a tool
+  printing "<|im_end|>" gives those characters), and appended. They have mask
   0 and log-prob 0: the loss, the advantages, every KL estimator and placement, the importance
   weights and the metrics use the policy's tokens only (batch.pack_rollouts makes the mask the
   row's loss mask). docs/results.md derives why charging the environment's tokens, or counting

@@ -2,10 +2,11 @@
 
 One call is one process tree, started as::
 
-    choom -n 1000 -- setpriv --reuid=65534 --regid=65534 --clear-groups -- \\   (only as root)
+    python3 -I -S -c <keeper> \\                               (kills and reaps what bwrap leaves)
+      choom -n 1000 -- setpriv --reuid=65534 --regid=65534 --clear-groups -- \\   (only as root)
       bwrap --unshare-all --unshare-user --disable-userns --die-with-parent --new-session \\
-            --ro-bind /usr /usr  (+ the /bin, /lib... links)  --proc /proc --dev /dev \\
-            --tmpfs /tmp (sized)  --tmpfs /dev/shm (sized)  --remount-ro / ... -- \\
+            --seccomp FD  --ro-bind /usr /usr  (+ the /bin, /lib... links)  --proc /proc \\
+            --dev /dev --tmpfs /tmp (sized)  --tmpfs /dev/shm (sized)  --remount-ro / ... -- \\
       prlimit --as --cpu --nproc --nofile --fsize --core=0 -- python3 -I /tmp/main.py
 
 What the program can and cannot do:
@@ -25,8 +26,20 @@ What the program can and cannot do:
 - **Network**: its own network namespace with only a loopback; no route out, and the host's
   loopback services are not reachable.
 - **Processes**: its own pid namespace: it sees and can signal only its own processes. All of
-  them die when the call ends: when the program exits, at the wall-clock limit, or when the
-  process that started bwrap dies (``--die-with-parent``; a killed trainer leaves no sandbox).
+  them have ended, and been reaped, when the call returns: when the program exits, at the
+  wall-clock limit, whatever the program did; and when the thread that started the call dies
+  (parent-death signals; a killed trainer leaves no sandbox). bwrap exits as soon as its init
+  (the sandbox's pid 1) reports the program's exit status, before that init ends, so the init
+  would be orphaned on every call (a zombie forever under a container's init that does not
+  reap). The keeper, a child subreaper between the caller and bwrap, inherits it, kills it (its
+  whole pid namespace dies with it) and reaps it, then exits with bwrap's status.
+- **System calls**: a seccomp filter (``seccomp_filter``) refuses, with EPERM, access to other
+  processes (ptrace, process_vm_readv/writev, process_madvise, pidfd_getfd, kcmp: the init runs
+  as the sandbox's user, and a program that took it over could make bwrap return with its
+  processes still running), memory that RLIMIT_AS does not count (memfd_create, memfd_secret,
+  System V shared memory, message queues, semaphores), and kernel interfaces an interpreter's
+  programs have no use for (bpf, perf_event_open, userfaultfd, io_uring, key rings); 32-bit and
+  x32 system calls fail with ENOSYS. x86_64 and aarch64 only.
 - **Limits**: wall clock ``wall_time_s`` (the whole tree is killed); per process: CPU time
   ``cpu_time_s`` (SIGXCPU), address space ``memory_mb`` (a large allocation fails with
   ``MemoryError``), open files; ``max_processes`` processes and threads in the sandbox
@@ -34,18 +47,20 @@ What the program can and cannot do:
   fork bomb stalls at the limit until the wall clock ends it); output: the call stops the program
   once it has written more than ``max_output_bytes`` to stdout and stderr together. Its
   ``oom_score_adj`` is 1000, so under memory pressure the kernel kills sandboxed programs first.
-
-Not covered: there is no seccomp filter (the kernel's system calls are reachable, as for any
-unprivileged user) and no cgroup, so memory is bounded per process (``memory_mb`` times
-``max_processes``, plus the two tmpfs), not per sandbox, and CPU is shared with the host.
+- **Memory**: bounded per sandbox by ``max_processes x memory_mb`` (address space) plus the two
+  tmpfs (``2 x scratch_mb``), memfd and System V memory being refused, plus what the kernel holds
+  for its open files (pipe and socket buffers), which no rlimit counts. There is no memory
+  cgroup (one cannot be made on every host, and the bound should not depend on the host).
+  CPU is shared with the host.
 
 Per-call overhead and measured limits are in docs/agent.md. Calls run concurrently on
 ``ToolExecutor``'s threads: each call is its own process tree, so a pool of Python worker
-processes between them would add a hop and no isolation. bwrap is started without a
-``preexec_fn`` (which would make Python ``fork()`` the whole trainer, unsafe with threads):
-``--die-with-parent`` is bwrap's own ``PR_SET_PDEATHSIG`` (the ``set_parent_death_signal`` of
-``megatron_rl.processes``, done in the child). It fires when the *thread* that started bwrap ends;
-each call's thread waits for it, so no call outlives its thread. ``start_new_session`` keeps the
+processes between them would add a hop and no isolation. The keeper is started without a
+``preexec_fn`` (which would make Python ``fork()`` the whole trainer, unsafe with threads): it
+sets its own ``PR_SET_PDEATHSIG`` (as ``set_parent_death_signal`` of ``megatron_rl.processes``
+does in a child), and bwrap's ``--die-with-parent`` does the same below it. It fires when the
+*thread* that started the keeper ends; each call's thread waits for it, so no call outlives its
+thread. ``start_new_session`` keeps the
 terminal's Ctrl-C for the trainer to handle.
 """
 from __future__ import annotations
