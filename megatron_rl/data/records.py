@@ -12,11 +12,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from megatron_rl.errors import UserError
+
 TASKS = ("math", "countdown", "mmlu", "gsm8k", "arithmetic")
 
 
-class DataFormatError(ValueError):
-    """A malformed input row; the message names the file, the line (or row) and the field."""
+class DataFormatError(UserError):
+    """A malformed input file or row; the message names the file, the line (or row) and the
+    field."""
 
     def __init__(self, path: str | Path, line: int | None, message: str, field: str | None = None):
         where = f"{path}:{line}" if line is not None else str(path)
@@ -87,9 +90,15 @@ def write_jsonl(path: str | Path, examples: Iterable[TaskExample]) -> int:
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for each non-blank line; bad JSON or bytes that are not
-    UTF-8 name the file and line."""
+    UTF-8 name the file and line, a file that cannot be opened names the file. A UTF-8
+    byte-order mark at the start is skipped (editors on Windows write one); a UTF-16 file is
+    named as one."""
     try:
-        with open(path, encoding="utf-8") as f:
+        f = open(path, encoding="utf-8-sig")
+    except OSError as e:
+        raise DataFormatError(path, None, f"cannot be read ({e.strerror or e})") from None
+    try:
+        with f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -98,13 +107,21 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
                 except json.JSONDecodeError as e:
                     raise DataFormatError(path, lineno, f"invalid JSON ({e.msg} at column {e.colno})") from None
     except UnicodeDecodeError as e:
-        raise _utf8_error(path, e) from None
+        raise not_utf8(path, e) from None
 
 
-def _utf8_error(path: str | Path, error: UnicodeDecodeError) -> DataFormatError:
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
+def not_utf8(path: str | Path, error: UnicodeDecodeError) -> DataFormatError:
     """The first line of `path` that is not UTF-8, as a DataFormatError (the decoder reports a
-    position within its read buffer, not a line)."""
+    position within its read buffer, not a line); a file that starts with a UTF-16 byte-order
+    mark is named as UTF-16."""
     with open(path, "rb") as f:
+        if f.read(2) in UTF16_BOMS:
+            return DataFormatError(path, None, "UTF-16 (it starts with a UTF-16 byte-order "
+                                               "mark); save the file as UTF-8")
+        f.seek(0)
         for lineno, raw in enumerate(f, start=1):
             try:
                 raw.decode("utf-8")

@@ -64,6 +64,25 @@ def test_invalid_utf8_names_file_and_line(tmp_path):
             read_user_file(path, "math", prompt_field="prompt", answer_field="answer")
 
 
+def test_a_utf8_bom_is_skipped_and_a_utf16_file_or_a_missing_one_named(tmp_path):
+    """A JSONL file saved by a Windows editor starts with a UTF-8 byte-order mark: its rows are
+    read as they are (the BOM used to fail line 1 as "invalid JSON (Unexpected UTF-8 BOM)"),
+    prepared data and user files alike. A UTF-16 file is named as UTF-16, a missing one by its
+    path, each a DataFormatError (the commands print its message, no traceback)."""
+    rows = [{"prompt": "1+1", "answer": "2", "task": "math"},
+            {"prompt": "2+2", "answer": "4", "task": "math"}]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert [ex.prompt for ex in read_examples(path)] == ["1+1", "2+2"]
+    assert len(read_user_file(path, "math", prompt_field="prompt", answer_field="answer")) == 2
+    path.write_bytes(text.encode("utf-16"))
+    with pytest.raises(DataFormatError, match=r"bom\.jsonl: UTF-16 .*save the file as UTF-8"):
+        read_examples(path)
+    with pytest.raises(DataFormatError, match=r"none\.jsonl: cannot be read \(No such file"):
+        read_examples(tmp_path / "none.jsonl")
+
+
 def test_user_jsonl_with_field_mapping(tmp_path):
     src = _write_lines(tmp_path / "mine.jsonl", [
         {"doc": {"problem": "What is 1/2?"}, "solution": r"It is $\boxed{\frac{1}{2}}$."},
