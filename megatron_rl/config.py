@@ -16,15 +16,16 @@
 Each setting is declared once, in the dataclass of the module that consumes it (ParallelConfig in
 parallel.py, ModelOptions in models/config.py, OptimConfig in models/optim.py, LossConfig in
 loss.py, KLConfig in kl.py, LoggingConfig in metrics_log.py, AgentConfig in agent/loop.py), its
-flag's help text (and its valid "choices" and "min", where declared) in the field's metadata. The command line and YAML
+flag's help text (and its valid "choices" and bounds, where declared) in the field's metadata. The command line and YAML
 keep one flat namespace: a field's flag is
 `--<field-name>` with '_' -> '-', prefixed by its group's `prefix` metadata where a name would be
 ambiguous (KLConfig's fields are `--kl-*`) or renamed by its `flag` metadata (`--loss-aggregation`).
 YAML keys are those flag names with '-' -> '_'.
 
-Checks: TrainConfig.validate (every flag's choices and minimum, each group's `validate`, the
-rules across groups), run by parse_config; TrainConfig.check_layout(dp_size) once the
-data-parallel size is known.
+Checks: TrainConfig.validate (every flag's choices and bounds, every number finite, each group's
+`validate`, the rules across groups), run by parse_config before any model is built;
+TrainConfig.check_layout(dp_size) once the data-parallel size is known. A refused setting raises
+ConfigError (errors.py) naming the flag or key: the commands print it and exit with status 2.
 
 Precedence: defaults < `--config FILE.yaml` < command-line flags. The KL switch defaults to the
 paper's recommended configuration: K1 in the reward, beta 0.05, RLOO, loss normalised by the
@@ -35,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import operator
 import os
 import typing
 import warnings
@@ -44,6 +47,8 @@ import yaml
 
 from megatron_rl.advantages import GROUP_BASELINE_ESTIMATORS
 from megatron_rl.agent.loop import AgentConfig
+from megatron_rl.data.records import not_utf8
+from megatron_rl.errors import ConfigError
 from megatron_rl.loss import LossConfig
 from megatron_rl.metrics_log import LoggingConfig
 from megatron_rl.models.config import ModelOptions
@@ -59,7 +64,8 @@ _field = dataclasses.field
 def _opt(default=dataclasses.MISSING, *, help: str, factory=dataclasses.MISSING,
          **metadata) -> typing.Any:
     """A setting's field: its default and its flag's help text (what it does, its unit, what it
-    applies to), with optional "choices" and "min" that TrainConfig.validate checks."""
+    applies to), with optional "choices" and bounds ("min", "max", "gt", "lt"; "inf": True
+    where infinity is a meaning of its own) that TrainConfig.validate checks (_check_declared)."""
     return _field(default=default, default_factory=factory, metadata={"help": help, **metadata})
 
 
@@ -176,7 +182,7 @@ class RolloutConfig:
         "memory while the trainer trains (weights to host memory, KV cache dropped: vLLM's "
         "sleep mode, SGLang's release_memory_occupation) and takes it back before the weight "
         "sync"))
-    temperature: float = _opt(1.0, help=(
+    temperature: float = _opt(1.0, min=0, help=(
         "sampling temperature of the rollouts and of evaluation, >= 0 (0: greedy)"))
     top_p: float = _opt(1.0, help=(
         "nucleus sampling: sample from the smallest set of tokens holding this probability, "
@@ -525,21 +531,21 @@ class TrainConfig:
                                  "SGLang release_memory_occupation): it needs GPUs")
 
     def check_layout(self, dp_size: int) -> None:
-        """Raise ValueError where the batch does not split over `dp_size` data-parallel ranks
+        """Raise ConfigError where the batch does not split over `dp_size` data-parallel ranks
         (known once the process groups exist): each PPO minibatch takes an equal share of the
         prompts on every rank, and under pipeline parallelism without packing all microbatches
         need one shape."""
         algo = self.algorithm
         if algo.num_prompts_per_step % (dp_size * algo.ppo_minibatches):
-            raise ValueError(f"--num-prompts-per-step {algo.num_prompts_per_step} must be "
-                             f"divisible by data-parallel size {dp_size} x --ppo-minibatches "
-                             f"{algo.ppo_minibatches}")
+            raise ConfigError(f"--num-prompts-per-step {algo.num_prompts_per_step} must be "
+                              f"divisible by data-parallel size {dp_size} x --ppo-minibatches "
+                              f"{algo.ppo_minibatches}")
         per_minibatch = algo.num_prompts_per_step // (dp_size * algo.ppo_minibatches) * algo.group_size
         if (per_minibatch % algo.micro_batch_size and self.parallel.pipeline_model_parallel_size > 1
                 and not algo.sequence_packing):
-            raise ValueError(f"--micro-batch-size {algo.micro_batch_size} must divide the "
-                             f"{per_minibatch} sequences of a minibatch per data-parallel rank under "
-                             "pipeline parallelism (all microbatches need one shape)")
+            raise ConfigError(f"--micro-batch-size {algo.micro_batch_size} must divide the "
+                              f"{per_minibatch} sequences of a minibatch per data-parallel rank under "
+                              "pipeline parallelism (all microbatches need one shape)")
 
 
 
@@ -563,18 +569,39 @@ def _walk(cls, path: tuple = (), prefix: str = ""):
         yield name, path + (f.name,), kind, meta
 
 
+# The bounds a field's metadata may declare: (key, comparison, how a message says it).
+_BOUNDS = (("min", operator.ge, ">="), ("gt", operator.gt, ">"),
+           ("max", operator.le, "<="), ("lt", operator.lt, "<"))
+
+
 def _check_declared(obj, cls) -> None:
     """Raise ValueError naming the flag where a field of `obj` (a `cls`) is outside its
-    declared choices or below its declared minimum."""
+    declared choices or bounds, or is a float that is NaN or infinite (infinite is allowed
+    where the field declares "inf": True, as --clip-high does for "no upper clip"). YAML's
+    `.nan` and `.inf` and the command line's `nan` and `inf` are floats like any other, and a
+    NaN passes every comparison a check might make (nan < 0 is False), so they are refused here
+    rather than by each group's rules, before any model is built."""
     for name, path, _, meta in _walk(cls):
         value = _get(obj, path)
         if value is None:
             continue
         if "choices" in meta and value not in meta["choices"]:
             raise ValueError(f"{_flag(name)} {value!r}; valid: " + ", ".join(meta["choices"]))
-        if ("min" in meta and isinstance(value, (int, float)) and not isinstance(value, bool)
-                and value < meta["min"]):
-            raise ValueError(f"{_flag(name)} {value}: must be >= {meta['min']}")
+        for item in value if isinstance(value, list) else [value]:
+            _check_number(_flag(name), item, meta)
+
+
+def _check_number(flag: str, value: Any, meta: dict) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    bounds = " and ".join(f"{says} {meta[key]}" for key, _, says in _BOUNDS if key in meta)
+    if isinstance(value, float) and (math.isnan(value)
+                                     or (math.isinf(value) and not meta.get("inf"))):
+        allowed = " (or inf)" if meta.get("inf") else ""
+        raise ValueError(f"{flag} {value}: must be a finite number" + (f" {bounds}" if bounds
+                                                                         else "") + allowed)
+    if not all(holds(value, meta[key]) for key, holds, _ in _BOUNDS if key in meta):
+        raise ValueError(f"{flag} {value}: must be {bounds}")
 
 
 def add_flags(parser: argparse.ArgumentParser, cls) -> None:
@@ -587,12 +614,18 @@ def add_flags(parser: argparse.ArgumentParser, cls) -> None:
 
 def from_flags(cls, namespace: argparse.Namespace):
     """The `cls` that `add_flags`' flags in `namespace` give (defaults for those not given),
-    checked (declared choices and minimum, then its own `validate`)."""
+    checked (declared choices and bounds, then its own `validate`): ConfigError naming the
+    flag."""
     obj = cls(**{path[-1]: getattr(namespace, name) for name, path, _, _ in _walk(cls)
                  if hasattr(namespace, name)})
-    _check_declared(obj, cls)
-    if hasattr(obj, "validate"):
-        obj.validate()
+    try:
+        _check_declared(obj, cls)
+        if hasattr(obj, "validate"):
+            obj.validate()
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     return obj
 
 
@@ -728,18 +761,46 @@ def _coerce(value: Any, kind, key: str, source: str) -> Any:
     return value
 
 
+def read_config_file(path: str) -> dict[str, Any]:
+    """The mapping of settings a --config file holds (YAML, or a run's config.json). A UTF-8
+    byte-order mark at its start is skipped; a file that cannot be read, is not UTF-8 (the line
+    named), is not YAML (the line and column named) or is not a mapping raises ConfigError."""
+    try:
+        with open(path, encoding="utf-8-sig") as fh:
+            loaded = yaml.safe_load(fh)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {not_utf8(path, e)}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: not a mapping of setting names (the flags' names, '-' -> "
+                          f"'_') to values, but a {type(loaded).__name__}")
+    return loaded
+
+
 def parse_config(argv=None) -> TrainConfig:
-    """TrainConfig from defaults, an optional YAML file and flags; validated."""
+    """TrainConfig from defaults, an optional YAML file and flags; validated. A setting that is
+    refused raises ConfigError naming the flag or key (argparse itself exits with status 2 for
+    a flag it cannot parse)."""
+    try:
+        return _parse_config(argv)
+    except ConfigError:
+        raise
+    except ValueError as e:  # every check of a setting raises ValueError naming it
+        raise ConfigError(str(e)) from e
+
+
+def _parse_config(argv) -> TrainConfig:
     ns = vars(build_parser().parse_args(argv))
     fields = flag_fields()
     flat: dict[str, Any] = {}
     path = ns.pop("config", None)
     if path:
-        with open(path) as fh:
-            loaded = yaml.safe_load(fh) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: not a mapping of setting names (the flags' names, '-' -> "
-                             f"'_') to values, but a {type(loaded).__name__}")
+        loaded = read_config_file(path)
         ignored = sorted(set(loaded) & _IGNORED_KEYS)
         if ignored:
             warnings.warn(f"{path}: ignoring {ignored}: no setting reads them")

@@ -17,7 +17,7 @@ with --load) compares its own configuration with that one before any model is bu
 - settings that cannot take effect on a resume (RESUME_FIXED, and _rules_of_this_resume for the
   ones that depend on the checkpoint: the model, --seed, the optimizer's format) are refused
   even with --allow-config-change, each with the reason;
-- any other difference is refused with a ValueError listing every one as
+- any other difference is refused with a ConfigError (a ValueError) listing every one as
   `--flag-name: <checkpoint value> -> <new value>`, unless --allow-config-change accepts them:
   they then take effect from the resumed step, the optimizer's hyperparameters and learning-rate
   schedule included (checkpoint.load_checkpoint takes those from the resuming run's OptimConfig).
@@ -39,6 +39,7 @@ import warnings
 from typing import Any
 
 from megatron_rl.config import TrainConfig, flag_fields, to_flat_dict
+from megatron_rl.errors import ConfigError
 
 CONFIG = "config.json"
 HISTORY = "config_history.jsonl"
@@ -336,7 +337,7 @@ def saved_config(ckpt: str) -> dict | None:
 
 def check_resume(cfg: TrainConfig, ckpt: str | None) -> dict | None:
     """Compare `cfg` with the configuration the run checkpoint `ckpt` (the one resumed; None: not
-    a resume) was saved with. Raises ValueError listing every difference that is not free
+    a resume) was saved with. Raises ConfigError listing every difference that is not free
     (`--flag: <checkpoint> -> <new>`), unless --allow-config-change accepts those that can take
     effect (a warning lists them then); the ones that cannot are refused regardless, with why.
     Returns the checkpoint's configuration (its defaults filled in), or None when there is none
@@ -381,7 +382,7 @@ def check_resume(cfg: TrainConfig, ckpt: str | None) -> dict | None:
         else:
             hint = "P" + accept.format("")[1:] + ", or restore the checkpoint's values"
         lines.append(hint + "; or give another --save to start a new run")
-        raise ValueError("\n".join(lines))
+        raise ConfigError("\n".join(lines))
     if needs:
         warnings.warn(f"resuming {ckpt} with changed settings (--allow-config-change), in "
                       "effect from the resumed step:\n" + "\n".join(needs), stacklevel=2)

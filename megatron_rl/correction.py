@@ -57,9 +57,10 @@ class RolloutCorrectionConfig:
     is_low: float | None = field(default=None, metadata={"flag": "rollout_is_low", "help": (
         "lower bound of --rollout-correction's weights (tis: truncation; seq-mis, icepop: "
         "mask); unset: the correction's default")})
-    is_high: float | None = field(default=None, metadata={"flag": "rollout_is_high", "help": (
+    is_high: float | None = field(default=None, metadata={
+        "flag": "rollout_is_high", "inf": True, "help": (
         "upper bound of --rollout-correction's weights (tis: truncation; seq-mis, icepop: "
-        "mask); unset: the correction's default")})
+        "mask; inf: none); unset: the correction's default")})
 
     def validate(self) -> None:
         """The bounds (the mode's choices are checked by the trainer's TrainConfig.validate)."""

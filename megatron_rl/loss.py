@@ -100,7 +100,7 @@ class LossConfig:
 
     clip_low: float = field(default=0.2, metadata={"help": (
         "PPO clip below: the ratio pi/pi_old is clipped at 1 - clip_low (1: no lower clip)")})
-    clip_high: float = field(default=0.2, metadata={"help": (
+    clip_high: float = field(default=0.2, metadata={"inf": True, "help": (
         "PPO clip above: the ratio is clipped at 1 + clip_high (0.28: DAPO's clip-higher; "
         "inf: no upper clip)")})
     aggregation: str = field(default="token-sum-over-batch-tokens", metadata={

@@ -18,8 +18,9 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 def _field(default, help: str, **metadata):
-    """An OptimConfig field: its default and its flag's help (and choices), which the trainer's
-    command line shows (megatron_rl.config)."""
+    """An OptimConfig field: its default and its flag's help (and choices and bounds, which
+    the trainer's TrainConfig.validate checks), which the trainer's command line shows
+    (megatron_rl.config)."""
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
@@ -37,16 +38,21 @@ class OptimConfig:
     Weight decay skips biases and 1-D parameters (norm weights), as megatron does.
     """
 
-    lr: float = _field(1e-6, help="peak learning rate, reached after --lr-warmup-iters")
+    lr: float = _field(1e-6, min=0, help="peak learning rate, reached after --lr-warmup-iters")
     min_lr: float = _field(0.0, help=(
         "learning rate at the end of the decay (linear, cosine), kept after --lr-decay-iters"))
-    weight_decay: float = _field(0.0, help=(
+    weight_decay: float = _field(0.0, min=0, help=(
         "AdamW weight decay (biases and 1-D parameters such as norm weights excluded)"))
-    adam_beta1: float = _field(0.9, help="Adam's beta1 (first-moment decay)")
-    adam_beta2: float = _field(0.999, help="Adam's beta2 (second-moment decay)")
-    adam_eps: float = _field(1e-8, help=(
-        "Adam's epsilon, added to the denominator for numerical stability"))
-    clip_grad: float = _field(1.0, help="clip the global gradient norm to this (0: no clipping)")
+    adam_beta1: float = _field(0.9, min=0, lt=1, help=(
+        "Adam's beta1 (first-moment decay), in [0, 1)"))
+    adam_beta2: float = _field(0.999, min=0, lt=1, help=(
+        "Adam's beta2 (second-moment decay), in [0, 1)"))
+    adam_eps: float = _field(1e-8, gt=0, help=(
+        "Adam's epsilon, added to the denominator for numerical stability; > 0 (at 0 a "
+        "parameter whose gradient has always been 0, such as an unseen token's embedding, "
+        "would get 0/0)"))
+    clip_grad: float = _field(1.0, min=0, help=(
+        "clip the global gradient norm to this (0: no clipping)"))
     lr_warmup_iters: int = _field(0, help=(
         "optimizer steps of linear warmup from --lr-warmup-init to --lr"))
     lr_decay_style: str = _field("constant", choices=list(LR_DECAY_STYLES), help=(

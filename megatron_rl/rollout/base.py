@@ -6,6 +6,7 @@ Token ids in, token ids and the sampled tokens' log-probs out. Engines never see
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Callable, ClassVar, Protocol, Sequence, TypeVar
 
 if TYPE_CHECKING:
@@ -74,9 +75,12 @@ class ServerConfig(EngineConfig):
 
 def check_sampling(temperature: float, top_p: float) -> None:
     """Raise ValueError naming the flag for a --temperature below 0 (0: greedy, as the local
-    engine, vLLM and SGLang take it) or a --top-p outside (0, 1]; NaN is refused too."""
+    engine, vLLM and SGLang take it) or infinite, or a --top-p outside (0, 1]; NaN is refused
+    too."""
     if not temperature >= 0:
         raise ValueError(f"--temperature {temperature}: must be >= 0 (0: greedy)")
+    if math.isinf(temperature):
+        raise ValueError(f"--temperature {temperature}: must be a finite number >= 0 (0: greedy)")
     if not 0 < top_p <= 1:
         raise ValueError(f"--top-p {top_p}: a probability mass in (0, 1] (1: the whole "
                          "distribution)")

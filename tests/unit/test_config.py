@@ -239,3 +239,110 @@ def test_rollout_function_is_resolved_when_the_config_is_read():
         parse_config(BASE + ["--rollout-function", "megatron_rl.rollout.functions:agent_loop"])
     with pytest.raises(ValueError, match=r"--rollout-function 'multi_turn': neither a built-in"):
         parse_config(BASE + ["--rollout-function", "multi_turn"])
+
+
+def _float_flags() -> dict[str, dict]:
+    """{flag: its field's metadata} for every float setting of `megatron-rl train`."""
+    import typing
+
+    from megatron_rl.config import TrainConfig, _flag, _walk
+
+    return {_flag(name): meta for name, _, kind, meta in _walk(TrainConfig)
+            if float in (kind, *typing.get_args(kind))}
+
+
+def test_every_float_flag_refuses_nan_and_inf_naming_it(tmp_path):
+    """NaN passes every comparison a check makes (nan < 0 is False), so `--kl-coef nan` used to
+    train with NaN rewards and `--lr inf` to crash at step 2: each float setting refuses NaN
+    and infinity (but where inf means something: no upper clip) before any model is built,
+    from the command line or a config file (YAML's .nan, .inf)."""
+    from megatron_rl.errors import ConfigError
+
+    flags = _float_flags()
+    assert {"--lr", "--kl-coef", "--temperature", "--adam-beta2", "--clip-high"} <= set(flags)
+    for flag, meta in flags.items():
+        with pytest.raises(ConfigError, match=f"^{flag} nan: must be a finite number"):
+            parse_config(BASE + [f"{flag}=nan"])
+        if meta.get("inf"):
+            parse_config(BASE + [f"{flag}=inf", "--rollout-correction", "tis",
+                                 "--old-logprobs", "recompute"])
+        else:
+            with pytest.raises(ConfigError, match=f"^{flag} inf: must be a finite number"):
+                parse_config(BASE + [f"{flag}=inf"])
+    recipe = tmp_path / "recipe.yaml"
+    for text, message in (("kl_coef: .nan", "--kl-coef nan"), ("lr: .inf", "--lr inf"),
+                          ("temperature: inf", "--temperature inf")):
+        recipe.write_text(text + "\n")
+        with pytest.raises(ConfigError, match=f"^{message}: must be a finite number"):
+            parse_config(BASE + ["--config", str(recipe)])
+
+
+# A value outside the range of each float setting (extra flags it needs to be checked), refused
+# naming the flag. Every float setting with a range is here (checked below).
+OUT_OF_RANGE = {
+    "--moe-aux-loss-coeff": ("-0.1", []),
+    "--distributed-timeout-minutes": ("0", []),
+    "--rank-wait-timeout-minutes": ("-1", []),
+    "--rollout-gpu-memory-utilization": ("1.5", []),
+    "--temperature": ("-0.5", []),
+    "--top-p": ("1.5", []),
+    "--clip-low": ("1.5", []),
+    "--clip-high": ("-0.1", []),
+    "--kl-coef": ("-0.05", []),
+    "--kl-is-truncation": ("0", []),
+    "--rollout-is-low": ("-1", ["--rollout-correction", "tis", "--old-logprobs", "recompute"]),
+    "--rollout-is-high": ("0", ["--rollout-correction", "tis", "--old-logprobs", "recompute"]),
+    "--clip-ratio-c": ("1", []),
+    "--sapo-tau-pos": ("0", []),
+    "--sapo-tau-neg": ("-1", []),
+    "--overlong-penalty-factor": ("-1", []),
+    "--lr": ("-1e-6", []),
+    "--min-lr": ("1", []),  # above --lr
+    "--weight-decay": ("-0.1", []),
+    "--adam-beta1": ("1", []),
+    "--adam-beta2": ("1.5", []),
+    "--adam-eps": ("0", []),
+    "--clip-grad": ("-1", []),
+    "--lr-warmup-init": ("1", []),  # above --lr
+    "--exit-duration-in-mins": ("-1", []),
+    "--agent-env-timeout": ("0", []),
+}
+NO_RANGE = {"--entropy-coef"}  # any finite value is a setting (negative: an entropy penalty)
+
+
+@pytest.mark.parametrize("flag", sorted(OUT_OF_RANGE))
+def test_out_of_range_numbers_are_refused_naming_the_flag(flag):
+    """`--adam-beta2 1.5` used to pass the configuration and fail only once the model and its
+    optimizer were built; every float setting's range is checked when the configuration is
+    read, before any model is built, naming the flag."""
+    from megatron_rl.errors import ConfigError
+
+    value, extra = OUT_OF_RANGE[flag]
+    with pytest.raises(ConfigError, match=flag):
+        parse_config(BASE + extra + [f"{flag}={value}"])
+
+
+def test_every_float_setting_has_its_range_checked():
+    assert set(_float_flags()) == set(OUT_OF_RANGE) | NO_RANGE
+
+
+def test_a_config_file_is_read_as_utf8_with_or_without_a_bom_and_its_faults_named(tmp_path):
+    """A UTF-8 byte-order mark (Windows editors write one) is skipped whatever the locale; a file
+    that is missing, not UTF-8 or not YAML is refused naming the file and, where it has one,
+    the line."""
+    from megatron_rl.errors import ConfigError
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(b"\xef\xbb\xbfkl_coef: 0.1\n")
+    assert parse_config(BASE + ["--config", str(recipe)]).loss.kl.coef == 0.1
+    recipe.write_bytes(b"kl_coef: 0.1\n# caf\xe9\n")  # Latin-1
+    with pytest.raises(ConfigError, match=f"--config {recipe}:2: not UTF-8: byte 0xe9 at column 6"):
+        parse_config(BASE + ["--config", str(recipe)])
+    recipe.write_bytes("kl_coef: 0.1\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match=f"--config {recipe}: UTF-16"):
+        parse_config(BASE + ["--config", str(recipe)])
+    recipe.write_text("kl_coef: [0.1\n")
+    with pytest.raises(ConfigError, match=f"(?s)--config {recipe}: not valid YAML: .*line 2"):
+        parse_config(BASE + ["--config", str(recipe)])
+    with pytest.raises(ConfigError, match=f"--config {tmp_path / 'none.yaml'}: cannot be read"):
+        parse_config(BASE + ["--config", str(tmp_path / "none.yaml")])
