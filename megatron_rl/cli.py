@@ -5,7 +5,9 @@ the ``module:function`` that runs it with the remaining arguments. This module k
 them by name, so it imports neither the trainer nor the research code in
 ``megatron_rl.experiments`` until a command is chosen. A command's one-line description in
 ``megatron-rl --help`` is the first sentence of its module's docstring, read from the source
-without importing the module (``--help`` stays instant).
+without importing the module (``--help`` stays instant). A command that raises a UserError (a
+flag, a config or data file, a destination refused: errors.py) ends with its message and exit
+status 2, no traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import re
 import shutil
 import sys
 import textwrap
+
+from megatron_rl.errors import EXIT_USAGE, run_command
 
 GROUP = "megatron_rl.commands"
 
@@ -65,10 +69,9 @@ def main(argv=None) -> int:
         print(usage(found))
         if argv and argv[0] not in ("-h", "--help"):
             print(f"unknown command {argv[0]!r}; valid: {sorted(found)}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
         return 0
-    result = found[argv[0]].load()(argv[1:])
-    return int(result or 0)
+    return run_command(f"megatron-rl {argv[0]}", found[argv[0]].load(), argv[1:])
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ import json
 import os
 import re
 import shutil
+import sys
+
+from megatron_rl.errors import UserError, run_command
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json",
@@ -259,6 +262,8 @@ def _copy_tokenizer(src: str, dst: str) -> None:
 
 
 def main(argv=None) -> None:
+    """Convert. UserError (the process: status 2, the message alone) when --load is missing,
+    --save is refused (check_destination) or the world size is not TP x PP."""
     p = argparse.ArgumentParser(
         prog="megatron-rl convert",
         description="Convert checkpoints between HF and Megatron formats. Run under torchrun "
@@ -297,8 +302,14 @@ def main(argv=None) -> None:
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world != tp * pp:
-        raise SystemExit(f"world size {world} != TP*PP = {tp * pp}: launch with "
-                         f"`torchrun --nproc-per-node {tp * pp} ...`")
+        raise UserError(f"world size {world} != TP*PP = {tp * pp}: launch with "
+                        f"`torchrun --nproc-per-node {tp * pp} ...`")
+    try:  # the conversions check it again; here its refusal is the user's to fix
+        check_destination(a.load, a.save, a.overwrite)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not os.path.exists(a.load):
+        raise UserError(f"--load {a.load}: no such file or directory")
     if a.direction == "hf-to-megatron":
         out = hf_to_megatron(a.load, a.save, tp, pp, a.overwrite)
         msg = f"wrote Megatron checkpoint {out}"
@@ -317,4 +328,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("megatron-rl convert", main, sys.argv[1:]))

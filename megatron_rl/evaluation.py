@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megatron_rl.errors import ConfigError
 from megatron_rl.metrics import count_metrics
 from megatron_rl.parallel import all_reduce, data_parallel_group
 from megatron_rl.rollout.base import SamplingParams, on_client, prompt_seed
@@ -214,11 +215,14 @@ def main(argv=None) -> None:
     add_flags(p, AgentConfig)
     a = p.parse_args(argv)
     run_config = TrainConfig(agent=from_flags(AgentConfig, a))
-    check_sampling(a.temperature, a.top_p)
-    resolve_rollout_function(a.rollout_function)  # a bad name fails before the model is built
-    for flag, value in (("--samples", a.samples), ("--max-new-tokens", a.max_new_tokens)):
-        if value < 1:
-            raise ValueError(f"{flag} {value}: must be >= 1")
+    try:  # before the model is built; each check names its flag
+        check_sampling(a.temperature, a.top_p)
+        resolve_rollout_function(a.rollout_function)
+        for flag, value in (("--samples", a.samples), ("--max-new-tokens", a.max_new_tokens)):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: must be >= 1")
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     init_distributed(ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size))
     args = ModelArgs.from_pretrained(a.hf_checkpoint)
     policy = Policy(args, trainable=False)

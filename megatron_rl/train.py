@@ -22,6 +22,7 @@ import time
 
 from megatron_rl.checkpoint import copy_weights
 from megatron_rl.config import TrainConfig, parse_config
+from megatron_rl.errors import run_command
 from megatron_rl.evaluation import evaluate
 from megatron_rl.metrics_log import check_log_files
 from megatron_rl.parallel import data_parallel_sum
@@ -116,7 +117,8 @@ def train_loop(run: Run, rollouts: RolloutQueue, stops: StopRequests | None = No
 
 
 def main(argv=None) -> None:
-    """Train; exit 0 at --train-iters, EXIT_RESUMABLE (75) when stopped early and saved."""
+    """Train; exit 0 at --train-iters, EXIT_RESUMABLE (75) when stopped early and saved. A
+    configuration or data file refused raises errors.UserError (the process: status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     # before the flags are checked: an attempt refused for its configuration leaves no marker
     # of an earlier stop, so a job that requeues on the marker does not requeue it forever
@@ -137,4 +139,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_command("megatron-rl train", main, sys.argv[1:]))

@@ -8,7 +8,10 @@
 --save is a new or empty directory; --overwrite replaces an earlier conversion's output there
 and nothing else (megatron_rl.convert.check_destination).
 """
+import sys
+
 from megatron_rl.convert import main
+from megatron_rl.errors import run_command
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("megatron-rl convert", main, sys.argv[1:]))

@@ -16,6 +16,7 @@ import logging
 from typing import Callable, Sequence
 
 from megatron_rl.data.prompts import PromptDataset
+from megatron_rl.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,10 @@ def check_prompt_lengths(data: PromptDataset, tokenize: Tokenize, limit: Context
 
     Counts the prompts of `data` (its `first` rows in file order, 0: all; with `skip`, all of
     them, so that the first `first` rows kept are counted too). A prompt of more than
-    limit.max_prompt_tokens tokens is refused: ValueError naming the first LISTED such rows
-    (file:line and token count), how many there are, the limit and the flags that set it; or,
-    with `skip` (--filter-overlong-prompts), left out with one warning. `what` names the data
-    set in messages ("--train-data").
+    limit.max_prompt_tokens tokens is refused: UserError (a ValueError) naming the first LISTED
+    such rows (file:line and token count), how many there are, the limit and the flags that set
+    it; or, with `skip` (--filter-overlong-prompts), left out with one warning. `what` names the
+    data set in messages ("--train-data").
     """
     counts = count_prompt_tokens(data, tokenize, 0 if skip else first)
     most = limit.max_prompt_tokens
@@ -84,8 +85,8 @@ def check_prompt_lengths(data: PromptDataset, tokenize: Tokenize, limit: Context
         fix = (f"Shorten or remove these rows, lower --max-new-tokens{raise_limit}, or pass "
                "--filter-overlong-prompts to skip them" if not skip else
                f"--filter-overlong-prompts leaves none: lower --max-new-tokens{raise_limit}")
-        raise ValueError(f"{what}: {len(over)} of {len(counts)} prompts are too long ({rule}): "
-                         f"{named}{more}. {fix}")
+        raise UserError(f"{what}: {len(over)} of {len(counts)} prompts are too long ({rule}): "
+                        f"{named}{more}. {fix}")
     log.warning("--filter-overlong-prompts: skipping %d of %d %s prompts (%s): %s%s",
                 len(over), len(counts), what, rule,
                 ", ".join(data.locations[i] for i in over[:LISTED]), more)
