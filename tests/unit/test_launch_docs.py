@@ -33,3 +33,22 @@ def test_the_slurm_job_requeues_only_on_this_attempts_stop():
     script = _slurm_script()
     remove = script.find(f'rm -f "$SAVE/{STOPPED_EARLY}"')
     assert 0 <= remove < script.find("srun "), "remove the marker before srun"
+
+
+def test_each_launcher_gives_torchrun_time_to_save_and_torchrun_kills_first():
+    """torchrun SIGKILLs its workers 30 s after it forwards a SIGTERM unless told otherwise, so
+    every example that runs torchrun under a scheduler sets TORCH_ELASTIC_SHUTDOWN_TIMEOUT above
+    30 s and within the time the scheduler gives (SLURM's early signal, Kubernetes' grace
+    period), and makes torchrun the process the scheduler signals."""
+    script = _slurm_script()
+    lead = int(re.search(r"#SBATCH --signal=TERM@(\d+)", script).group(1))
+    limit = int(re.search(r"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+)", script).group(1))
+    assert 30 < limit <= lead
+    pods = [b for b in re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
+            if "terminationGracePeriodSeconds" in b]
+    assert len(pods) == 1, "docs/launch.md: expected one Kubernetes example"
+    grace = int(re.search(r"terminationGracePeriodSeconds: (\d+)", pods[0]).group(1))
+    limit = int(re.search(r"name: TORCH_ELASTIC_SHUTDOWN_TIMEOUT.*\n\s*value: \"(\d+)\"",
+                          pods[0]).group(1))
+    assert 30 < limit < grace
+    assert "exec torchrun" in pods[0]
