@@ -25,6 +25,7 @@ generate. A server that dies is restarted from the newest exported weights (mana
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import os
 import time
@@ -180,7 +181,9 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
         sent at once (at most `max_prompt_requests` in flight; the server batches them): the
         completions API takes one seed per request and gives every prompt of its list a
         generator seeded alike (sample j: seed + j), so that sample j of every prompt would draw
-        the same noise. Prompt i is asked alone with base.prompt_seed(seed, i)."""
+        the same noise. Prompt i is asked alone with base.prompt_seed(seed, i). Every request of
+        the call has ended when it returns or raises; the first failure in prompt order is
+        raised (a bad answer naming its prompt)."""
         if params.seed is None or len(prompts) == 1:
             return self._completions(prompts, n, params)
         threads = BackgroundThreads(min(len(prompts), self.max_prompt_requests),
@@ -189,9 +192,16 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
             futures = [threads.submit(self._completions, [p], n,
                                       dataclasses.replace(params, seed=prompt_seed(params.seed, i)))
                        for i, p in enumerate(prompts)]
-            return [f.result()[0] for f in futures]
+            cf.wait(futures)
         finally:
-            threads.shutdown(wait=False, cancel_futures=True)
+            threads.shutdown(wait=False)
+        for i, f in enumerate(futures):
+            error = f.exception()
+            if isinstance(error, BadAnswer):
+                raise BadAnswer(f"prompt {i} of {len(prompts)}: {error}") from None
+            if error is not None:
+                raise error
+        return [f.result()[0] for f in futures]
 
     def _completions(self, prompts: list[list[int]], n: int,
                      params: SamplingParams) -> list[list[Completion]]:
