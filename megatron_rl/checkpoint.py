@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_rl.errors import UserError
 from megatron_rl.parallel import dist_barrier, dist_rank, run_on_rank, use_cuda
 
 LATEST = "latest"
@@ -403,7 +404,7 @@ def complete_checkpoint(root: str) -> str | None:
             break
         damaged.append((ckpt, problem_found))
     else:
-        raise ValueError(f"no complete checkpoint under {root}: " + "; ".join(
+        raise UserError(f"no complete checkpoint under {root}: " + "; ".join(
             f"{os.path.basename(c)}: {p}" for c, p in damaged) + ". Move the directory aside "
             "(or pass another --save) to start the run over")
     for bad, why in damaged:
@@ -487,7 +488,7 @@ def check_checkpoint(ckpt_dir: str, source: str = "") -> None:
             if step < int(m.group(1)) and checkpoint_damage(before) is None:
                 hint = f"; the newest complete checkpoint before it is {before}: load that instead"
                 break
-    raise ValueError(f"{source}checkpoint {ckpt_dir} is damaged, not loaded: {problem}{hint}")
+    raise UserError(f"{source}checkpoint {ckpt_dir} is damaged, not loaded: {problem}{hint}")
 
 
 def load_checkpoint(ckpt_dir: str, policy, with_optimizer: bool = True,
@@ -600,7 +601,7 @@ def checkpoints_to_load(ck) -> tuple[str | None, str | None]:
         into_save = bool(ck.load) and os.path.abspath(ck.load) == save
         given = resolve_checkpoint(ck.load) if ck.load and not into_save else None
         if given is not None and (problem := checkpoint_damage(given)) is not None:
-            raise ValueError(f"--load {ck.load}: the checkpoint is damaged: {problem}")
+            raise UserError(f"--load {ck.load}: the checkpoint is damaged: {problem}")
         weights_only = given is not None and (ck.finetune or not is_run_checkpoint(given))
         own = complete_checkpoint(save) if os.path.isdir(save) else None
         if own is not None and not is_run_checkpoint(own):  # no step of the run saved yet

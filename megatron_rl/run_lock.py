@@ -38,6 +38,8 @@ import threading
 import time
 import warnings
 
+from megatron_rl.errors import UserError
+
 LOCK = "run.lock"
 HEARTBEAT_S = 15.0
 """How often the owner touches the lock file (its mtime is the heartbeat)."""
@@ -46,8 +48,9 @@ STALE_AFTER_S = 120.0
 heartbeats missed."""
 
 
-class RunDirectoryInUse(RuntimeError):
-    """--save holds the lock of a run that is alive (or cannot be shown dead)."""
+class RunDirectoryInUse(UserError):
+    """--save holds the lock of a run that is alive (or cannot be shown dead): the command
+    prints the message naming the holder and exits with status 2 (errors.run_command)."""
 
 
 def _read_text(path: str) -> str | None:

@@ -31,7 +31,8 @@ def test_a_second_start_is_refused_naming_the_first_and_a_killed_ones_lock_taken
             time.sleep(0.05)
         second = subprocess.run(train_cmd(*args), env=train_env(), capture_output=True,
                                 text=True, timeout=300)
-        assert second.returncode != 0
+        # refused as a user's error: the message naming the first, status 2, no traceback
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-4000:]
         assert f"{socket.gethostname()}, pid {first.pid}" in second.stderr, second.stderr[-4000:]
         assert os.path.join(save, LOCK) in second.stderr
         assert first.poll() is None, "the first run stopped"
