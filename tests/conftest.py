@@ -187,6 +187,33 @@ def tiny_qwen2(tmp_path_factory):
     return make_tiny_hf_checkpoint(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", seed=1)
 
 
+@pytest.fixture
+def start_stalled_writer():
+    """start(what, a, b): tests/unit/stalled_writer_worker.py started (`convert LOAD SAVE` or
+    `export ROOT HF_DIR`) and returned once it has written its first file and stalled; the
+    processes it started are killed at the test's end."""
+    import subprocess
+    import sys
+
+    worker = Path(__file__).parent / "unit" / "stalled_writer_worker.py"
+    started: list[subprocess.Popen] = []
+
+    def start(what: str, a, b) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, str(worker), what, str(a), str(b)],
+                                stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        started.append(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "stalled", f"the worker failed: {proc.wait()}"
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     """A random tiny Qwen3 (q/k norms, no qkv bias, head_dim 32 != hidden / heads, GQA)."""

@@ -4,8 +4,6 @@ earlier conversion's own output, and the output appears by rename, complete."""
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -173,19 +171,8 @@ def test_a_damaged_checkpoint_is_not_exported_and_a_root_without_latest_exports_
         assert sorted(os.listdir(tmp_path)) == ["run"]  # nothing written, nothing left
 
 
-def _start_stalled(what: str, a, b) -> subprocess.Popen:
-    """stalled_writer_worker.py, returned once it has written its first file and stalled."""
-    worker = os.path.join(os.path.dirname(__file__), "stalled_writer_worker.py")
-    proc = subprocess.Popen([sys.executable, worker, what, str(a), str(b)],
-                            stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "stalled", f"the worker failed: {proc.wait()}"
-    return proc
-
-
 def test_a_killed_conversions_temporaries_are_removed_by_the_next_and_a_live_ones_kept(
-        tiny_qwen2, tmp_path):
+        tiny_qwen2, tmp_path, start_stalled_writer):
     """kill -9 during megatron-to-hf leaves its staging temporaries beside --save; the next
     conversion removes them (with a warning naming them), also those a killed conversion into a
     sibling directory left, and nothing else: not while their conversion is alive (a second
@@ -198,7 +185,7 @@ def test_a_killed_conversions_temporaries_are_removed_by_the_next_and_a_live_one
         (tmp_path / name).write_text(text)
     expected_after = sorted(["megatron", "hf", *mine])
 
-    proc = _start_stalled("convert", mg, hf)
+    proc = start_stalled_writer("convert", mg, hf)
     try:
         left = sorted(set(os.listdir(tmp_path)) - {"megatron", *mine})
         assert ".tmp-hf.convert.lock" in left

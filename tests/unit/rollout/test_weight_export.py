@@ -2,27 +2,14 @@
 of the root (the next start) removes their temporaries, never a live export's nor anything
 else."""
 import os
-import subprocess
-import sys
 
 import pytest
 
 from megatron_rl.rollout.weight_sync import WeightExporter
 
 
-def _start_stalled_export(root, hf) -> subprocess.Popen:
-    """An export of version 1 into `root` stalled after its first safetensors file."""
-    worker = os.path.join(os.path.dirname(os.path.dirname(__file__)), "stalled_writer_worker.py")
-    proc = subprocess.Popen([sys.executable, worker, "export", str(root), str(hf)],
-                            stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "stalled", f"the worker failed: {proc.wait()}"
-    return proc
-
-
 def test_a_killed_exports_temporaries_are_removed_at_the_next_start_and_a_live_ones_kept(
-        tiny_qwen2, tmp_path):
+        tiny_qwen2, tmp_path, start_stalled_writer):
     from megatron_rl.models import ModelArgs, hf_mapping
 
     root = tmp_path / "weights"
@@ -33,7 +20,7 @@ def test_a_killed_exports_temporaries_are_removed_at_the_next_start_and_a_live_o
     (root / "v000000").mkdir()  # a complete version: pruning's, not a temporary
     (root / "v000000" / "config.json").write_text("{}")
 
-    proc = _start_stalled_export(root, tiny_qwen2)
+    proc = start_stalled_writer("export", root, tiny_qwen2)
     try:
         left = sorted(set(os.listdir(root)) - {"v000000", *others})
         assert any(n.startswith(".version-") for n in left)
