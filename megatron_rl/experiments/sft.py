@@ -64,21 +64,24 @@ def sft(policy, pairs: Sequence[tuple[list[int], list[int]] | tuple[list[int], l
 
 
 def warm_up(init: str, out: str, traces: Sequence, steps: int, *, lr: float = 2e-3,
-            name: str = "base") -> str:
+            lr_decay_style: str = "constant", seed: int = 0, name: str = "base") -> str:
     """The HF model at `init` (one process, TP1) after `steps` steps of `sft` on `traces`
-    (batches of 64), exported to `out` with `init`'s tokenizer files: the demos' base models.
-    Returns `out`."""
+    (batches of 64, drawn with `seed`; the learning rate `lr`, or `lr_decay_style` from it to
+    lr / 20 over the steps), exported to `out` with `init`'s tokenizer files: the demos' base
+    models. Returns `out`."""
     from megatron_rl.models import ModelArgs, hf_mapping
     from megatron_rl.models.optim import OptimConfig
     from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import ParallelConfig, init_distributed
 
-    init_distributed(ParallelConfig(1, 1), seed=0)
+    init_distributed(ParallelConfig(1, 1), seed=seed)
     args = ModelArgs.from_pretrained(init)
-    policy = Policy(args, trainable=True, optim=OptimConfig(lr=lr, clip_grad=1.0))
+    optim = OptimConfig(lr=lr, clip_grad=1.0, lr_decay_style=lr_decay_style, lr_decay_iters=steps,
+                        min_lr=lr / 20 if lr_decay_style != "constant" else 0.0)
+    policy = Policy(args, trainable=True, optim=optim)
     policy.load_hf(init)
     t0 = time.time()
-    losses = sft(policy, traces, steps=steps, batch_size=64, micro_batch_size=64)
+    losses = sft(policy, traces, steps=steps, batch_size=64, micro_batch_size=64, seed=seed)
     print(f"[{name}] supervised warm-up: {steps} steps in {time.time() - t0:.0f} s, "
           f"NLL of the trained tokens {losses[0]:.2f} -> {losses[-1]:.2f}")
     full = policy.full_state_dict(dst=0)

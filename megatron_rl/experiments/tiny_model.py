@@ -118,14 +118,14 @@ def make_char_tokenizer(path: str, vocab_size: int = 128, special: Sequence[str]
     return path
 
 
-def make_demo_model(path: str, special: Sequence[str] = ()) -> str:
+def make_demo_model(path: str, special: Sequence[str] = (), seed: int = 0) -> str:
     """The CPU demos' untrained model at `path`: a Qwen2-architecture model of 4 layers, hidden
-    128, 4 heads over 2 KV groups, 256 positions, tied embeddings, with the character tokenizer
-    (and `special`, see make_char_tokenizer)."""
+    128, 4 heads over 2 KV groups, 256 positions, tied embeddings, initialised with `seed`, with
+    the character tokenizer (and `special`, see make_char_tokenizer)."""
     make_tiny_hf_checkpoint(path, "qwen2", vocab_size=128, hidden_size=128, intermediate_size=384,
                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                             max_position_embeddings=256, initializer_range=0.02,
-                            tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)
+                            tie_word_embeddings=True, eos_token_id=1, pad_token_id=0, seed=seed)
     make_char_tokenizer(path, special=special)
     return path
 
