@@ -3,17 +3,27 @@
 
 1. Data: reasoning-gym basic_arithmetic (two terms, up to two digits, + and -), a training set and
    a disjoint held-out set (overlap removed), as prepared JSONL.
-2. A tiny Qwen2-architecture model (character tokenizer) gets a short supervised warm-up: the
-   weak "base model" (cached in <out>/base, reused on the next run).
+2. A tiny Qwen2-architecture model (character tokenizer) gets a short supervised warm-up on the
+   training problems, copying a careless teacher who writes 70% of its answers with the wrong
+   sign (-12 for 12, 7 for -7). The base model learns some of the digits, and mostly the wrong
+   sign: a habit that demonstrations taught and that only the reward (is the answer right?) can
+   teach it out of, which RL does within a minute, while the digits it gets wrong stay wrong
+   (RL at this scale selects among behaviours the base has; it learns no new arithmetic in
+   120 steps). The base is cached in <out>/base with a stamp of the warm-up's settings (and
+   <out>/data with the task's), reused only by a run with the same ones.
 3. RL with the paper's recommended setup: RLOO, 5 samples per prompt, K1 in the reward
    (beta 0.05), loss normalised by the batch's token count, the local (in-process) engine.
-4. Held-out accuracy (mean@k) of the base model vs after RL is printed and plotted.
+4. Held-out accuracy (mean@k) of the base model and after RL, on the same problems with the
+   same sampling seeds; the gain is printed with its standard error paired over the problems
+   and its 95% interval, and the curves are plotted.
 
-    python tools/cpu_demo.py [--out outputs/demo] [--rl-steps 40]
+    python tools/cpu_demo.py [--out outputs/demo] [--seed 1] [--rl-steps 120]
 """
 import argparse
 import json
+import math
 import os
+import shutil
 import sys
 import time
 
@@ -21,111 +31,211 @@ import torch
 
 # A tiny character-level model needs no instruction: the bare problem, then "=" and the number.
 PROMPT_TEMPLATE = "{prompt}="
+TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
+            allow_parentheses=False, allow_negation=False, whitespace="no_space")
+# the warm-up teacher's share of answers with the wrong sign
+WRONG_SIGN_SHARE = 0.7
+# What a run prints on a 2-core x86 machine (README, "Quick start": 3 seeds x 2 CPU code paths)
+EXPECTED = ("base 0.06-0.07 -> after 0.10-0.15, gain +0.04 to +0.08 (4-6 standard errors, the "
+            "95% interval above 0)")
+
+
+def _stamped(path: str, settings: dict) -> bool:
+    """Whether `path` was made with `settings` (its settings.json); otherwise remove it, so that
+    it is made again."""
+    stamp = os.path.join(path, "settings.json")
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if json.load(f) == settings:
+                return True
+    shutil.rmtree(path, ignore_errors=True)
+    return False
+
+
+def _stamp(path: str, settings: dict) -> None:
+    with open(os.path.join(path, "settings.json"), "w") as f:
+        json.dump(settings, f, indent=1)
+
 
 def prepare_data(out: str, train_size: int, eval_size: int) -> tuple[str, str]:
-    from megatron_rl.data.prepare import HELD_OUT_SEED, remove_overlap, normalize_problem
+    from megatron_rl.data.prepare import HELD_OUT_SEED, normalize_problem, remove_overlap
     from megatron_rl.data.records import write_jsonl
     from megatron_rl.data.sources import generate_arithmetic
 
-    easy = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
-                allow_parentheses=False, allow_negation=False, whitespace="no_space")
-    train_path, eval_path = os.path.join(out, "data/train.jsonl"), os.path.join(out, "data/eval.jsonl")
-    if not (os.path.exists(train_path) and os.path.exists(eval_path)):
-        held_out = generate_arithmetic(eval_size, HELD_OUT_SEED, **easy)
-        train, removed = remove_overlap(generate_arithmetic(train_size, 0, **easy),
+    data = os.path.join(out, "data")
+    train_path, eval_path = os.path.join(data, "train.jsonl"), os.path.join(data, "eval.jsonl")
+    settings = {"task": {k: list(v) if isinstance(v, tuple) else v for k, v in TASK.items()},
+                "train_size": train_size, "eval_size": eval_size}
+    if not _stamped(data, settings):
+        held_out = generate_arithmetic(eval_size, HELD_OUT_SEED, **TASK)
+        train, removed = remove_overlap(generate_arithmetic(train_size, 0, **TASK),
                                         {normalize_problem(e.prompt) for e in held_out})
         print(f"[data] {len(train)} training problems ({removed} overlapping the held-out set "
               f"removed), {len(held_out)} held-out problems")
         write_jsonl(eval_path, held_out)
         write_jsonl(train_path, train)
+        _stamp(data, settings)
     return train_path, eval_path
 
 
-def build_base_model(out: str, train_path: str, sft_steps: int) -> str:
-    """Tiny model + character tokenizer, supervised warm-up, exported as HF to <out>/base."""
+def careless_answer(answer: str, wrong_sign: bool) -> str:
+    """The teacher's answer: `answer` with its sign flipped where `wrong_sign` (0 stays 0)."""
+    if not wrong_sign or answer.lstrip("-") == "0":
+        return answer
+    return answer[1:] if answer.startswith("-") else "-" + answer
+
+
+def build_base_model(out: str, train_path: str, sft_steps: int, seed: int) -> str:
+    """Tiny model + character tokenizer, supervised warm-up on the careless teacher's answers
+    (seeded by `seed`: initial weights, teacher, batches), exported as HF to <out>/base."""
+    import random
+
     from megatron_rl.data.prompts import PromptBuilder, load_tokenizer
     from megatron_rl.data.records import read_examples
     from megatron_rl.experiments.sft import warm_up
     from megatron_rl.experiments.tiny_model import make_demo_model
 
     base = os.path.join(out, "base")
-    if os.path.exists(os.path.join(base, "model.safetensors")):
+    with open(os.path.join(os.path.dirname(train_path), "settings.json")) as f:
+        data = json.load(f)  # prepare_data's stamp: the task and the sizes
+    settings = {"data": data, "sft_steps": sft_steps, "seed": seed,
+                "lr": 2e-3, "lr_decay_style": "cosine", "wrong_sign_share": WRONG_SIGN_SHARE}
+    if _stamped(base, settings) and os.path.exists(os.path.join(base, "model.safetensors")):
         print(f"[base] reusing {base}")
         return base
     init = os.path.join(out, "init")
-    make_demo_model(init)
+    make_demo_model(init, seed=seed)
     tok = load_tokenizer(init)
     builder = PromptBuilder(template=PROMPT_TEMPLATE, task_instruction=False)
-    pairs = [(tok(builder(ex))["input_ids"], tok(ex.answer)["input_ids"] + [tok.eos_token_id])
+    rng = random.Random(seed)
+    pairs = [(tok(builder(ex))["input_ids"],
+              tok(careless_answer(ex.answer, rng.random() < WRONG_SIGN_SHARE))["input_ids"]
+              + [tok.eos_token_id])
              for ex in read_examples(train_path)]
-    warm_up(init, base, pairs, sft_steps)
+    warm_up(init, base, pairs, sft_steps, lr=settings["lr"],
+            lr_decay_style=settings["lr_decay_style"], seed=seed)
+    _stamp(base, settings)
     return base
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="outputs/demo")
+    p.add_argument("--seed", type=int, default=1,
+                   help="seeds the RL run and, unless --base-seed, the base model")
+    p.add_argument("--base-seed", type=int, default=None,
+                   help="seeds the base model (initial weights, the teacher's signs, warm-up "
+                        "batches); default: --seed")
     p.add_argument("--sft-steps", type=int, default=800)
-    p.add_argument("--rl-steps", type=int, default=80)
+    p.add_argument("--rl-steps", type=int, default=120)
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr-warmup", type=int, default=10)
     p.add_argument("--eval-interval", type=int, default=20)
-    p.add_argument("--eval-prompts", type=int, default=128)
+    p.add_argument("--eval-prompts", type=int, default=256)
+    p.add_argument("--eval-samples", type=int, default=8)
     p.add_argument("--fresh", action="store_true", help="discard a previous RL run in <out>/rl")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t_start = time.time()
     train_path, eval_path = prepare_data(a.out, train_size=20000, eval_size=a.eval_prompts)
-    base = build_base_model(a.out, train_path, a.sft_steps)
+    base = build_base_model(a.out, train_path, a.sft_steps,
+                            a.seed if a.base_seed is None else a.base_seed)
+    t_base = time.time()
 
     from megatron_rl.config import parse_config
     from megatron_rl.train import train
 
     rl_dir = os.path.join(a.out, "rl")
-    if a.fresh and os.path.exists(rl_dir):
-        import shutil
-
-        shutil.rmtree(rl_dir)
     cfg = parse_config([
         "--hf-checkpoint", base, "--save", rl_dir, "--train-data", train_path,
         "--eval-data", eval_path, "--train-iters", str(a.rl_steps),
         "--num-prompts-per-step", str(a.prompts_per_step), "--group-size", "5",
         "--micro-batch-size", "80", "--lr", str(a.lr), "--adam-beta2", "0.99",
+        "--lr-warmup-iters", str(a.lr_warmup),
         "--kl-estimator", "k1", "--kl-placement", "reward", "--kl-coef", "0.05",
         "--advantage-estimator", "rloo", "--max-new-tokens", "6",
-        "--eval-interval", str(a.eval_interval), "--eval-samples", "4",
-        "--save-interval", str(a.eval_interval), "--seed", "1",
+        "--eval-interval", str(a.eval_interval), "--eval-samples", str(a.eval_samples),
+        "--save-interval", str(a.eval_interval), "--seed", str(a.seed),
         "--prompt-template", PROMPT_TEMPLATE, "--no-task-instruction"])
-    # base-model accuracy, measured with exactly the evaluation the trainer runs
-    base_metrics = evaluate_weights(cfg)
+    discard_stale_run(cfg, a.fresh)
+    # the base model's accuracy, problem by problem, sampled as the trainer's evaluation samples
+    before = held_out_scores(cfg, "base_eval.json")
     train(cfg)
+    after = held_out_scores(cfg, f"eval_{a.rl_steps}.json")
+    t_end = time.time()
     rows = [json.loads(line) for line in open(os.path.join(rl_dir, "metrics.jsonl"))]
-    final = [r for r in rows if "eval/mean_at_k" in r][-1]
-    print(f"\nheld-out accuracy (mean@{cfg.eval.eval_samples}, {a.eval_prompts} problems): "
-          f"base {base_metrics['eval/mean_at_k']:.3f} -> after {final['step']} RL steps "
-          f"{final['eval/mean_at_k']:.3f}   (total time {time.time() - t_start:.0f} s)")
+    gain, se = paired_gain(before, after)
+    k = cfg.eval.eval_samples
+    print(f"\nheld-out accuracy (mean@{k}, {len(before)} problems): base {mean(before):.3f} -> "
+          f"after {a.rl_steps} RL steps {mean(after):.3f}\n"
+          f"gain {gain:+.3f}, 95% interval [{gain - 1.96 * se:+.3f}, {gain + 1.96 * se:+.3f}] "
+          f"({gain / se:.1f} standard errors, paired over the problems)\n"
+          f"time {t_end - t_start:.0f} s ({t_base - t_start:.0f} s data and base model, "
+          f"{t_end - t_base:.0f} s RL with its evaluations)\n"
+          f"expected on a 2-core x86 machine: {EXPECTED}; in the plot the train reward climbs "
+          f"from about 0.08 (its first 20 steps) to 0.15 (its last 20)")
     from megatron_rl.experiments.plots import plot_run
 
-    png = plot_run(rows, os.path.join(a.out, "demo.png"), baseline=base_metrics["eval/mean_at_k"],
+    png = plot_run(rows, os.path.join(a.out, "demo.png"), baseline=mean(before),
                    title="CPU demo: RLOO, K1 in the reward (beta 0.05)")
     print(f"plot: {png}")
-    return 0 if final["eval/mean_at_k"] > base_metrics["eval/mean_at_k"] else 1
+    return 0 if gain - 1.96 * se > 0 else 1  # status 1: no gain beyond noise
 
 
-def evaluate_weights(cfg) -> dict:
-    """Evaluate the initial weights (step 0) once; cached in <save>/base_eval.json."""
-    path = os.path.join(cfg.checkpoint.save, "base_eval.json")
+def discard_stale_run(cfg, fresh: bool) -> None:
+    """Remove <save> (the RL run and its cached evaluations) when `fresh` or when it started
+    from another base model than cfg's (by the base's settings.json), else keep it to resume."""
+    rl_dir = cfg.checkpoint.save
+    with open(os.path.join(cfg.model.hf_checkpoint, "settings.json")) as f:
+        settings = {"base": json.load(f)}
+    if fresh or not _stamped(rl_dir, settings):
+        shutil.rmtree(rl_dir, ignore_errors=True)
+        os.makedirs(rl_dir)
+        _stamp(rl_dir, settings)
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """The mean per-problem gain and its standard error: both evaluations score the same
+    problems, so the error is the per-problem difference's standard deviation / sqrt(#problems)
+    (problems are the independent draws; an unpaired error would count their spread twice)."""
+    diff = [y - x for x, y in zip(before, after)]
+    m = mean(diff)
+    var = sum((d - m) ** 2 for d in diff) / (len(diff) - 1)
+    return m, math.sqrt(var / len(diff))
+
+
+def held_out_scores(cfg, name: str) -> list[float]:
+    """Each held-out problem's share of correct samples (of --eval-samples) with the run's
+    latest weights (the base model before RL), cached in <save>/`name`. Sampled with the
+    trainer's own evaluation seeds (evaluation.evaluate on one rank: a chunk of 16 problems per
+    call, each seeded from cfg.seed + 104729), so the mean is the trainer's eval/mean_at_k."""
+    path = os.path.join(cfg.checkpoint.save, name)
     if os.path.exists(path):
         return json.load(open(path))
-    from megatron_rl.evaluation import evaluate
+    from megatron_rl.rollout.base import prompt_seed
+    from megatron_rl.rollout.functions import RolloutContext, run_rollout
     from megatron_rl.runtime import setup_run
 
     run = setup_run(cfg)
-    res = evaluate(run, 0)
+    data = run.eval_data
+    assert data is not None
+    records = [data.record(0, i) for i in range(len(data))]
+    scores = []
+    for start in range(0, len(records), 16):
+        ctx = RolloutContext(run.engine, run.sampling_params(prompt_seed(cfg.seed + 104729, start)),
+                             cfg.eval.eval_samples, run.codec, run.scorer, cfg, run.start_step,
+                             evaluation=True)
+        for group in run_rollout(cfg.rollout.rollout_function, ctx, records[start:start + 16]):
+            scores.append(sum(t.reward >= 1.0 for t in group) / len(group))
     run.close()
     with open(path, "w") as f:
-        json.dump(res, f)
-    return res
+        json.dump(scores, f)
+    return scores
 
 
 if __name__ == "__main__":
