@@ -7,9 +7,9 @@
    training problems, copying a careless teacher who writes 70% of its answers with the wrong
    sign (-12 for 12, 7 for -7). The base model learns some of the digits, and mostly the wrong
    sign: a habit that demonstrations taught and that only the reward (is the answer right?) can
-   teach it out of, which RL does within a minute, while the digits it gets wrong stay wrong
-   (RL at this scale selects among behaviours the base has; it learns no new arithmetic in
-   120 steps). The base is cached in <out>/base with a stamp of the warm-up's settings (and
+   teach it out of. RL unlearns part of it, most in its first 20 steps, while the digits the
+   base gets wrong stay wrong (RL at this scale selects among behaviours the base has; it learns
+   no new arithmetic in 120 steps, and a base without the habit gains nothing beyond noise). The base is cached in <out>/base with a stamp of the warm-up's settings (and
    <out>/data with the task's), reused only by a run with the same ones.
 3. RL with the paper's recommended setup: RLOO, 5 samples per prompt, K1 in the reward
    (beta 0.05), loss normalised by the batch's token count, the local (in-process) engine.
