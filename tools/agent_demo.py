@@ -87,6 +87,23 @@ def build_base(out: str, name: str, train_path: str, sft_steps: int, tool: bool)
     return base
 
 
+def evaluate_weights(cfg) -> dict:
+    """The trainer's evaluation of the run's starting weights (step 0), cached in
+    <save>/base_eval.json."""
+    path = os.path.join(cfg.checkpoint.save, "base_eval.json")
+    if os.path.exists(path):
+        return json.load(open(path))
+    from megatron_rl.evaluation import evaluate
+    from megatron_rl.runtime import setup_run
+
+    run = setup_run(cfg)
+    res = evaluate(run, 0)
+    run.close()
+    with open(path, "w") as f:
+        json.dump(res, f)
+    return res
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="outputs/agent_demo", help="where data, models, runs go")
@@ -103,8 +120,6 @@ def main() -> int:
     train_path, eval_path = prepare_data(a.out, train_size=20000, eval_size=a.eval_prompts)
     no_tool = build_base(a.out, "base_no_tool", train_path, a.sft_steps, tool=False)
     tool = build_base(a.out, "base_tool", train_path, a.sft_steps, tool=True)
-
-    from cpu_demo import evaluate_weights
 
     from megatron_rl.config import parse_config
     from megatron_rl.train import train

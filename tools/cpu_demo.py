@@ -85,9 +85,13 @@ def careless_answer(answer: str, wrong_sign: bool) -> str:
     return answer[1:] if answer.startswith("-") else "-" + answer
 
 
-def build_base_model(out: str, train_path: str, sft_steps: int, seed: int) -> str:
+def build_base_model(out: str, train_path: str, sft_steps: int, seed: int, *,
+                     wrong_sign_share: float = WRONG_SIGN_SHARE,
+                     lr_decay_style: str = "cosine") -> str:
     """Tiny model + character tokenizer, supervised warm-up on the careless teacher's answers
-    (seeded by `seed`: initial weights, teacher, batches), exported as HF to <out>/base."""
+    (seeded by `seed`: initial weights, teacher, batches; `wrong_sign_share` of its answers with
+    the wrong sign: 0 for a truthful teacher, as tools/reproduce.py's studies use), exported as
+    HF to <out>/base."""
     import random
 
     from megatron_rl.data.prompts import PromptBuilder, load_tokenizer
@@ -99,7 +103,8 @@ def build_base_model(out: str, train_path: str, sft_steps: int, seed: int) -> st
     with open(os.path.join(os.path.dirname(train_path), "settings.json")) as f:
         data = json.load(f)  # prepare_data's stamp: the task and the sizes
     settings = {"data": data, "sft_steps": sft_steps, "seed": seed,
-                "lr": 2e-3, "lr_decay_style": "cosine", "wrong_sign_share": WRONG_SIGN_SHARE}
+                "lr": 2e-3, "lr_decay_style": lr_decay_style,
+                "wrong_sign_share": wrong_sign_share}
     if _stamped(base, settings) and os.path.exists(os.path.join(base, "model.safetensors")):
         print(f"[base] reusing {base}")
         return base
@@ -109,7 +114,7 @@ def build_base_model(out: str, train_path: str, sft_steps: int, seed: int) -> st
     builder = PromptBuilder(template=PROMPT_TEMPLATE, task_instruction=False)
     rng = random.Random(seed)
     pairs = [(tok(builder(ex))["input_ids"],
-              tok(careless_answer(ex.answer, rng.random() < WRONG_SIGN_SHARE))["input_ids"]
+              tok(careless_answer(ex.answer, rng.random() < wrong_sign_share))["input_ids"]
               + [tok.eos_token_id])
              for ex in read_examples(train_path)]
     warm_up(init, base, pairs, sft_steps, lr=settings["lr"],

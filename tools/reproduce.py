@@ -5,8 +5,8 @@
                               [--seeds ...] [--policy-losses ...] [--steps N]
 
 1. The exact toy study (`megatron-rl toy`): table + figure (docs/figures/toy_kl_gradients.png).
-2. The tiny base model, built exactly like tools/cpu_demo.py (its `prepare_data` and
-   `build_base_model`), cached in <out>/base; an out-of-domain eval set (three-term
+2. The tiny base model, built with tools/cpu_demo.py's `prepare_data` and `build_base_model`
+   (its model and warm-up, with a truthful teacher), cached in <out>/base; an out-of-domain eval set (three-term
    basic_arithmetic, held-out seed) next to the in-domain one. With --hf-checkpoint a real model
    and prepared data files are used instead (scripts/reproduce_gpu.sh).
 3. The sweep (megatron_rl.experiments.sweep.build_sweep): every run is `python -m megatron_rl.train`
@@ -107,8 +107,11 @@ def prepare_tiny(out: str) -> dict:
     data = os.path.join(out, "data")
     ood = os.path.join(data, "ood.jsonl")
     if not os.path.exists(os.path.join(out, "base", "model.safetensors")):
+        # the studies' base: cpu_demo's model and warm-up with a truthful teacher (seed 0,
+        # constant learning rate), not the quick start's sign habit
         code = ("import sys; sys.path.insert(0, %r); import cpu_demo as d; "
-                "t, _ = d.prepare_data(%r, %d, %d); d.build_base_model(%r, t, %d)"
+                "t, _ = d.prepare_data(%r, %d, %d); d.build_base_model(%r, t, %d, 0, "
+                "wrong_sign_share=0.0, lr_decay_style='constant')"
                 % (os.path.join(REPO, "tools"), out, TINY_TRAIN_SIZE, TINY_EVAL_SIZE, out,
                    TINY_SFT_STEPS))
         t0 = time.time()
