@@ -114,13 +114,15 @@ def _describe(owner: dict) -> str:
 
 
 def _global_rank() -> int:
-    """This process's global rank, before torch.distributed is initialised too (torchrun's
-    RANK)."""
+    """This process's global rank: torchrun's RANK where set (the lock is taken before
+    torch.distributed is initialised), else torch.distributed's rank, else 0."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return 0
 
 
 class RunLock:
