@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.models import packed_attention
 from megatron_rl.models.config import ModelArgs, ModelOptions, te_available, transformer_config
 
 
@@ -93,6 +94,16 @@ def _host_values(params, cu: torch.Tensor, known: list[int] | None = None) -> li
     return values
 
 
+def _segment_cu_seqlens(params) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The (query, key) boundaries a THD row's segments are attended within: the padded
+    cu_seqlens where set, else the plain ones (see `packed_segment_bounds`)."""
+    def chosen(padded, plain):
+        return padded if padded is not None else plain
+
+    return (chosen(params.cu_seqlens_q_padded, params.cu_seqlens_q),
+            chosen(params.cu_seqlens_kv_padded, params.cu_seqlens_kv))
+
+
 def packed_segment_bounds(params, num_tokens: int, *, check_rope: bool = True) -> list[int]:
     """Segment boundaries of a THD row of `num_tokens` tokens: cu_seqlens_q_padded where set,
     else cu_seqlens_q, the same boundaries megatron's RoPE restarts positions at
@@ -101,11 +112,7 @@ def packed_segment_bounds(params, num_tokens: int, *, check_rope: bool = True) -
     equal to the row length with several segments (megatron's unfused RoPE then continues
     positions across them, rope_utils.py:211); NotImplementedError for key boundaries other than
     the query's (cross-attention)."""
-    def chosen(padded, plain):
-        return padded if padded is not None else plain
-
-    cu_q = chosen(params.cu_seqlens_q_padded, params.cu_seqlens_q)
-    cu_kv = chosen(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)
+    cu_q, cu_kv = _segment_cu_seqlens(params)
     if cu_q is None:
         raise ValueError("packed_seq_params.cu_seqlens_q is required for the thd format")
     bounds = list(_host_values(params, cu_q))
@@ -143,13 +150,19 @@ def _sdpa_attention_class():
         every segment, so query is [t, np, hn], key/value [t, ng, hn]; the output is
         [t, np * hn] (megatron views it as [t, 1, np * hn], attention.py:1189-1194). Each
         segment of cu_seqlens (cu_seqlens_q_padded where set, see `packed_segment_bounds`) is
-        attended causally on its own: one SDPA call per segment, a Python loop. Tokens of a
-        padded slot after its sequence only see keys before them, so the sequence's outputs
-        are those of the sequence alone.
+        attended causally on its own. Tokens of a padded slot after its sequence only see keys
+        before them, so the sequence's outputs are those of the sequence alone. Two
+        implementations (models/packed_attention.py), chosen by `packed_attention_fn`:
+        - fp16/bf16 on a CUDA device (flash attention's): one call of torch's `varlen_attn`
+          per layer over the whole row, the cu_seqlens tensor as it is on the device and the
+          longest segment from the boundaries on the host. Its launches do not depend on the
+          number of sequences, and with host boundaries (make_packed_seq_params) nothing is
+          read back from the device;
+        - elsewhere (the CPU; fp32 on a GPU): one SDPA call per segment, a Python loop.
 
-        Why a loop and not one call with a block-diagonal causal mask: per segment, the work is
-        sum(len_i^2) instead of t^2, the call stays maskless and causal (flash attention on
-        CUDA for fp16/bf16, the CPU's flash kernel here), and no [t, t] mask is built. Measured
+        Why a loop on the CPU and not one call with a block-diagonal causal mask: per segment,
+        the work is sum(len_i^2) instead of t^2, the call stays maskless and causal (the CPU's
+        flash kernel), and no [t, t] mask is built. Measured
         on this 2-core CPU (torch 2.13, one thread), 16 segments of long-tailed lengths (1400
         down to 34) summing to 4096 tokens, 14 query heads and 2 KV heads of 64 dims, best of
         3; memory is the extra peak RSS of the first call:
@@ -163,14 +176,13 @@ def _sdpa_attention_class():
         The loop is 4-9x faster (a second run on the shared machine gave the same but for the
         fp32 loop's fwd+bwd, 436 ms) and needs no more memory: the CPU's flash kernel takes the
         mask block by block, so the mask's cost is its own [t, t] bytes (three temporaries to
-        build it) and the work on blocks that the loop skips. Its per-call overhead (a few
-        launches per segment on a GPU) is small next to attention over thousands of tokens.
+        build it) and the work on blocks that the loop skips.
 
-        Kernels on CUDA: nothing here pins a backend, so SDPA dispatches to flash attention for
-        fp16/bf16 causal calls without a mask (flash takes grouped KV heads as they are). Where
-        flash cannot run (fp32, or an explicit mask), the memory-efficient kernel can, but it
-        does not take grouped KV heads: there the KV heads are repeated to the query heads so
-        that SDPA does not fall back to its math path.
+        Kernels on CUDA, unpacked and in the loop: nothing here pins a backend, so SDPA
+        dispatches to flash attention for fp16/bf16 causal calls without a mask (flash takes
+        grouped KV heads as they are). Where flash cannot run (fp32, or an explicit mask), the
+        memory-efficient kernel can, but it does not take grouped KV heads: there the KV heads
+        are repeated to the query heads so that SDPA does not fall back to its math path.
         """
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type,
@@ -213,25 +225,15 @@ def _sdpa_attention_class():
             if attention_mask is not None:
                 raise ValueError("a packed row takes no attention_mask: its cu_seqlens delimit "
                                  "the sequences")
-            t, n_heads, head_dim = query.shape
-            bounds = packed_segment_bounds(params, t,
+            bounds = packed_segment_bounds(params, query.shape[0],
                                            check_rope=not self.config.apply_rope_fusion)
-            gqa = n_heads != key.shape[1]
-            if gqa and query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
-                rep = n_heads // key.shape[1]
-                key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-                gqa = False
-            lens = [b - a for a, b in itertools.pairwise(bounds)]
-            outs = []
-            # split (not slicing) so that backward concatenates the segments' gradients once
-            for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
-                if q.shape[0] == 0:
-                    continue
-                q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, h, len, d]
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                     scale=self.softmax_scale, enable_gqa=gqa)
-                outs.append(out[0].transpose(0, 1))  # [len, np, hn]
-            return torch.cat(outs).reshape(t, n_heads * head_dim)
+            attn = packed_attention.packed_attention_fn(query)
+            if attn is None:
+                return packed_attention.segment_loop_attention(query, key, value, bounds,
+                                                               self.softmax_scale)
+            return packed_attention.varlen_packed_attention(
+                attn, query, key, value, _segment_cu_seqlens(params)[0], bounds,
+                self.softmax_scale)
 
     return SDPAttention
 
