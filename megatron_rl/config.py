@@ -281,7 +281,9 @@ class AlgorithmConfig:
     max_tokens_per_microbatch: int = _opt(0, help=(
         "tokens per packed microbatch (slime's --max-tokens-per-gpu, verl's "
         "ppo_max_token_len_per_gpu); 0: --micro-batch-size x the batch's longest sequence. "
-        "Packing only"))
+        "Packing only. On a GPU each packed row is padded up to a multiple of about 1/16 of "
+        "this budget, or to the budget (not with --moe-aux-loss-coeff), so that a run meets "
+        "at most 16 row shapes per budget"))
     loss: LossConfig = _field(default_factory=LossConfig)
     ref_reset_interval: int = _opt(0, min=0, help=(
         "every this many RL steps the reference takes the policy's weights (0: never; saved "

@@ -5,7 +5,8 @@ sequences, each right-padded to the batch's longest, L tokens.
 
 Packed (the default): the sequences of a microbatch are concatenated into one row of at most
 `max_tokens` tokens (`--max-tokens-per-microbatch`), padded at the end to a multiple of
-`pad_multiple`; the padding is a segment of its own. The model gets input_ids [1, T],
+`pad_multiple` or, with shape bucketing (on a GPU, see `bucketed_length`), to one of at most
+SHAPE_BUCKETS lengths per token budget; the padding is a segment of its own. The model gets input_ids [1, T],
 position_ids restarting at 0 in every sequence, and the segment boundaries `cu_seqlens`
 (megatron-core's THD `PackedSeqParams`): attention stays inside a sequence and RoPE restarts.
 Sequences go to microbatches by first-fit decreasing on their lengths, so few microbatches are
@@ -121,6 +122,37 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+SHAPE_BUCKETS = 16  # packed row lengths per token budget, at most (with bucketing)
+
+
+def bucket_quantum(budget: int, pad_multiple: int = 8) -> int:
+    """The step q of the bucketed row lengths of a token budget B: ceil(B / SHAPE_BUCKETS)
+    rounded up to a multiple of `pad_multiple`."""
+    return _round_up(-(-budget // SHAPE_BUCKETS), pad_multiple)
+
+
+def bucketed_length(tokens: int, budget: int, pad_multiple: int = 8) -> int:
+    """The length a packed row of `tokens` real tokens (<= budget B) is padded to with shape
+    bucketing: min(round_up(tokens, q), round_up(B, pad_multiple)), q = bucket_quantum(B).
+
+    Shapes: the lengths are q, 2q, ..., 15q and the cap round_up(B, pad_multiple) (16q >= B,
+    so every other multiple of q is past the cap): at most SHAPE_BUCKETS per budget, whatever
+    the sequence lengths, so megatron's compiled fusions, CUDA graphs and the caching allocator
+    see that many row shapes per run with a fixed --max-tokens-per-microbatch. With the default
+    budget (micro_batch_size x the batch's padded width L) the budget follows L, and there are
+    at most SHAPE_BUCKETS per distinct width instead.
+
+    Cost: a row gets fewer than q ~ B/16 padding tokens, never more than the unbucketed row's
+    cap (the budget's memory is kept). First-fit decreasing fills most rows to within a few
+    tokens of B, and those take the cap, so the padding added is about 1-2% of the tokens on
+    long-tailed lengths (tests/unit/test_packing.py measures it); only a batch's last, partly
+    filled rows pay up to q each."""
+    cap = _round_up(budget, pad_multiple)
+    if tokens > cap:
+        raise ValueError(f"a packed row of {tokens} tokens is over its budget of {budget}")
+    return min(_round_up(tokens, bucket_quantum(budget, pad_multiple)), cap)
+
+
 @dataclasses.dataclass
 class Microbatch:
     """One microbatch: the model's inputs and where its outputs go in the batch.
@@ -178,23 +210,29 @@ def padded_microbatches(tokens: torch.Tensor, rows: Sequence[int], micro_batch_s
 def packed_microbatches(tokens: torch.Tensor, seq_lengths: Sequence[int], rows: Sequence[int],
                         max_tokens: int, pad_multiple: int = 8,
                         equal_shapes: bool = False,
-                        routes: torch.Tensor | None = None) -> list[Microbatch]:
+                        routes: torch.Tensor | None = None,
+                        bucket: bool = False) -> list[Microbatch]:
     """Pack `rows` of the right-padded [B, L] tokens (row i's sequence: its first seq_lengths[i]
     tokens) into rows of at most `max_tokens` tokens (first-fit decreasing), each padded to a
-    multiple of `pad_multiple`; with equal_shapes (the pipeline schedule) all to the longest.
-    routes: the batch's [B, L, M, k] routing-replay experts, carried packed like the tokens as
-    the inputs' "routed_experts" [1, T, M, k]."""
+    multiple of `pad_multiple`, or with `bucket` to bucketed_length(its tokens, max_tokens);
+    with equal_shapes (the pipeline schedule) all to the longest. routes: the batch's
+    [B, L, M, k] routing-replay experts, carried packed like the tokens as the inputs'
+    "routed_experts" [1, T, M, k]."""
+    def padded_length(n: int) -> int:
+        return (bucketed_length(n, max_tokens, pad_multiple) if bucket
+                else _round_up(n, pad_multiple))
+
     rows = list(rows)
     lengths = [int(seq_lengths[r]) for r in rows]
     bins = first_fit_decreasing(lengths, max_tokens)
-    width = _round_up(max(sum(lengths[i] for i in b) for b in bins), pad_multiple) if bins else 0
+    width = padded_length(max(sum(lengths[i] for i in b) for b in bins)) if bins else 0
     L = tokens.shape[1]
     dev = tokens.device
     out = []
     for b in bins:
         lens = [lengths[i] for i in b]
         total = sum(lens)
-        T = width if equal_shapes else _round_up(total, pad_multiple)
+        T = width if equal_shapes else padded_length(total)
         seg = lens + padding_segments(T - total)
         cu = torch.zeros(len(seg) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(seg), 0)
@@ -231,10 +269,12 @@ def packed_microbatches(tokens: torch.Tensor, seq_lengths: Sequence[int], rows: 
 class Layout:
     """How microbatches are formed (--sequence-packing, --max-tokens-per-microbatch,
     --micro-batch-size). max_tokens 0: micro_batch_size times the batch's padded length L, the
-    tokens of one padded microbatch."""
+    tokens of one padded microbatch. bucket: packed rows padded to at most SHAPE_BUCKETS
+    lengths per token budget (`bucketed_length`; the trainer's choice: update.layout)."""
     packed: bool = True
     micro_batch_size: int = 8
     max_tokens: int = 0
+    bucket: bool = False
 
     def microbatches(self, tokens: torch.Tensor, seq_lengths: Sequence[int] | None = None,
                      rows: Sequence[int] | None = None, pad_multiple: int = 8,
@@ -250,4 +290,4 @@ class Layout:
         lengths = [L] * B if seq_lengths is None else seq_lengths
         cap = self.max_tokens or self.micro_batch_size * L
         return packed_microbatches(tokens, lengths, rows, cap, pad_multiple, equal_shapes,
-                                   routes)
+                                   routes, self.bucket)

@@ -25,7 +25,8 @@ from megatron_rl.config import TrainConfig
 from megatron_rl.correction import rollout_correction_weights
 from megatron_rl.loss import build_advantages, num_sequences, policy_loss, shape_overlong
 from megatron_rl.packing import Layout, Microbatch
-from megatron_rl.parallel import all_reduce, data_parallel_group, data_parallel_sum, device
+from megatron_rl.parallel import (all_reduce, data_parallel_group, data_parallel_sum, device,
+                                  use_cuda)
 
 if TYPE_CHECKING:
     from megatron_rl.models.policy import Policy
@@ -150,10 +151,19 @@ def overlong_batch(batch: RolloutBatch, cfg: TrainConfig, metrics: dict) -> Roll
 
 def layout(cfg: TrainConfig) -> Layout:
     """The microbatch layout of the trainer's forward passes (--sequence-packing,
-    --max-tokens-per-microbatch, --micro-batch-size)."""
+    --max-tokens-per-microbatch, --micro-batch-size).
+
+    Packed rows are shape-bucketed (packing.bucketed_length: at most 16 row lengths per token
+    budget) on a GPU, where each new shape costs: torch.compile'd fusions specialise on it,
+    CUDA graphs are captured per shape and the caching allocator keeps blocks per size. Not on
+    the CPU, which has none of these and would only pay the padding (about 1-2% of the
+    tokens). Nor with a mixture-of-experts load-balancing loss (--moe-aux-loss-coeff): the
+    padding tokens pass the routers and would count in it. The padding is a segment of its own
+    and scores nothing, so losses and gradients are those of the unbucketed rows."""
     a = cfg.algorithm
+    bucket = use_cuda() and not cfg.model.options.moe_aux_loss_coeff
     return Layout(packed=a.sequence_packing, micro_batch_size=a.micro_batch_size,
-                  max_tokens=a.max_tokens_per_microbatch)
+                  max_tokens=a.max_tokens_per_microbatch, bucket=bucket)
 
 
 def score_reference_exact(policy, reference, tokens: torch.Tensor, lay: Layout | int,
