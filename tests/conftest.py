@@ -6,7 +6,8 @@ skipped with a reason where it is absent), `slow` (deselect with -m "not slow"),
 real vLLM / SGLang server processes from their own venvs; skipped with a reason when absent),
 `faults` (fault injection: the tests docs/faults.md names), `hostsync` (counts host
 synchronisations of hot loops against budgets, megatron_rl.hostsync;
-runs by default).
+runs by default), `launches` (counts the operators a hot path dispatches, which on a GPU are
+kernel launches, against how they may grow; runs by default).
 """
 import contextlib
 import json
@@ -48,6 +49,8 @@ def pytest_configure(config):
                             "venvs); skipped with a reason when a venv is absent")
     config.addinivalue_line("markers", "hostsync: host synchronisations of a hot loop, counted "
                             "against its budget (megatron_rl.hostsync)")
+    config.addinivalue_line("markers", "launches: operators (kernel launches on a GPU) a hot path "
+                            "dispatches, counted against how they may grow")
     config.addinivalue_line("markers", "extended: a further variant of what a default-tier test "
                             "already runs (another layout, engine or server), or a long scenario "
                             "whose parts default-tier tests check; deselected unless --extended")
