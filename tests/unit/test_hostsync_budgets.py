@@ -9,7 +9,9 @@ and none grows with the number of layers, experts or tokens (each is checked at 
   The prefill, once per generation: 1 per mixture-of-experts layer (its experts' token counts).
 - a packed forward of the trainer's model (local spec, SDPAttention, megatron's unfused RoPE):
   1, cu_seqlens read to the host once; 0 when the caller has its values on the host
-  (make_packed_seq_params); the backward: 0.
+  (make_packed_seq_params); the backward: 0. The same for both ways SDPAttention attends the
+  row: the per-sequence loop, and the one varlen_attn call per layer of the CUDA path (fp16/bf16),
+  emulated here by models.packed_attention.reference_varlen_attn.
 - the RL loss of a microbatch (update.make_rl_loss_fn: Policy.score through the fused log-prob
   op or its torch reference, policy_loss with the KL in the reward, in the loss, or exact),
   forward and backward: 0; the advantages of a batch (build_advantages): 0.
@@ -131,11 +133,16 @@ def _packed_model(layers: int):
     return build_gpt_model(_args(layers), use_te=False)
 
 
-def test_packed_forward_budget_does_not_grow_with_layers(dist_env):
+@pytest.mark.parametrize("path", ["loop", "varlen"])
+def test_packed_forward_budget_does_not_grow_with_layers(dist_env, monkeypatch, path):
     """One read of cu_seqlens per forward (the trainer's params, cu_seqlens on the device),
     none with host values (make_packed_seq_params), none in the backward."""
+    from megatron_rl.models import packed_attention
     from megatron_rl.models.gpt import make_packed_seq_params, thd_params
 
+    if path == "varlen":
+        monkeypatch.setattr(packed_attention, "packed_attention_fn",
+                            lambda query: packed_attention.reference_varlen_attn)
     dev = _dev()
     cu = torch.tensor([0, 5, 16, 19, 27, 32], dtype=torch.int32, device=dev)
     ids = torch.randint(0, VOCAB, (1, TOTAL), device=dev)
