@@ -41,15 +41,18 @@ def _torch_varlen_attn() -> Callable | None:
 
 @functools.lru_cache(maxsize=16)
 def _flash_capable(device: torch.device) -> bool:
-    """Flash attention's kernels run on compute capability 8.0 (Ampere) and later."""
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    """This torch has flash attention's kernels, and `device` can run them (compute capability
+    8.0, Ampere, or later)."""
+    return (torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def packed_attention_fn(query: torch.Tensor) -> Callable | None:
     """The variable-length attention function for a packed row of `query` [t, np, hn]:
     torch's varlen_attn where flash attention can run (a CUDA device of compute capability 8.0
-    or later, fp16 or bf16, hn a multiple of 8 up to 256, torch >= 2.10), else None: then
-    SDPAttention runs `segment_loop_attention` (the CPU; fp32 on a GPU)."""
+    or later, a torch built with flash attention, >= 2.10; fp16 or bf16; hn a multiple of 8 up
+    to 256), else None: then SDPAttention runs `segment_loop_attention` (the CPU; fp32 on a
+    GPU)."""
     if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
         return None
     head_dim = query.shape[-1]
@@ -75,8 +78,9 @@ def varlen_packed_attention(attn: Callable, query: torch.Tensor, key: torch.Tens
     nothing is read back from the device. scale: the softmax scale, None for 1 / sqrt(hn).
     Returns [t, np * hn].
 
-    The call follows the keywords `attn` takes: causality as window_size=(-1, 0) (torch >= 2.11)
-    or is_causal=True (torch 2.10); grouped KV heads as they are with enable_gqa, else repeated
+    The call follows the keywords `attn` takes, which differ between torch releases:
+    causality as window_size=(-1, 0) (torch 2.13) or is_causal=True (torch 2.10); grouped KV
+    heads as they are with enable_gqa, else repeated
     to the query heads; `scale` as a keyword where there is one, else folded into the query
     (scaled by scale * sqrt(hn), so that the default 1 / sqrt(hn) makes it `scale`).
     """

@@ -39,8 +39,10 @@ def _varlen_attn():
 
     varlen = pytest.importorskip("torch.nn.attention.varlen",
                                  reason="torch < 2.10 has no varlen_attn").varlen_attn
-    if torch.cuda.get_device_capability() < (8, 0):
-        pytest.skip("flash attention needs compute capability 8.0 or later")
+    if (torch.cuda.get_device_capability() < (8, 0)
+            or not torch.backends.cuda.is_flash_attention_available()):
+        pytest.skip("flash attention needs compute capability 8.0 or later, and a torch built "
+                    "with it")
     attn = pa.packed_attention_fn(torch.empty(1, 8, 64, dtype=torch.bfloat16, device="cuda"))
     assert attn is varlen
     return attn
