@@ -11,11 +11,12 @@ The trainer has two layouts (megatron_rl/update.py):
                  sequences right-padded to the batch's longest, scored from the logits
 and with --all-combos also packed+logits and padded+fused.
 
-Model: Qwen2.5-0.5B's shape (bench_vs_trl.MODEL_SHAPES: hidden 896, 14 heads / 2 KV heads,
-head dim 64, FFN 4864, tied 151936-token vocabulary), random weights (megatron-core's
-initialisation, std 0.02), --num-layers of them (24 is the real model; fewer keep a 2-core CPU
-run short: the layer count is printed and written with the results). The reference model is a
-copy of the policy's initial weights, as the trainer makes it. No tokenizer: the prompts and
+Models (--model, SHAPES): Qwen2.5-0.5B's shape (hidden 896, 14 heads / 2 KV heads, head dim
+64, FFN 4864, 24 layers) and Qwen2.5-1.5B's (hidden 1536, 12 heads / 2 KV heads, head dim 128,
+FFN 8960, 28 layers), both with a tied 151936-token vocabulary, random weights (megatron-core's
+initialisation, std 0.02); --num-layers overrides the layer count (fewer keep a 2-core CPU run
+short: the layer count is printed and written with the results). The reference model is a copy
+of the policy's initial weights, as the trainer makes it. No tokenizer: the prompts and
 responses are token ids drawn here.
 
 Rollouts (synthesised, not generated): --num-sequences sequences in groups of --group-size (one
@@ -62,13 +63,37 @@ a huge allocation into a clean error, and a watchdog thread ends the process (ex
 RSS passes the limit. "fits" means it finished with peak RSS <= the limit. The same guard
 protects the main benchmark's subprocesses.
 
-FLOPs (an estimate, printed per configuration with the achieved GFLOP/s; --dry-run prints the
-plan without building a model): per forward, 2 x the matmul parameters per token (q/k/v/o, the
-SwiGLU MLP, the LM head) + causal attention 2 x q_dim x n^2 per layer per sequence of n (per
-padded row of L); backward 2x forward; the fused head recomputes the logits in backward (+1 head
-matmul, +1 for the reference's under the exact KL in the loss).
+Model FLOPs and MFU (per configuration: model FLOPs per step, tokens/s, model TFLOP/s and MFU,
+after --warmup untimed steps, 1 by default on a GPU). The model's work, counted over the real
+tokens only (padding and recomputation are the run's cost, not the model's):
+  N = layers x (h (q + 2 kv) + q h + 3 h f) + h V     matmul weights a token meets (q/k/v, o,
+      SwiGLU MLP; the LM head once: the tied embedding's lookup is no matmul; biases and norms
+      left out), h hidden, q = heads x head dim, kv = KV heads x head dim, f FFN, V vocabulary
+  forward, per sequence of n tokens:  F(n) = 2 N n + layers x 2 q n (n + 1)
+      a multiply-add is 2 FLOPs: 2 N per token; causal attention, per layer: query i (1..n)
+      scores i keys (QK^T: 2 q i over all heads) and sums i values (PV: 2 q i), and
+      sum_i 4 q i = 2 q n (n + 1) ~ 2 q n^2 = 2 x 2 x q x n^2 / 2 (half the full n x n square)
+  backward = 2 x forward: every matmul has an input gradient and a weight gradient (attention:
+      dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q against the forward's QK^T and PV), so
+      forward + backward = 3F = 6 N D + 6 q layers sum_i n_i (n_i + 1) over D = sum_i n_i tokens
+  one step (model_flops): old log-probs F + reference log-probs F (the exact estimator: the
+      policy's and the reference's forward together, 2F) + per PPO epoch the update's 3F
+      (+ F: the reference's forward inside it, with the exact KL in the loss); K1 / K3: 5F per
+      step, F summed over the batch's sequences
+  MFU = model FLOPs per step / step seconds / peak. The peak (peak_tflops): --peak-tflops, else
+      a GPU's dense bf16 tensor-core peak from NVIDIA's data sheets (DENSE_BF16_TFLOPS: H100 /
+      H200 SXM 989, H100 / H200 NVL 835, H100 PCIe 756, A100 312; the sheets' larger figures are
+      "with sparsity"), else the best rate of a 1024^3 (CPU) or 8192^3 (GPU not in the table)
+      matmul measured in the worker itself, in the model's dtype and thread count, so that on a
+      CPU MFU is the same ratio: the share of the process's own matmul rate the step gets.
+The run's FLOPs (step_flops, an estimate: --dry-run's minutes and the "run GFLOP/s" column)
+count what is executed instead: padded rows of L and packed rows with their padding, the fused
+head's logits recomputed in backward (+1 head matmul, +1 for the reference's under the exact KL
+in the loss).
 
 Usage:
+  python tools/bench_train_phase.py --bf16 --model qwen2.5-0.5b qwen2.5-1.5b \\
+      --max-response 4096 --num-sequences 64 --micro-batch-size 2 --kl k3:loss   # a GPU
   OMP_NUM_THREADS=2 python tools/bench_train_phase.py --threads 2 --num-layers 4 \\
       --max-response 1024 --num-sequences 32 --group-size 8 --micro-batch-size 4 \\
       --kl k1:reward k3:loss exact:reward+loss --out benchmarks/RESULTS.md --json tp1024.json
@@ -116,21 +141,36 @@ GIB = 1 << 30
 CPU_DEFAULT_LIMIT_GIB = 24.0  # --mem-limit-gib on a CPU (on a GPU: all of its memory)
 PAD_ID = 0
 FIRST_TOKEN = 3  # token ids drawn from [3, vocab): 0-2 are the character tokenizer's specials
+# the benchmarked shapes (HF config fields; random weights): Qwen2.5's, tied embeddings
+SHAPES = {
+    "qwen2.5-0.5b": bvt.MODEL_SHAPES["qwen2.5-0.5b"],
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768, initializer_range=0.02),
+}
+# dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from NVIDIA's data sheets (which
+# quote twice these "with sparsity"); the first name contained in torch's device name applies
+DENSE_BF16_TFLOPS = (("H200 NVL", 835.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0),
+                     ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
 
 
 # ------------------------------------------------------------------------------------------------
 # the model and the synthesised rollouts
 # ------------------------------------------------------------------------------------------------
-def model_config(a) -> dict:
-    """HF config dict of the benchmarked model: Qwen2.5-0.5B's shape with the overrides. A
-    smaller --hidden-size keeps head dim 64 and the FFN ratio unless heads / FFN are given."""
-    shape = dict(bvt.MODEL_SHAPES["qwen2.5-0.5b"])
+def model_config(a, model: str | None = None) -> dict:
+    """HF config dict of a benchmarked model (`model`, default the first --model): its shape
+    with the overrides. A smaller --hidden-size keeps the shape's head dim (64 for 0.5B, 128
+    for 1.5B) and FFN ratio unless heads / FFN are given; --num-layers replaces the shape's."""
+    shape = dict(SHAPES[model or a.model[0]])
     hidden = a.hidden_size or shape["hidden_size"]
     if a.hidden_size:
-        shape["num_attention_heads"] = max(1, hidden // 64)
+        head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+        ratio = shape["intermediate_size"] / shape["hidden_size"]
+        shape["num_attention_heads"] = max(1, hidden // head_dim)
         shape["num_key_value_heads"] = 1 if shape["num_attention_heads"] < 2 else 2
-        shape["intermediate_size"] = round(hidden * 4864 / 896)
-    shape.update(hidden_size=hidden, num_hidden_layers=a.num_layers)
+        shape["intermediate_size"] = round(hidden * ratio)
+    shape.update(hidden_size=hidden,
+                 num_hidden_layers=a.num_layers or shape["num_hidden_layers"])
     for key, flag in (("vocab_size", a.vocab), ("intermediate_size", a.ffn_hidden_size),
                       ("num_attention_heads", a.num_heads),
                       ("num_key_value_heads", a.num_kv_heads)):
@@ -146,10 +186,11 @@ def model_config(a) -> dict:
             "eos_token_id": 1, "pad_token_id": PAD_ID, **shape}
 
 
-def model_args(a):
+def model_args(a, model: str | None = None):
     from megatron_rl.models import ModelArgs
 
-    return ModelArgs.from_hf_config(model_config(a), source="bench_train_phase model_config")
+    return ModelArgs.from_hf_config(model_config(a, model),
+                                    source="bench_train_phase model_config")
 
 
 def synth_rollouts(num_sequences: int, group_size: int, max_response: int, prompt_len: int,
@@ -244,8 +285,97 @@ def build_models(a, cfg):
 
 
 # ------------------------------------------------------------------------------------------------
-# FLOPs (an estimate; see the module docstring)
+# FLOPs: the model's (MFU) and the run's estimate (see the module docstring)
 # ------------------------------------------------------------------------------------------------
+def matmul_params(args) -> int:
+    """N: the weights a token meets in matmuls: per layer the q/k/v projections h (q + 2 kv),
+    the output projection q h and the SwiGLU MLP 3 h f, and the LM head h V once (the tied
+    embedding's lookup is no matmul; biases and norms are left out). q = heads x head dim,
+    kv = KV heads x head dim, f = the FFN width."""
+    h, q = args.hidden_size, args.num_attention_heads * args.head_dim
+    kv = args.num_key_value_heads * args.head_dim
+    layer = h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size
+    return args.num_hidden_layers * layer + h * args.vocab_size
+
+
+def forward_flops(args, seq_lengths) -> float:
+    """F: model FLOPs of one forward over sequences of `seq_lengths` tokens (real tokens only):
+    2 N per token (a multiply-add is 2 FLOPs) + causal attention, per layer and sequence of n
+    tokens 2 q n (n + 1): query i scores i keys (QK^T, 2 q i over all heads) and sums i values
+    (PV, 2 q i), and sum_i 4 q i = 2 q n (n + 1) ~ 2 q n^2, half of the full n x n."""
+    q = args.num_attention_heads * args.head_dim
+    dense = 2 * matmul_params(args) * sum(seq_lengths)
+    attn = 2 * q * args.num_hidden_layers * sum(n * (n + 1) for n in seq_lengths)
+    return float(dense + attn)
+
+
+def model_flops(args, seq_lengths, kl, ppo_epochs: int = 1) -> float:
+    """Model FLOPs of one training phase over a batch of `seq_lengths`: the forward passes
+    and backward passes it needs, each F = forward_flops, a backward 2F (every matmul's input
+    gradient and weight gradient; attention's dP, dS -> dQ, dK and dV are 4 matmuls against the
+    forward's 2), so forward + backward = 3F, i.e. 6 N D + 6 q layers sum n (n + 1) for D
+    tokens. The step: the old log-probs F, the reference's log-probs F (with the exact
+    estimator, update.score_reference_exact: the policy's and the reference's forward
+    together, 2F), then per PPO epoch the update's 3F (+ F, the reference's forward, with the exact KL in the
+    loss): 5F with K1 / K3. What the run does beyond this (padding, the fused LM head's
+    recomputed logits) is not model work and lowers MFU."""
+    f = forward_flops(args, seq_lengths)
+    scoring = (3 if kl.exact else 2) * f
+    update = ppo_epochs * (3 + (1 if kl.exact_kl_in_loss else 0)) * f
+    return scoring + update
+
+
+def spec_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named `device_name` (DENSE_BF16_TFLOPS), None if unknown."""
+    name = device_name.lower()
+    for key, tflops in DENSE_BF16_TFLOPS:
+        if key.lower() in name:
+            return tflops
+    return None
+
+
+def measured_matmul_tflops(dtype, device, n: int, seconds: float = 0.5) -> float:
+    """The best rate of n x n x n matmuls (2 n^3 FLOPs each) in `dtype` on `device`, repeated
+    for about `seconds` after one untimed: the process's own attainable peak."""
+    import torch
+
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)
+    bvt._sync()
+    best, start = float("inf"), time.perf_counter()
+    reps = 0
+    while reps < 3 or time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        bvt._sync()
+        best = min(best, time.perf_counter() - t)
+        reps += 1
+    return 2 * n ** 3 / best / 1e12
+
+
+def peak_tflops(a) -> tuple[float, str]:
+    """(TFLOP/s, where it comes from) that MFU divides by: --peak-tflops; else on a GPU its
+    dense bf16 peak from the data sheet (DENSE_BF16_TFLOPS); else (a CPU, or a GPU not in the
+    table) the best rate of this process's own matmuls in the model's dtype and thread count,
+    so that the ratio means on a CPU what it means on a GPU: the share of the hardware's matmul
+    rate the training phase gets."""
+    import torch
+
+    if a.peak_tflops:
+        return a.peak_tflops, "--peak-tflops"
+    dtype = torch.bfloat16 if a.bf16 else torch.float32
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        spec = spec_peak_tflops(name)
+        if spec:
+            return spec, f"{name} dense bf16 data sheet"
+        return (measured_matmul_tflops(dtype, "cuda", 8192),
+                f"{name}: measured {str(dtype)[6:]} 8192^3 matmul (not in the data-sheet table)")
+    return (measured_matmul_tflops(dtype, "cpu", 1024),
+            f"measured {str(dtype)[6:]} 1024^3 matmul, {torch.get_num_threads()} thread(s)")
+
+
 def microbatch_shapes(batch, lay, pad_multiple: int = 8) -> list[list[int]]:
     """Per microbatch of `lay`, the lengths attention runs over: a padded microbatch's rows of L,
     a packed row's segments (its sequences and the padding segment)."""
@@ -259,7 +389,9 @@ def microbatch_shapes(batch, lay, pad_multiple: int = 8) -> list[list[int]]:
 
 
 def step_flops(args, shapes: list[list[int]], fused: bool, kl) -> float:
-    """Estimated FLOPs of one training phase over microbatches of `shapes`."""
+    """Estimated FLOPs the run executes in one training phase over microbatches of `shapes`
+    (padding and the fused head's recomputation included; for --dry-run's minutes and the
+    achieved GFLOP/s, not for MFU)."""
     h, q = args.hidden_size, args.num_attention_heads * args.head_dim
     kv = args.num_key_value_heads * args.head_dim
     dense = 2 * args.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size)
@@ -419,7 +551,8 @@ def run_train_worker(a) -> dict:
     from megatron_rl import update
     from megatron_rl.parallel import device
 
-    ctx = {"combo": a.combo, "kl": a.kl[0], "max_response": a.max_response[0]}
+    ctx = {"model": a.model[0], "combo": a.combo, "kl": a.kl[0],
+           "max_response": a.max_response[0]}
     start_memory_guard(a.limit_bytes, a.result_file, ctx)
     torch.set_num_threads(a.threads)
     cfg = train_config(a, a.combo, a.kl[0])
@@ -428,6 +561,7 @@ def run_train_worker(a) -> dict:
     # changes no weight), so that the timed optimizer steps are steady-state ones
     policy.step()
     rss_built = rss_bytes()
+    peak, peak_source = peak_tflops(a)  # before the steps: the matmuls' memory is freed
     timer = PhaseTimer()
     timer.wrap(policy, "token_logprobs", "old_lp")
     timer.wrap(reference, "token_logprobs", "ref_lp")
@@ -456,12 +590,15 @@ def run_train_worker(a) -> dict:
             "all_tokens": sum(batch.seq_lengths), "padded_length": batch.tokens.shape[1],
             "microbatches": len(shapes), "model_tokens": sum(sum(s) for s in shapes),
             "flops": step_flops(policy.args, shapes, COMBOS[a.combo][1], cfg.loss.kl),
+            "model_flops": model_flops(policy.args, batch.seq_lengths, cfg.loss.kl,
+                                       cfg.algorithm.ppo_epochs),
             "metrics": {m: float(metrics[m]) for m in ("pg_loss", "kl_k3", "entropy",
                                                        "grad_norm", "kl_exact") if m in metrics}})
         print(f"{a.combo} {a.kl[0]} step {k}{' (warm-up)' if k < a.warmup else ''}: "
               f"{total:.2f} s {json.dumps({p: round(v, 3) for p, v in timer.seconds.items()})}",
               flush=True)
-    return {**ctx, "status": "ok", "steps": steps, "rss_built_gib": rss_built / GIB,
+    return {**ctx, "status": "ok", "steps": steps, "num_layers": policy.args.num_hidden_layers,
+            "peak_tflops": peak, "peak_source": peak_source, "rss_built_gib": rss_built / GIB,
             "peak_rss_gib": peak_rss_bytes() / GIB,
             **({"cuda_peak_gib": torch.cuda.max_memory_allocated() / GIB}
                if torch.cuda.is_available() else {})}
@@ -542,14 +679,17 @@ def run_worker(a) -> int:
 # ------------------------------------------------------------------------------------------------
 def _shared_argv(a) -> list[str]:
     """The worker's flags: everything that shapes the model and the batches."""
-    out = ["--num-layers", str(a.num_layers), "--num-sequences", str(a.num_sequences),
+    out = ["--num-sequences", str(a.num_sequences),
            "--group-size", str(a.group_size), "--prompt-len", str(a.prompt_len),
            "--length-sigma", str(a.length_sigma), "--micro-batch-size", str(a.micro_batch_size),
            "--max-tokens-per-microbatch", str(a.max_tokens_per_microbatch),
            "--advantage-estimator", a.advantage_estimator, "--lr", str(a.lr),
            "--seed", str(a.seed), "--threads", str(a.threads), "--warmup", str(a.warmup),
            "--steps", str(a.steps), "--limit-bytes", str(a.limit_bytes)]
-    for flag, v in (("--hidden-size", a.hidden_size), ("--vocab", a.vocab),
+    if a.peak_tflops:
+        out += ["--peak-tflops", str(a.peak_tflops)]
+    for flag, v in (("--num-layers", a.num_layers), ("--hidden-size", a.hidden_size),
+                    ("--vocab", a.vocab),
                     ("--ffn-hidden-size", a.ffn_hidden_size), ("--num-heads", a.num_heads),
                     ("--num-kv-heads", a.num_kv_heads)):
         if v:
@@ -558,13 +698,14 @@ def _shared_argv(a) -> list[str]:
 
 
 def run_child(a, worker: str, combo: str, kl: str, max_response: int, tag: str,
-              extra: tuple = ()) -> dict:
+              extra: tuple = (), model: str | None = None) -> dict:
     """One worker subprocess; its result dict (status "killed" / "failed" when it left none)."""
+    model = model or a.model[0]
     path = os.path.join(a.workdir, f"{tag}.json")
     if os.path.exists(path):
         os.remove(path)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--result-file", path,
-           "--combo", combo, "--kl", kl, "--max-response", str(max_response),
+           "--model", model, "--combo", combo, "--kl", kl, "--max-response", str(max_response),
            *_shared_argv(a), *extra]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads),
                PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
@@ -585,8 +726,8 @@ def run_child(a, worker: str, combo: str, kl: str, max_response: int, tag: str,
         res = {"status": "failed", "error": f"exit {proc.returncode}: {' '.join(tail)} "
                                             f"(see {log})"}
         print(f"worker failed: {shlex.join(cmd)}\n  {res['error']}", flush=True)
-    return {"combo": combo, "kl": kl, "max_response": max_response, **res, "wall_s": wall,
-            "log": log}
+    return {"model": model, "combo": combo, "kl": kl, "max_response": max_response, **res,
+            "wall_s": wall, "log": log}
 
 
 def _failure(res: dict) -> str:
@@ -602,32 +743,40 @@ def summarize_train(res: dict) -> dict:
         return res
     timed = [s for s in res["steps"] if not s["warmup"]]
     secs = sum(s["seconds"] for s in timed)
-    out = {k: res[k] for k in ("combo", "kl", "max_response", "status", "rss_built_gib",
-                               "peak_rss_gib", "cuda_peak_gib", "wall_s") if k in res}
+    out = {k: res[k] for k in ("model", "combo", "kl", "max_response", "status", "num_layers",
+                               "peak_tflops", "peak_source", "rss_built_gib", "peak_rss_gib",
+                               "cuda_peak_gib", "wall_s") if k in res}
     out.update(
         steps=len(timed), seconds=secs,
         phases_s={p: sum(s["phases"][p] for s in timed) / len(timed) for p in PHASES},
         step_s=secs / len(timed),
         **{k: sum(s[k] for s in timed) for k in ("response_tokens", "all_tokens",
-                                                  "model_tokens", "microbatches", "flops")},
+                                                  "model_tokens", "microbatches", "flops",
+                                                  "model_flops")},
         first_step_metrics=res["steps"][0]["metrics"], updated=all(s["updated"] for s in timed))
     out["response_tokens_per_s"] = out["response_tokens"] / secs
     out["all_tokens_per_s"] = out["all_tokens"] / secs
     out["achieved_gflops"] = out["flops"] / secs / 1e9
+    out["model_flops_per_step"] = out["model_flops"] / len(timed)
+    out["model_tflops_per_s"] = out["model_flops"] / secs / 1e12
+    out["mfu"] = out["model_tflops_per_s"] / out["peak_tflops"]
     return out
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """packed+fused / padded+logits tokens/s per (max response, KL family)."""
+    """packed+fused / padded+logits tokens/s per (model, max response, KL family)."""
+    def key_of(r):
+        return r.get("model"), r["max_response"], r["kl"]
+
     out = []
     for r in rows:
         if r["combo"] != "packed+fused" or r.get("status") != "ok":
             continue
-        base = [b for b in rows if b["combo"] == "padded+logits"
-                and (b["max_response"], b["kl"]) == (r["max_response"], r["kl"])]
+        base = [b for b in rows if b["combo"] == "padded+logits" and key_of(b) == key_of(r)]
         if not base:
             continue
-        key = {"max_response": r["max_response"], "kl": r["kl"], "goal": GOAL_RATIO}
+        key = {"model": r.get("model"), "max_response": r["max_response"], "kl": r["kl"],
+               "goal": GOAL_RATIO}
         if base[0].get("status") == "ok":
             x = r["response_tokens_per_s"] / base[0]["response_tokens_per_s"]
             out.append({**key, "ratio": x, "met": x >= GOAL_RATIO})
@@ -640,20 +789,28 @@ def ratios(rows: list[dict]) -> list[dict]:
 def run_benchmark(a) -> dict:
     combos = list(COMBOS) if a.all_combos else list(MAIN_COMBOS)
     rows = []
-    for max_resp in a.max_response:
-        for kl in a.kl:
-            for combo in combos:
-                tag = "_".join(("train", str(max_resp), kl.replace(":", "-").replace("+", "p"),
-                                combo.replace("+", "_")))
-                res = summarize_train(run_child(a, "train", combo, kl, max_resp, tag))
-                rows.append(res)
-                if res.get("status") == "ok":
-                    print(f"{max_resp:5d} {kl:18s} {combo:14s}: {res['step_s']:8.2f} s/step, "
-                          f"{res['response_tokens_per_s']:8.1f} response tok/s, peak "
-                          f"{peak_gib(res):.2f} GiB", flush=True)
-                else:
-                    print(f"{max_resp:5d} {kl:18s} {combo:14s}: {res['status']} "
-                          f"{_failure(res)}", flush=True)
+    for model in a.model:
+        for max_resp in a.max_response:
+            for kl in a.kl:
+                for combo in combos:
+                    tag = "_".join(("train", model, str(max_resp),
+                                    kl.replace(":", "-").replace("+", "p"),
+                                    combo.replace("+", "_")))
+                    res = summarize_train(run_child(a, "train", combo, kl, max_resp, tag,
+                                                    model=model))
+                    rows.append(res)
+                    what = f"{model} {max_resp:5d} {kl:14s} {combo:14s}"
+                    if res.get("status") == "ok":
+                        print(f"{what}: {res['step_s']:8.2f} s/step, "
+                              f"{res['all_tokens_per_s']:8.1f} tok/s "
+                              f"({res['response_tokens_per_s']:.1f} response), "
+                              f"{res['model_flops_per_step'] / 1e12:.3g} model TFLOP/step, "
+                              f"{res['model_tflops_per_s']:.3g} TFLOP/s, MFU "
+                              f"{100 * res['mfu']:.1f}% of {res['peak_tflops']:.4g} TFLOP/s "
+                              f"({res['peak_source']}), peak {peak_gib(res):.2f} GiB",
+                              flush=True)
+                    else:
+                        print(f"{what}: {res['status']} {_failure(res)}", flush=True)
     return {"train_phase": rows, "ratios": ratios(rows)}
 
 
@@ -688,32 +845,38 @@ def run_find_max(a) -> dict:
 
 
 def dry_run(a) -> dict:
-    """The batches' layouts and estimated FLOPs, without building a model."""
+    """The batches' layouts, estimated and model FLOPs, without building a model."""
     from megatron_rl import update
 
-    args = model_args(a)
     combos = list(COMBOS) if a.all_combos else list(MAIN_COMBOS)
     rows = []
-    for max_resp in a.max_response:
-        for kl in a.kl:
-            for combo in combos:
-                cfg = train_config(a, combo, kl)
-                tot = {"microbatches": 0, "model_tokens": 0, "flops": 0.0, "response_tokens": 0,
-                       "all_tokens": 0}
-                for k in range(a.warmup, a.warmup + a.steps):
-                    batch = make_batch(a, max_resp, a.seed + k)
-                    shapes = microbatch_shapes(batch, update.layout(cfg))
-                    tot["microbatches"] += len(shapes)
-                    tot["model_tokens"] += sum(sum(s) for s in shapes)
-                    tot["flops"] += step_flops(args, shapes, COMBOS[combo][1], cfg.loss.kl)
-                    tot["response_tokens"] += sum(batch.response_lengths)
-                    tot["all_tokens"] += sum(batch.seq_lengths)
-                rows.append({"max_response": max_resp, "kl": kl, "combo": combo, **tot})
-                est = (f", ~{tot['flops'] / (a.gflops * 1e9) / 60:.1f} min at {a.gflops:g} GFLOP/s"
-                       if a.gflops else "")
-                print(f"{max_resp:5d} {kl:18s} {combo:14s}: {tot['microbatches']:4d} microbatches, "
-                      f"{tot['model_tokens']:7d} model tokens ({tot['all_tokens']} real, "
-                      f"{tot['response_tokens']} response), {tot['flops'] / 1e12:.3g} TFLOP{est}")
+    for model in a.model:
+        args = model_args(a, model)
+        for max_resp in a.max_response:
+            for kl in a.kl:
+                for combo in combos:
+                    cfg = train_config(a, combo, kl)
+                    tot = {"microbatches": 0, "model_tokens": 0, "flops": 0.0,
+                           "model_flops": 0.0, "response_tokens": 0, "all_tokens": 0}
+                    for k in range(a.warmup, a.warmup + a.steps):
+                        batch = make_batch(a, max_resp, a.seed + k)
+                        shapes = microbatch_shapes(batch, update.layout(cfg))
+                        tot["microbatches"] += len(shapes)
+                        tot["model_tokens"] += sum(sum(s) for s in shapes)
+                        tot["flops"] += step_flops(args, shapes, COMBOS[combo][1], cfg.loss.kl)
+                        tot["model_flops"] += model_flops(args, batch.seq_lengths, cfg.loss.kl,
+                                                          cfg.algorithm.ppo_epochs)
+                        tot["response_tokens"] += sum(batch.response_lengths)
+                        tot["all_tokens"] += sum(batch.seq_lengths)
+                    rows.append({"model": model, "max_response": max_resp, "kl": kl,
+                                 "combo": combo, **tot})
+                    est = (f", ~{tot['flops'] / (a.gflops * 1e9) / 60:.1f} min at "
+                           f"{a.gflops:g} GFLOP/s" if a.gflops else "")
+                    print(f"{model} {max_resp:5d} {kl:14s} {combo:14s}: "
+                          f"{tot['microbatches']:4d} microbatches, {tot['model_tokens']:7d} "
+                          f"model tokens ({tot['all_tokens']} real, {tot['response_tokens']} "
+                          f"response), {tot['flops'] / 1e12:.3g} TFLOP run, "
+                          f"{tot['model_flops'] / 1e12:.3g} TFLOP model{est}")
     return {"plan": rows}
 
 
@@ -731,20 +894,24 @@ def machine() -> dict:
     return out
 
 
+def model_note(a, model: str) -> str:
+    cfg = model_config(a, model)
+    return (f"model: {model}-shaped, {cfg['num_hidden_layers']} layer(s) (the real model has "
+            f"{SHAPES[model]['num_hidden_layers']}), hidden {cfg['hidden_size']}, "
+            f"{cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads, FFN "
+            f"{cfg['intermediate_size']}, tied vocab {cfg['vocab_size']}, "
+            f"{'bf16' if a.bf16 else 'fp32'}; random weights; {a.threads} thread(s)")
+
+
 def notes(a) -> list[str]:
-    cfg = model_config(a)
-    model = (f"model: Qwen2.5-0.5B-shaped, {a.num_layers} layer(s) (the real model has 24), "
-             f"hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads / "
-             f"{cfg['num_key_value_heads']} KV heads, FFN {cfg['intermediate_size']}, tied vocab "
-             f"{cfg['vocab_size']}, {'bf16' if a.bf16 else 'fp32'}; random weights; "
-             f"{a.threads} thread(s)")
+    models = [model_note(a, m) for m in (a.model[:1] if a.find_max_tokens else a.model)]
     if a.find_max_tokens:
-        return [model, "sequences synthesised (random tokens, log-normal response lengths); "
+        return [*models, "sequences synthesised (random tokens, log-normal response lengths); "
                 "old / reference log-probs and advantages are placeholders (zeros, random): "
                 "only the memory of one forward+backward of the PPO loss is measured, after one "
                 "optimizer step on zero gradients has allocated Adam's state"]
     return [
-        model,
+        *models,
         f"rollouts synthesised, not generated: {a.num_sequences} sequences in groups of "
         f"{a.group_size}, prompts of {a.prompt_len} +- 25% random tokens, response lengths "
         f"log-normal (median max/4, sigma {a.length_sigma}) clipped to [8, max], random tokens, "
@@ -752,7 +919,13 @@ def notes(a) -> list[str]:
         "recomputed, as --old-logprobs recompute does)",
         f"padded: --micro-batch-size {a.micro_batch_size}; packed: --max-tokens-per-microbatch "
         + (str(a.max_tokens_per_microbatch) if a.max_tokens_per_microbatch
-           else "micro-batch-size x the batch's padded length (the same token budget)"),
+           else "micro-batch-size x the batch's padded length (the same token budget)")
+        + " (on a GPU the trainer's rows are shape-bucketed: packing.bucketed_length)",
+        "MFU: model FLOPs per step (forward_flops / model_flops: 2N per token per forward + "
+        "causal attention over the real sequence lengths, forward+backward 3x forward; the "
+        "old and reference log-prob forwards counted; no padding, no recomputation) / step "
+        "seconds / the peak: a GPU's dense bf16 data-sheet peak, else (CPU) the process's own "
+        "measured matmul rate",
         f"{a.warmup} warm-up + {a.steps} timed step(s) per configuration, "
         "each configuration in its own process (peak RSS: the whole process)",
         "phases via the trainer's own update.train_on_batch with the policy, "
@@ -771,40 +944,52 @@ def markdown(summary: dict, a) -> str:
     lines += [f"- {n}" for n in notes(a)] + [f"- memory limit: {summary['limit_note']}", ""]
     rows = summary.get("train_phase")
     if rows:
-        lines += ["| max resp | KL | path | layers | microbatches | model tokens (padding incl.) "
-                  "| response / all tokens | old lp s | ref lp s | fwd+bwd s | optim s | other s "
-                  "| phase s | response tok/s | all tok/s | GFLOP/s | RSS built / peak GiB "
-                  "| grad norm step 0 |", "|" + "---|" * 18]
+        lines += ["| model | max resp | KL | path | layers | microbatches | model tokens "
+                  "(padding incl.) | response / all tokens | old lp s | ref lp s | fwd+bwd s "
+                  "| optim s | other s | phase s | response tok/s | all tok/s "
+                  "| model TFLOP/step | model TFLOP/s | MFU | run GFLOP/s (est.) "
+                  "| RSS built / peak GiB | grad norm step 0 |", "|" + "---|" * 22]
         for r in rows:
-            head = f"| {r['max_response']} | {r['kl']} | {r['combo']} | {a.num_layers} |"
+            model = r.get("model", a.model[0])
+            layers = r.get("num_layers", model_config(a, model)["num_hidden_layers"])
+            head = f"| {model} | {r['max_response']} | {r['kl']} | {r['combo']} | {layers} |"
             if r.get("status") != "ok":
-                lines.append(head + f" {r.get('status')}: {_failure(r)} |"
-                             + " |" * 13)
+                lines.append(head + f" {r.get('status')}: {_failure(r)} |" + " |" * 16)
                 continue
             ph = r["phases_s"]
             lines.append(
                 head + f" {r['microbatches']} | {r['model_tokens']} | {r['response_tokens']} / "
                 f"{r['all_tokens']} | " + " | ".join(f"{ph[p]:.2f}" for p in PHASES)
                 + f" | {r['step_s']:.2f} | {r['response_tokens_per_s']:.1f} | "
-                f"{r['all_tokens_per_s']:.1f} | {r['achieved_gflops']:.1f} | "
+                f"{r['all_tokens_per_s']:.1f} | {r['model_flops_per_step'] / 1e12:.4g} | "
+                f"{r['model_tflops_per_s']:.4g} | {100 * r['mfu']:.1f}% | "
+                f"{r['achieved_gflops']:.1f} | "
                 f"{r['rss_built_gib']:.2f} / {peak_gib(r):.2f} | "
                 f"{r['first_step_metrics'].get('grad_norm', float('nan')):.6g} |")
         lines.append("")
         lines.append("Phase seconds are per step (mean over the timed steps); tokens and "
                      "microbatches are summed over them.")
+        peaks: dict[str, list[float]] = {}  # per source (a measured one: one per worker)
+        for r in rows:
+            if r.get("status") == "ok":
+                peaks.setdefault(r["peak_source"], []).append(r["peak_tflops"])
+        for source, values in peaks.items():
+            lo, hi = min(values), max(values)
+            lines.append(f"- MFU's peak: {lo:.4g}" + (f"-{hi:.4g}" if hi > lo else "")
+                         + f" TFLOP/s ({source})")
         for x in summary["ratios"]:
             what = (f"**{x['ratio']:.2f}x** (goal >= {x['goal']}x: "
                     f"{'met' if x['met'] else 'not met'})" if x["ratio"] is not None
                     else f"not measured ({x['why']})")
-            lines.append(f"- max response {x['max_response']}, {x['kl']}: packed+fused / "
-                         f"padded+logits training tokens/s = {what}")
+            lines.append(f"- {x.get('model') or a.model[0]}, max response {x['max_response']}, "
+                         f"{x['kl']}: packed+fused / padded+logits training tokens/s = {what}")
         lines.append("")
     fm = summary.get("find_max_tokens")
     if fm:
         lines += [f"Largest microbatch one forward+backward fits in {fm['limit_gib']:.2f} GiB "
                   f"(whole process: model, main grads, Adam state, reference, activations; "
                   f"max response {fm['max_response']}, padded width {fm['padded_width']}, KL "
-                  f"{fm['kl']}, {a.num_layers} layer(s)):", "",
+                  f"{fm['kl']}, {model_config(a)['num_hidden_layers']} layer(s)):", "",
                   "| path | largest fitting tokens (sequences) | tried: tokens -> peak GiB "
                   "(RSS; on a GPU max allocated) / status |", "|---|---|---|"]
         for combo, d in fm["paths"].items():
@@ -839,7 +1024,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advantage-estimator", default="rloo")
     p.add_argument("--all-combos", action="store_true",
                    help="also packed+logits and padded+fused")
-    p.add_argument("--num-layers", type=int, default=24, help="24 = Qwen2.5-0.5B")
+    p.add_argument("--model", nargs="+", default=["qwen2.5-0.5b"], choices=sorted(SHAPES),
+                   help="model shapes; several: one benchmark each (qwen2.5-0.5b "
+                   "qwen2.5-1.5b)")
+    p.add_argument("--num-layers", type=int,
+                   help="override every model's layer count (default: its own, 24 for "
+                   "Qwen2.5-0.5B, 28 for 1.5B)")
     p.add_argument("--hidden-size", type=int, help="override (default 896; head dim 64 kept)")
     p.add_argument("--vocab", type=int, help="override the vocabulary (default 151936)")
     p.add_argument("--ffn-hidden-size", type=int)
@@ -850,7 +1040,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int,
                    default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
-    p.add_argument("--warmup", type=int, default=0, help="untimed steps per configuration")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per configuration (default: 1 on a GPU, whose first "
+                   "step pays one-time costs such as torch.compile; 0 on the CPU)")
     p.add_argument("--steps", type=int, default=1, help="timed steps per configuration")
     p.add_argument("--find-max-tokens", action="store_true",
                    help="per path, the largest microbatch that fits in --mem-limit-gib (uses the "
@@ -864,6 +1056,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the batches' layouts and FLOPs; build no model")
     p.add_argument("--gflops", type=float, help="--dry-run: estimate minutes at this rate")
+    p.add_argument("--peak-tflops", type=float,
+                   help="the peak MFU divides by (default: a GPU's dense bf16 data-sheet peak "
+                   "where the device is in DENSE_BF16_TFLOPS, else a matmul rate measured in "
+                   "the worker)")
     p.add_argument("--workdir", default=os.path.join(REPO, "outputs", "bench_train_phase"),
                    help="worker results and logs")
     p.add_argument("--out", help="append the markdown section to this file")
@@ -878,6 +1074,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    if a.warmup is None:
+        import torch
+
+        a.warmup = 1 if torch.cuda.is_available() else 0
     # user errors raise ValueError here, before any worker starts
     model_config(a)
     for spec in a.kl:
@@ -899,11 +1099,14 @@ def main(argv=None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     summary = {"machine": machine(),
                "command": shlex.join(["python", os.path.relpath(__file__, REPO), *given]),
-               "num_layers": a.num_layers, "model": model_config(a), "notes": notes(a),
+               "num_layers": a.num_layers or model_config(a)["num_hidden_layers"],
+               "models": {m: model_config(a, m) for m in a.model},
+               "model": model_config(a), "notes": notes(a),
                "limit_note": limit_note,
                "config": {k: v for k, v in vars(a).items() if k not in ("worker", "result_file",
                                                                         "combo", "fit_tokens")}}
-    print(f"{a.num_layers} layer(s), {a.threads} thread(s), memory limit {limit_note}",
+    print(f"{', '.join(a.model)}: {a.num_layers or 'their own'} layer(s), {a.threads} "
+          f"thread(s), {a.warmup} warm-up step(s), memory limit {limit_note}",
           flush=True)
     summary.update(run_find_max(a) if a.find_max_tokens else run_benchmark(a))
     text = markdown(summary, a)

@@ -408,8 +408,10 @@ def lm_head_goals(bench: dict) -> list[dict]:
 
 def train_phase_goals(bench: dict) -> list[dict]:
     """tools/bench_train_phase.py's goal: packed+fused / padded+logits training tokens/s."""
-    return [{"goal": f"train phase packed+fused / padded+logits tokens/s (responses <= "
-                     f"{r['max_response']}, {r['kl']})", "target": f">= {r['goal']}x",
+    return [{"goal": f"train phase packed+fused / padded+logits tokens/s ("
+                     + (f"{r['model']}, " if r.get("model") else "")
+                     + f"responses <= {r['max_response']}, {r['kl']})",
+             "target": f">= {r['goal']}x",
              "measured": f"{r['ratio']:.2f}x" if r.get("ratio") is not None
              else f"n/a ({r.get('why', '')})", "met": bool(r.get("met"))}
             for r in bench.get("ratios", [])]
@@ -553,17 +555,26 @@ def _render_train_phase(s: dict) -> list[str]:
     t = s.get("bench_train_phase")
     if not t:
         return []
-    lines = ["", f"## Training phase of one RL step ({t.get('num_layers')} layers; "
-             f"{t.get('limit_note', '')})", "",
-             "| responses <= | KL | path | status | step s | response tok/s | peak GiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["", f"## Training phase of one RL step ({t.get('limit_note', '')})", "",
+             "| model | layers | responses <= | KL | path | status | step s | tok/s "
+             "| response tok/s | model TFLOP/s | MFU | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    peaks = set()
     for r in t.get("train_phase", []):
         ok = r.get("status") == "ok"
         peak = r.get("cuda_peak_gib", r.get("peak_rss_gib"))
-        lines.append(f"| {r['max_response']} | {r['kl']} | {r['combo']} | {r.get('status')} | "
+        mfu = r.get("mfu")
+        if ok and r.get("peak_source"):
+            peaks.add(f"{r['peak_tflops']:.4g} TFLOP/s ({r['peak_source']})")
+        lines.append(f"| {r.get('model', '')} | {r.get('num_layers', t.get('num_layers'))} | "
+                     f"{r['max_response']} | {r['kl']} | {r['combo']} | {r.get('status')} | "
                      f"{_fmt(r.get('step_s')) if ok else ''} | "
+                     f"{_fmt(r.get('all_tokens_per_s'), '.0f') if ok else ''} | "
                      f"{_fmt(r.get('response_tokens_per_s'), '.0f') if ok else ''} | "
-                     f"{_fmt(peak)} |")
+                     f"{_fmt(r.get('model_tflops_per_s'), '.1f') if ok else ''} | "
+                     + (f"{100 * mfu:.1f}%" if ok and mfu is not None else "")
+                     + f" | {_fmt(peak)} |")
+    lines += [f"- MFU's peak: {p}" for p in sorted(peaks)]
     return lines
 
 

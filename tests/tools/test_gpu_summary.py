@@ -58,6 +58,28 @@ def test_summary_names_unreadable_files_a_cut_step_left(tmp_path):
     assert "- unreadable: junit_gpu.xml" in md and "## Training phase" in md
 
 
+
+def test_summary_shows_the_training_phases_tokens_per_second_and_mfu(tmp_path):
+    out = str(tmp_path)
+    gs.record_step(out, "bench-train-phase", 0, 200.0, 300, "")
+    row = {"model": "qwen2.5-1.5b", "num_layers": 28, "max_response": 4096, "kl": "k3:loss",
+           "status": "ok", "step_s": 4.0, "all_tokens_per_s": 20000.0,
+           "response_tokens_per_s": 19000.0, "model_tflops_per_s": 330.0, "mfu": 0.3337,
+           "peak_tflops": 989.0, "peak_source": "NVIDIA H200 dense bf16 data sheet",
+           "cuda_peak_gib": 60.0}
+    _write(os.path.join(out, "bench_train_phase.json"), json.dumps(
+        {"num_layers": 24, "train_phase": [{**row, "combo": "packed+fused"},
+                                           {**row, "combo": "padded+logits", "mfu": 0.1}],
+         "ratios": [{"model": "qwen2.5-1.5b", "max_response": 4096, "kl": "k3:loss",
+                     "goal": 1.8, "ratio": 1.0, "met": False}]}))
+    s = gs.write_summary(out)
+    assert "qwen2.5-1.5b" in s["goals"][0]["goal"]
+    md = open(os.path.join(out, "summary.md")).read()
+    assert ("| qwen2.5-1.5b | 28 | 4096 | k3:loss | packed+fused | ok | 4.00 | 20000 | 19000 "
+            "| 330.0 | 33.4% | 60.00 |") in md
+    assert "- MFU's peak: 989 TFLOP/s (NVIDIA H200 dense bf16 data sheet)" in md
+
+
 def test_pack_then_merge_two_calls(tmp_path):
     calls = []
     for i, (step, rc) in enumerate([("gpu-tests", 1), ("gpu-tests", 0)]):
