@@ -368,10 +368,12 @@ def peak_tflops(a) -> tuple[float, str]:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         spec = spec_peak_tflops(name)
+        measured = measured_matmul_tflops(dtype, "cuda", 8192)
         if spec:
-            return spec, f"{name} dense bf16 data sheet"
-        return (measured_matmul_tflops(dtype, "cuda", 8192),
-                f"{name}: measured {str(dtype)[6:]} 8192^3 matmul (not in the data-sheet table)")
+            return spec, (f"{name} dense bf16 data sheet; a {str(dtype)[6:]} 8192^3 matmul "
+                          f"measured {measured:.0f} here")
+        return measured, (f"{name}: measured {str(dtype)[6:]} 8192^3 matmul (not in the "
+                          "data-sheet table)")
     return (measured_matmul_tflops(dtype, "cpu", 1024),
             f"measured {str(dtype)[6:]} 1024^3 matmul, {torch.get_num_threads()} thread(s)")
 
@@ -786,7 +788,9 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def run_benchmark(a) -> dict:
+def run_benchmark(a, save=None) -> dict:
+    """Every configuration in turn (models outermost); save(part), when given, gets the
+    results so far after each one."""
     combos = list(COMBOS) if a.all_combos else list(MAIN_COMBOS)
     rows = []
     for model in a.model:
@@ -811,6 +815,8 @@ def run_benchmark(a) -> dict:
                               flush=True)
                     else:
                         print(f"{what}: {res['status']} {_failure(res)}", flush=True)
+                    if save:
+                        save({"train_phase": rows, "ratios": ratios(rows)})
     return {"train_phase": rows, "ratios": ratios(rows)}
 
 
@@ -1108,7 +1114,11 @@ def main(argv=None) -> int:
     print(f"{', '.join(a.model)}: {a.num_layers or 'their own'} layer(s), {a.threads} "
           f"thread(s), {a.warmup} warm-up step(s), memory limit {limit_note}",
           flush=True)
-    summary.update(run_find_max(a) if a.find_max_tokens else run_benchmark(a))
+    def save(part: dict) -> None:  # a run stopped early (a time limit) keeps what it measured
+        if a.json:
+            _write_result(a.json, {**summary, **part, "partial": True})
+
+    summary.update(run_find_max(a) if a.find_max_tokens else run_benchmark(a, save))
     text = markdown(summary, a)
     print("\n" + text)
     if a.json:

@@ -408,7 +408,7 @@ def lm_head_goals(bench: dict) -> list[dict]:
 
 def train_phase_goals(bench: dict) -> list[dict]:
     """tools/bench_train_phase.py's goal: packed+fused / padded+logits training tokens/s."""
-    return [{"goal": f"train phase packed+fused / padded+logits tokens/s ("
+    return [{"goal": "train phase packed+fused / padded+logits tokens/s ("
                      + (f"{r['model']}, " if r.get("model") else "")
                      + f"responses <= {r['max_response']}, {r['kl']})",
              "target": f">= {r['goal']}x",

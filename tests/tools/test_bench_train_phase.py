@@ -157,3 +157,24 @@ def test_summary_reports_tokens_per_second_and_mfu():
     assert s["steps"] == 2 and s["step_s"] == 2.0 and s["all_tokens_per_s"] == 200.0
     assert s["model_flops_per_step"] == 3e12 and s["model_tflops_per_s"] == 1.5
     assert s["mfu"] == pytest.approx(0.15)
+
+
+def test_results_are_saved_after_each_configuration(monkeypatch, capsys):
+    """A run its time limit stops keeps the configurations it finished: run_benchmark hands
+    the rows so far to `save` after each one (main rewrites --json with them), the larger model
+    first when it is listed first."""
+    a = btp.build_parser().parse_args(["--model", "qwen2.5-1.5b", "qwen2.5-0.5b",
+                                       "--max-response", "4096"])
+    ran = []
+
+    def fake_child(a, worker, combo, kl, max_response, tag, extra=(), model=None):
+        ran.append((model, combo))
+        return {"model": model, "combo": combo, "kl": kl, "max_response": max_response,
+                "status": "failed", "error": "not run"}
+
+    monkeypatch.setattr(btp, "run_child", fake_child)
+    saved = []
+    out = btp.run_benchmark(a, lambda part: saved.append(len(part["train_phase"])))
+    assert ran == [("qwen2.5-1.5b", "packed+fused"), ("qwen2.5-1.5b", "padded+logits"),
+                   ("qwen2.5-0.5b", "packed+fused"), ("qwen2.5-0.5b", "padded+logits")]
+    assert saved == [1, 2, 3, 4] and len(out["train_phase"]) == 4
