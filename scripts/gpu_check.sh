@@ -2,7 +2,9 @@
 # The one-command GPU verification kit: on a bare single-GPU Linux machine with a CUDA PyTorch,
 # nvcc and no network, install the carried wheels, build the CUDA extension, run the gpu test
 # tier and the CPU-tier tests that matter on the device, run the GPU benchmarks, and write
-# OUT_DIR/summary.json and OUT_DIR/summary.md. Aims at < 20 min for all steps on one H100.
+# OUT_DIR/summary.json and OUT_DIR/summary.md. Ordered for a lent machine's 15 minutes: what
+# the training phase's speed rests on first (the packed attention equivalence tests, then the
+# training-phase benchmark with MFU), then the rest; about 20 min for all steps on one H100.
 #
 #   bash scripts/gather_gpu_wheels.sh                 # here, with PyPI: wheels into .whl/
 #   bash scripts/gpu_check.sh OUT_DIR [--wheels DIR] [--only STEP,...] [--skip-bench]
@@ -22,7 +24,20 @@
 #                    then setup.py egg_info: the package's metadata in the checkout (on
 #                    PYTHONPATH), so that `python -m megatron_rl.cli` finds its commands
 #   env              OUT_DIR/env.json: device, driver, torch / CUDA / nvcc, package versions
-#   gpu-tests        pytest -m gpu tests (tests/gpu and the gpu-marked tests elsewhere)
+#   packed-attention pytest -m gpu on the packed attention equivalence tests
+#                    (PACKED_ATTENTION_TESTS: tests/gpu/test_*varlen*.py and
+#                    test_*packed_attention*.py): the CUDA path's one attention call per layer
+#                    for a packed row against the per-sequence loop, outputs and gradients in
+#                    bf16, and the packed step's host syncs and launches
+#   bench-train-phase  tools/bench_train_phase.py: one RL step's training phase, packed + fused
+#                    LM head vs padded + logits, Qwen2.5-1.5B then Qwen2.5-0.5B (bf16, all their
+#                    layers), 64 long-tailed sequences with responses up to 4096 tokens, K3 in
+#                    the loss, one untimed step first (a first step on a GPU pays one-time costs,
+#                    e.g. torch.compile's), each worker allowed all of the GPU's memory: s/step,
+#                    tokens/s, model FLOPs and MFU against the GPU's dense bf16 peak; its JSON
+#                    is rewritten after each configuration, so a cut step keeps what it measured
+#   gpu-tests        pytest -m gpu tests (tests/gpu and the gpu-marked tests elsewhere; not the
+#                    packed attention tests when packed-attention ran in the same command)
 #   cpu-tier-on-gpu  CPU-tier test files that run the package's own device choice, run again
 #                    with CUDA visible: they build Policy / LocalEngine / train() through the
 #                    public APIs from host inputs, so the same tests exercise the GPU path (see
@@ -33,12 +48,6 @@
 #   bench-lm-head    tools/bench_lm_head.py --device cuda: the fused LM-head op (hidden states in)
 #                    against the logits path and megatron-core at Qwen2.5-0.5B's head, bf16,
 #                    N = 16384 and 65536, with the exact KL
-#   bench-train-phase  tools/bench_train_phase.py: one RL step's training phase, packed + fused
-#                    LM head vs padded + logits, Qwen2.5-0.5B (24 layers, bf16), responses up
-#                    to 4096 tokens, each worker allowed all of the GPU's memory; one untimed
-#                    step first (a first step on a GPU pays one-time costs, e.g. megatron's
-#                    torch.compile'd SwiGLU compiling once per new shape, which packed
-#                    microbatches of varying lengths meet more often than padded ones)
 #   bench-rl         tools/bench_vs_trl.py --device cuda: Qwen2.5-0.5B-shaped RL steps vs TRL
 #   bench-weight-sync  tools/bench_weight_sync.py --engines process: s/GB of a 1 GB model's sync
 #   summary          tools/gpu_summary.py write OUT_DIR (also when the kit is stopped: below)
@@ -50,8 +59,9 @@
 # tests/gpu/test_gpu_lm_head.py'. --dry-run (any machine, no CUDA call): wheels present, one
 # version each, requirements met (scripts/gpu_machine_packages.txt) and installable into a
 # temporary target for CPython 3.12; the extension's sources and setup.py; pytest collects the
-# gpu tier and the CPU-tier files; the benchmarks import and parse their arguments; --only
-# selects among these dry-* steps as among the real ones.
+# packed attention tests, the gpu tier and the CPU-tier files; the benchmarks import and parse
+# their arguments (the training phase's plans its batches and FLOPs); --only selects among
+# these dry-* steps as among the real ones; it prints the order of a real run first.
 #
 # Time (a lent machine stops a command at 10 minutes): the whole command ends within
 # GPU_CHECK_TIME_LIMIT s (default 600; 0: no limit). Every step is cut at that limit minus
@@ -71,17 +81,26 @@
 # extension, DEST/extension.tgz (megatron_rl/_C.cpython-312-x86_64-linux-gnu.so, stripped).
 #
 # Recipe for the lent H100 / H200 (device README: one command <= 600 s, 15 min of device time a
-# session counting the fresh machine's ~1-2 min start and 30 s idle after each call, 64 MiB
-# carried). A machine kept warm keeps $SITE and the built extension, so a second call made
-# at once needs no setup. Two calls (as run on an H200, 2026-11-26: build 55 s, gpu tier 169 s,
-# CPU-tier files on the GPU 260 s, kernel + exact-KL + LM-head benchmarks 86 s), carrying .whl:
-#   1 timeout_s 600: GPU_CHECK_TIME_LIMIT=565 bash scripts/gpu_check.sh /tmp/gc --pack $OUT \
-#        --only gpu-tests,cpu-tier-on-gpu
-#   2 at once, timeout_s 270: GPU_CHECK_TIME_LIMIT=250 GPU_CHECK_RESERVE=25 bash \
-#        scripts/gpu_check.sh /tmp/gc2 --pack $OUT --no-setup \
-#        --only bench-kernel,bench-exact-kl,bench-lm-head
+# session counting the fresh machine's ~1-2 min start and 30 s warm after each call, 64 MiB
+# carried). The default order: install, build, env, packed-attention, bench-train-phase,
+# gpu-tests, cpu-tier-on-gpu, bench-kernel, bench-exact-kl, bench-lm-head, bench-rl,
+# bench-weight-sync. Times seen on an H200 (2026-11-26): install 18 s, build 55 s (seconds with
+# a carried .so), gpu tier 169 s, CPU-tier files on the GPU 260 s, kernel + exact-KL + LM-head
+# benchmarks 86 s, a training-phase worker ~25 s plus its steps.
+#   1 timeout_s 600, carrying .whl: GPU_CHECK_TIME_LIMIT=570 bash scripts/gpu_check.sh /tmp/gc \
+#        --pack $OUT
+#     If only one call is possible, this is it, and it gets: the build; the packed attention
+#     equivalence tests (6 tests, about a minute with CUDA's start); the training-phase
+#     benchmark with tokens/s and MFU, both paths at Qwen2.5-1.5B, then at 0.5B (estimated
+#     3-5 minutes; cut at its limit, it keeps the configurations finished before); then as
+#     much of the gpu tier as the remaining minutes allow (cut at the limit, its junit report
+#     written); every step not started is recorded as skipped, and the summary and the
+#     archive are written either way.
+#   2 at once, while the machine is warm (30 s), timeout_s = the session's device time left
+#        - 30 s: GPU_CHECK_TIME_LIMIT=<timeout_s - 20> GPU_CHECK_RESERVE=25 bash \
+#        scripts/gpu_check.sh /tmp/gc2 --pack $OUT --no-setup --only <the steps call 1 cut or
+#        skipped, e.g. gpu-tests,cpu-tier-on-gpu>
 #   here: python tools/gpu_summary.py merge gpu_results <call 1, 2>/gpu_check.tgz
-# bench-train-phase, bench-weight-sync and bench-rl need a later session's call.
 # A step its call's time limit cut or skipped says so in the summary; run it in a later
 # session's call (--only NAME) and merge that archive too. bench-rl (RL steps vs TRL, minutes)
 # needs a call of its own. Without a per-command limit: GPU_CHECK_TIME_LIMIT=0 runs everything.
@@ -151,15 +170,31 @@ fi
 CPU_TIER_ON_GPU=(tests/unit/rollout/test_local_engine.py tests/unit/models/test_decode.py
                  tests/unit/test_hostsync_budgets.py tests/unit/test_compat.py
                  tests/e2e/test_train.py)
+# the packed attention equivalence tests, the first thing a call checks after the build; a
+# selection by name where no such file exists
+PACKED_ATTENTION_TESTS=()
+for f in tests/gpu/test_*varlen*.py tests/gpu/test_*packed_attention*.py; do
+    [ -e "$f" ] && PACKED_ATTENTION_TESTS+=("$f")
+done
+GPU_TESTS_IGNORE=()  # gpu-tests leaves out what packed-attention ran in the same command
+for f in "${PACKED_ATTENTION_TESTS[@]}"; do GPU_TESTS_IGNORE+=("--ignore=$f"); done
+((${#PACKED_ATTENTION_TESTS[@]})) || PACKED_ATTENTION_TESTS=(tests/gpu -k "varlen or packed_attention")
+# the training-phase benchmark (tools/bench_train_phase.py), its GPU sizes
+BENCH_TRAIN_PHASE=(tools/bench_train_phase.py --bf16 --model qwen2.5-1.5b qwen2.5-0.5b
+                   --max-response 4096 --num-sequences 64 --micro-batch-size 2 --warmup 1
+                   --kl k3:loss)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64
            manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 SETUP_STEPS=",install,build,env,dry-wheels,dry-extension,dry-env,"
+# the order of a real run (--dry-run prints it)
+REAL_PLAN=(install build env packed-attention bench-train-phase gpu-tests cpu-tier-on-gpu
+           bench-kernel bench-exact-kl bench-lm-head bench-rl bench-weight-sync)
 if ((DRY)); then
-    PLAN=(dry-wheels dry-extension dry-gpu-tests dry-cpu-tier-on-gpu dry-bench-kernel
-          dry-bench-lm-head dry-bench-train-phase dry-bench-rl dry-bench-weight-sync dry-env)
+    PLAN=(dry-wheels dry-extension dry-packed-attention dry-bench-train-phase dry-gpu-tests
+          dry-cpu-tier-on-gpu dry-bench-kernel dry-bench-lm-head dry-bench-rl
+          dry-bench-weight-sync dry-env)
 else
-    PLAN=(install build env gpu-tests cpu-tier-on-gpu bench-kernel bench-exact-kl bench-lm-head
-          bench-train-phase bench-rl bench-weight-sync)
+    PLAN=("${REAL_PLAN[@]}")
 fi
 for e in "${EXTRA[@]}"; do PLAN+=("${e%%=*}"); done
 if [ -z "$ONLY" ]; then  # a fresh report (--only adds to the one in OUT_DIR)
@@ -239,7 +274,9 @@ pytest_step() {  # pytest_step NAME NOMINAL_S PYTEST_ARGS...: with the per-test 
     local opts=()
     ((HAVE_TIMEOUT)) && opts+=(--timeout "$TEST_TO")
     ((HAVE_SESSION_TIMEOUT)) && opts+=(--session-timeout "$SESSION_TO")
-    ((HAVE_XDIST)) && opts+=(-n 4)
+    # PYTEST_WORKERS: xdist workers (4; 0 for a step of a few tests, which would pay 4 CUDA
+    # initialisations for nothing)
+    ((HAVE_XDIST)) && [ "${PYTEST_WORKERS:-4}" -gt 0 ] && opts+=(-n "${PYTEST_WORKERS:-4}")
     run "$name" "$PYTHON" -m pytest -p no:cacheprovider -q -rs "${opts[@]}" "$@"
 }
 
@@ -289,11 +326,15 @@ trap on_exit EXIT
 if ((DRY)); then
     platform_args=(); for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
     echo "dry run with $PYTHON; a real run does, in order:"
+    echo "order: ${REAL_PLAN[*]}"
     echo "  install: $PYTHON -m pip install --no-index --no-deps --target $SITE $WHEELS/*.whl"
     echo "  build:   $PYTHON setup.py build_ext --inplace (MAX_JOBS=$MAX_JOBS), check 'cuda' built"
-    echo "  env, gpu-tests: $PYTHON -m pytest -m gpu tests --junitxml $OUT/junit_gpu.xml"
+    echo "  env, packed-attention: $PYTHON -m pytest -m gpu ${PACKED_ATTENTION_TESTS[*]}"
+    echo "  bench-train-phase: $PYTHON ${BENCH_TRAIN_PHASE[*]}"
+    echo "  gpu-tests: $PYTHON -m pytest -m gpu tests ${GPU_TESTS_IGNORE[*]}"
     echo "  cpu-tier-on-gpu: $PYTHON -m pytest ${CPU_TIER_ON_GPU[*]}"
-    echo "  bench-kernel, bench-exact-kl, bench-rl, summary (OUT_DIR $OUT, scratch $WORK)"
+    echo "  bench-kernel, bench-exact-kl, bench-lm-head, bench-rl, bench-weight-sync, summary"
+    echo "  (OUT_DIR $OUT, scratch $WORK)"
     step dry-wheels 300 bash -c "ls '$WHEELS'/*.whl >/dev/null && \
         '$PYTHON' tools/gpu_summary.py check-wheels '$WHEELS' --pins && \
         '$PYTHON' -m pip install -q --no-index --no-deps --no-compile --target '$TMP/site' \
@@ -302,6 +343,11 @@ if ((DRY)); then
     step dry-extension 120 bash -c "ls csrc/*.cu csrc/*.cpp && '$PYTHON' setup.py --name && \
         '$PYTHON' -c 'import shutil, torch; print(\"nvcc:\", shutil.which(\"nvcc\"), \
 \"| torch CUDA:\", torch.version.cuda, \"| a real run needs both to build the CUDA kernels\")'"
+    step dry-packed-attention 300 bash -c "'$PYTHON' -m pytest --collect-only -q -m gpu \
+        -p no:cacheprovider ${PACKED_ATTENTION_TESTS[*]@Q} | tee '$TMP/packed' | tail -n 3 && \
+        grep -q '^tests/gpu/' '$TMP/packed' && \
+        echo packed attention tests: \$(grep -c '^tests/gpu/' '$TMP/packed')"
+    step dry-bench-train-phase 300 "$PYTHON" "${BENCH_TRAIN_PHASE[@]}" --dry-run
     step dry-gpu-tests 600 bash -c "'$PYTHON' -m pytest --collect-only -q -m gpu tests \
         -p no:cacheprovider | tee '$TMP/collected' | tail -n 3 && \
         grep -q '^tests/gpu/' '$TMP/collected' && \
@@ -312,8 +358,6 @@ if ((DRY)); then
         --json "$OUT/bench_logprob_kl.json"
     step dry-bench-lm-head 300 "$PYTHON" tools/bench_lm_head.py --tokens 64 --hidden 32 \
         --vocab 1000 --dtypes bf16 --reps 1 --exact --json "$OUT/bench_lm_head.json"
-    step dry-bench-train-phase 300 "$PYTHON" tools/bench_train_phase.py --dry-run \
-        --num-layers 24 --bf16 --max-response 4096 --num-sequences 64 --micro-batch-size 2
     step dry-bench-rl 300 "$PYTHON" tools/bench_vs_trl.py --device cuda --dry-run \
         --out "$WORK/bench_vs_trl"
     step dry-bench-weight-sync 300 "$PYTHON" tools/bench_weight_sync.py --engines process \
@@ -341,12 +385,21 @@ assert 'cuda' in b, 'megatron_rl._C was built without the CUDA kernels'"
         '$PYTHON' -c \"$has_cuda_kernels\"; fi && \
         '$PYTHON' setup.py -q egg_info >/dev/null"
     step env 60 "$PYTHON" tools/gpu_summary.py env "$OUT" --require-cuda --wheels "$WHEELS"
-    pytest_step gpu-tests 720 -m gpu --junitxml "$OUT/junit_gpu.xml" tests
+    PYTEST_WORKERS=0 pytest_step packed-attention 300 -m gpu \
+        --junitxml "$OUT/junit_packed_attention.xml" "${PACKED_ATTENTION_TESTS[@]}"
+    if ((SKIP_BENCH)); then
+        skip bench-train-phase "--skip-bench"
+    else
+        step bench-train-phase 420 "$PYTHON" "${BENCH_TRAIN_PHASE[@]}" \
+            --workdir "$WORK/bench_train_phase" --json "$OUT/bench_train_phase.json"
+    fi
+    selected packed-attention || GPU_TESTS_IGNORE=()
+    pytest_step gpu-tests 720 -m gpu --junitxml "$OUT/junit_gpu.xml" "${GPU_TESTS_IGNORE[@]}" \
+        tests
     pytest_step cpu-tier-on-gpu 480 -m "not server and not network" \
         --junitxml "$OUT/junit_cpu_tier_on_gpu.xml" "${CPU_TIER_ON_GPU[@]}"
     if ((SKIP_BENCH)); then
-        for b in bench-kernel bench-exact-kl bench-lm-head bench-train-phase bench-rl \
-                 bench-weight-sync; do
+        for b in bench-kernel bench-exact-kl bench-lm-head bench-rl bench-weight-sync; do
             skip "$b" "--skip-bench"
         done
     else
@@ -356,10 +409,6 @@ assert 'cuda' in b, 'megatron_rl._C was built without the CUDA kernels'"
             --shapes 32768x152064 4096x32000 --json "$OUT/bench_exact_kl.json"
         step bench-lm-head 400 "$PYTHON" tools/bench_lm_head.py --device cuda \
             --tokens 16384 65536 --dtypes bf16 --exact --json "$OUT/bench_lm_head.json"
-        step bench-train-phase 600 "$PYTHON" tools/bench_train_phase.py --bf16 --num-layers 24 \
-            --max-response 1024 4096 --num-sequences 64 --micro-batch-size 2 --warmup 1 \
-            --kl k3:loss --workdir "$WORK/bench_train_phase" \
-            --json "$OUT/bench_train_phase.json"
         step bench-rl 600 "$PYTHON" tools/bench_vs_trl.py --device cuda \
             --out "$WORK/bench_vs_trl" --json "$OUT/bench_vs_trl.json"
         step bench-weight-sync 300 "$PYTHON" tools/bench_weight_sync.py --engines process \

@@ -79,3 +79,47 @@ def test_step_names_must_be_plain(tmp_path):
     kit = _kit(tmp_path / "out", tmp_path / "pack", "--step", "a b=true")
     log = kit.communicate(timeout=60)[0]
     assert kit.returncode == 2 and "--step needs NAME=COMMAND" in log
+
+
+def test_a_call_checks_packed_attention_and_the_training_phase_right_after_the_build(tmp_path):
+    """The order a real run takes (printed by --dry-run): the setup, then the packed attention
+    equivalence tests and the training-phase benchmark, then the rest; and their dry steps:
+    the packed attention tests are collected, the benchmark plans both model shapes at
+    4096-token responses with model FLOPs."""
+    out = tmp_path / "out"
+    kit = subprocess.run(["bash", KIT, str(out), "--dry-run", "--no-setup", "--only",
+                          "packed-attention,bench-train-phase"], cwd=REPO, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert kit.returncode == 0, kit.stdout
+    order = next(line for line in kit.stdout.splitlines()
+                 if line.startswith("order: ")).split()[1:]
+    assert order[:6] == ["install", "build", "env", "packed-attention", "bench-train-phase",
+                         "gpu-tests"], order
+    assert {"cpu-tier-on-gpu", "bench-kernel", "bench-lm-head", "bench-rl"} <= set(order[6:])
+    # gpu-tests does not run the packed attention tests a second time
+    gpu_tests = next(line for line in kit.stdout.splitlines() if "gpu-tests: " in line)
+    assert "--ignore=tests/gpu/" in gpu_tests
+    steps = {st["name"]: st for st in json.loads((out / "summary.json").read_text())["steps"]}
+    assert [steps[n]["status"] for n in ("dry-packed-attention", "dry-bench-train-phase")] == \
+        ["ok", "ok"]
+    collected = (out / "dry-packed-attention.log").read_text()
+    assert "packed attention tests: " in collected and "varlen" in collected
+    plan = (out / "dry-bench-train-phase.log").read_text()
+    for model in ("qwen2.5-1.5b", "qwen2.5-0.5b"):
+        for path in ("packed+fused", "padded+logits"):
+            assert any(line.startswith(model) and " 4096 " in line and path in line
+                       and "TFLOP model" in line for line in plan.splitlines()), (model, path)
+
+
+def test_the_recipe_says_what_a_single_call_gets():
+    """The header's recipe: the first call runs the default order (no --only) with an archive
+    for the device tool's $OUT, and says what it gets when it is the only call."""
+    usage = subprocess.run(["bash", KIT, "--help"], cwd=REPO, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT).stdout
+    recipe = usage[usage.index("Recipe for the lent"):]
+    first = recipe[recipe.index("  1 timeout_s"):recipe.index("  2 at once")]
+    assert "--pack $OUT" in first and "--only" not in first.split("If only one call")[0]
+    single = " ".join(first.split("If only one call is possible")[1].split())
+    for what in ("the build", "packed attention equivalence tests", "training-phase benchmark",
+                 "MFU", "gpu tier", "skipped"):
+        assert what in single, what
