@@ -57,8 +57,9 @@ one (counted as agent/env_reward); otherwise the task's verifier on the text of 
 last turn, against the record's answer (tool responses are not the policy's answer).
 
 Per-trajectory counts in Trajectory.metadata["counts"] (agent/turns, agent/tool_calls,
-agent/tool_seconds, agent/tool_<outcome> for agent.tools.OUTCOMES, agent/end_<reason>, an
-environment's own StepResult.counts) are averaged over the batch's trajectories and logged as
+agent/tool_seconds, agent/tool_<outcome> for agent.tools.OUTCOMES, agent/end_<reason>,
+agent/called_tools: 1 for an episode that called a tool at all, an environment's own
+StepResult.counts) are averaged over the batch's trajectories and logged as
 rollout/agent/<name>.
 """
 from __future__ import annotations
@@ -563,6 +564,8 @@ def _score(ctx: RolloutContext, records: Sequence[PromptRecord], episodes: list[
             rewards[i] = (e.env_reward, None)
             e.count("env_reward")
         e.count(f"end_{e.end}")
+        if e.counts.get("agent/tool_calls"):
+            e.count("called_tools")
         metadata: dict[str, Any] = {"counts": e.counts, "end": e.end}
         if e.env_info:
             metadata["env_info"] = e.env_info
@@ -620,7 +623,8 @@ def _take_turn(e: _Episode, c: Completion, config: AgentConfig, marker: str | No
     return not cut
 
 
-COUNT_NAMES = tuple(f"agent/{n}" for n in ("turns", "tool_calls", "tool_seconds", "env_reward",
+COUNT_NAMES = tuple(f"agent/{n}" for n in ("turns", "tool_calls", "called_tools", "tool_seconds",
+                                            "env_reward",
                                             *(f"tool_{o}" for o in OUTCOMES),
                                             *(f"end_{r}" for r in END_REASONS)))
 """Every count an episode of the built-in environment may carry in Trajectory.metadata["counts"]

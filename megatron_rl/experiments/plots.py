@@ -14,6 +14,9 @@ PANELS = [
     ("grad_norm", "grad norm"),
     ("mismatch/abs_delta_mean", "|rollout - trainer| log-prob"),
     ("response/length_mean", "response length"),
+    ("rollout/agent/called_tools", "episodes that call a tool"),
+    ("agent/calls_parsed", "tool calls that parse"),
+    ("rollout/agent/turns", "policy turns per episode"),
 ]
 
 
@@ -23,20 +26,23 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def plot_run(rows: list[dict] | dict[str, list[dict]], out_png: str, baseline: float | None = None,
-             title: str = "") -> str:
-    """One panel per metric present; `rows` may map run names to their rows to overlay runs.
-    `baseline` (e.g. the base model's held-out accuracy) is drawn on the eval panel."""
+             title: str = "", panels: tuple[str, ...] | None = None) -> str:
+    """One panel per metric present: PANELS' keys, or the keys `panels` names in its order (titled
+    as in PANELS, else by the key); `rows` may map run names to their rows to overlay runs. `baseline` (e.g. the base model's held-out
+    accuracy) is drawn on the eval panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = rows if isinstance(rows, dict) else {"run": rows}
-    panels = [(k, t) for k, t in PANELS if any(k in r for rs in runs.values() for r in rs)]
-    cols = min(4, max(1, len(panels)))
-    nrows = -(-len(panels) // cols)
+    titles = dict(PANELS)
+    shown = [(k, titles.get(k, k)) for k in (titles if panels is None else panels)]
+    panels_present = [(k, t) for k, t in shown if any(k in r for rs in runs.values() for r in rs)]
+    cols = min(4, max(1, len(panels_present)))
+    nrows = -(-len(panels_present) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False)
-    for ax, (key, label) in zip(axes.flat, panels):
+    for ax, (key, label) in zip(axes.flat, panels_present):
         for name, rs in runs.items():
             pts = [(r["step"], r[key]) for r in rs if key in r]
             if pts:
@@ -49,7 +55,7 @@ def plot_run(rows: list[dict] | dict[str, list[dict]], out_png: str, baseline: f
             ax.legend(fontsize=7)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels_present):]:
         ax.axis("off")
     if title:
         fig.suptitle(title)

@@ -104,6 +104,7 @@ def test_a_tool_call_and_an_answer_are_one_trajectory_token_for_token(tokenizer,
     assert (t.finish_reason, t.reward, t.reward_error) == ("stop", 1.0, None)
     counts = t.metadata["counts"]
     assert counts == {"agent/turns": 2, "agent/tool_calls": 1, "agent/tool_ok": 1,
+                      "agent/called_tools": 1,
                       "agent/end_answer": 1, "agent/tool_seconds": counts["agent/tool_seconds"]}
     # turn 1: every prompt once with n = group size; turn 2: each episode's own context
     (c1, n1, p1), (c2, n2, p2) = engine.calls
