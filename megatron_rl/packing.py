@@ -9,6 +9,8 @@ Packed (the default): the sequences of a microbatch are concatenated into one ro
 SHAPE_BUCKETS lengths per token budget; the padding is a segment of its own. The model gets input_ids [1, T],
 position_ids restarting at 0 in every sequence, and the segment boundaries `cu_seqlens`
 (megatron-core's THD `PackedSeqParams`): attention stays inside a sequence and RoPE restarts.
+The boundaries are built on the host and kept there beside the device tensor
+(`segment_inputs`), so the model's attention never reads them back from the device.
 Sequences go to microbatches by first-fit decreasing on their lengths, so few microbatches are
 needed and the long ones are not all in one.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 from typing import Sequence
 
 import torch
@@ -118,6 +121,45 @@ def padding_segments(n: int) -> list[int]:
     return [min(PAD_SEGMENT, n - a) for a in range(0, n, PAD_SEGMENT)]
 
 
+def segment_inputs(segments: Sequence[int], device) -> dict:
+    """The segment keys of a packed row's inputs, for segments of `segments` tokens laid end to
+    end from position 0 (the sequences, then the padding's segments):
+
+    - "cu_seqlens": [n + 1] int32 on `device`, the boundaries megatron-core's THD attention and
+      RoPE read on the device;
+    - "cu_seqlens_host": the same n + 1 values as a tuple of ints on the host. The attention
+      needs them on the host too (SDPAttention's segments, varlen_attn's longest one); given
+      them (models.gpt.thd_params `bounds`), it reads nothing back from the device, where
+      reading cu_seqlens would make the host wait for the device once per forward;
+    - "max_seqlen": the longest segment.
+
+    Both boundary keys come from the one host list here, so they always agree; every row shape
+    a packed row takes (its padding, bucketing, expert-parallel peers) goes through this."""
+    lens = [int(n) for n in segments]
+    bounds = (0, *itertools.accumulate(lens))
+    return {"cu_seqlens": to_device(torch.tensor(bounds, dtype=torch.int32), device),
+            "cu_seqlens_host": bounds, "max_seqlen": max(lens, default=0)}
+
+
+def host_segment_bounds(inputs: dict) -> tuple[int, ...]:
+    """A packed row's segment boundaries on the host: its "cu_seqlens_host" (segment_inputs),
+    else, for inputs built without them, cu_seqlens read back from the device (a host
+    synchronisation)."""
+    bounds = inputs.get("cu_seqlens_host")
+    if bounds is None:
+        bounds = inputs["cu_seqlens"].tolist()
+    return tuple(int(b) for b in bounds)
+
+
+def pad_segments(inputs: dict, extra: int) -> dict:
+    """The segment keys (segment_inputs) of packed `inputs` whose row grows by `extra` padding
+    tokens at its end: padding_segments(extra) more segments, on the device of its
+    cu_seqlens."""
+    bounds = host_segment_bounds(inputs)
+    lens = [b - a for a, b in itertools.pairwise(bounds)]
+    return segment_inputs(lens + padding_segments(extra), inputs["cu_seqlens"].device)
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -158,9 +200,11 @@ class Microbatch:
     """One microbatch: the model's inputs and where its outputs go in the batch.
 
     rows: [b] long, the batch rows it holds. inputs: what Policy.forward_backward feeds the
-    model: "tokens" [b, L] (padded) or [1, T] (packed) and, packed, "position_ids" [1, T],
-    "cu_seqlens" [segments + 1] int32 and "max_seqlen". targets: the token each position scores
-    (the next one in its sequence; anything at a sequence's last position), shaped like tokens.
+    model: "tokens" [b, L] (padded) or [1, T] (packed) and, packed, "position_ids" [1, T] and
+    the segment keys of `segment_inputs` ("cu_seqlens" [segments + 1] int32 on the device, the
+    same boundaries on the host as "cu_seqlens_host", "max_seqlen"). targets: the token each
+    position scores (the next one in its sequence; anything at a sequence's last position),
+    shaped like tokens.
     unpack: packed only, [b, L-1] long indices into the packed row (0 where invalid) with
     `valid` [b, L-1] bool."""
     rows: torch.Tensor
@@ -234,8 +278,6 @@ def packed_microbatches(tokens: torch.Tensor, seq_lengths: Sequence[int], rows: 
         total = sum(lens)
         T = width if equal_shapes else padded_length(total)
         seg = lens + padding_segments(T - total)
-        cu = torch.zeros(len(seg) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(seg), 0)
         rid = [rows[i] for i in b]
         # built on the host as indices into the [B * L] tokens, then one gather on the device:
         # no per-sequence device work or host sync
@@ -255,7 +297,7 @@ def packed_microbatches(tokens: torch.Tensor, seq_lengths: Sequence[int], rows: 
             start += n
         flat_tokens = tokens.reshape(-1)
         inputs = {"tokens": flat_tokens[src.to(dev)][None], "position_ids": pos.to(dev)[None],
-                  "cu_seqlens": cu.to(dev), "max_seqlen": max(seg)}
+                  **segment_inputs(seg, dev)}
         if routes is not None:
             flat_routes = routes.reshape(-1, *routes.shape[2:])
             inputs["routed_experts"] = flat_routes[src.to(routes.device)][None]

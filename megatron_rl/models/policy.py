@@ -140,7 +140,9 @@ class Policy:
         microbatches: dicts with "tokens" [b, s] (int64), optional "position_ids" [b, s] and
         "attention_mask" [b, 1, s, s] (bool, True = masked out); all of equal shape under
         pipeline parallelism. A packed microbatch (megatron_rl.packing) has b = 1 and also
-        "cu_seqlens" and "max_seqlen": its sequences attend only within themselves.
+        "cu_seqlens" and "max_seqlen": its sequences attend only within themselves; with
+        "cu_seqlens_host", the same boundaries on the host (packing.segment_inputs), nothing is
+        read back from the device to attend them.
         loss_fn(batch, out) -> (loss, metrics dict), with `out` the last stage's output: the
         vocab-parallel logits [b, s, V/TP]; or, when `for_scoring` (the caller turns `out` into
         log-probs with `score`) and --fused-lm-head, the final hidden states [b, s, H]. It runs

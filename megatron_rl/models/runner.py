@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from megatron_rl.models import routing
 from megatron_rl.models.gpt import thd_params
-from megatron_rl.parallel import to_device
 
 if TYPE_CHECKING:
     from megatron_rl.models.policy import Policy
@@ -63,10 +62,11 @@ def match_expert_peers(microbatches: list[dict], group) -> list[dict]:
     exchanges the ranks' tokens (megatron-core's allgather dispatcher, which needs equal sizes),
     while data-parallel ranks hold batches of their own lengths. Each microbatch grows to the
     group's largest [b, s]: padded rows take copies of the first row and right padding, cut off
-    the output again (its "_shape" is the original), a packed row a padding segment (its outputs
-    are read through its layout, so nothing to cut). Missing microbatches are padding only,
-    marked "_dummy": loss 0, results dropped."""
-    from megatron_rl.packing import padding_segments
+    the output again (its "_shape" is the original), a packed row padding segments at its end
+    (packing.pad_segments: cu_seqlens and its host copy grow together; its outputs are read
+    through its layout, so nothing to cut). Missing microbatches are padding only, marked
+    "_dummy": loss 0, results dropped."""
+    from megatron_rl.packing import pad_segments, padding_segments, segment_inputs
     from megatron_rl.parallel import all_reduce
 
     packed = bool(microbatches) and "cu_seqlens" in microbatches[0]
@@ -85,14 +85,10 @@ def match_expert_peers(microbatches: list[dict], group) -> list[dict]:
         if "cu_seqlens" in mb:  # more padding segments
             extra = s - s0
             segs = padding_segments(extra)
-            cu = mb["cu_seqlens"]
-            ends = cu[-1] + to_device(torch.cumsum(torch.tensor(segs, dtype=cu.dtype), 0),
-                                      cu.device)
             mb.update(tokens=torch.cat([tokens, tokens.new_zeros(1, extra)], dim=1),
                       position_ids=torch.cat([mb["position_ids"], torch.cat(
                           [torch.arange(n_, device=tokens.device) for n_ in segs])[None]], dim=1),
-                      cu_seqlens=torch.cat([cu, ends]), max_seqlen=max(mb["max_seqlen"],
-                                                                       max(segs)))
+                      **pad_segments(mb, extra))
             if "routed_experts" in mb:
                 r = mb["routed_experts"]
                 fill = torch.arange(r.shape[-1], dtype=r.dtype, device=r.device)
@@ -118,10 +114,8 @@ def match_expert_peers(microbatches: list[dict], group) -> list[dict]:
         dummy: dict = {"tokens": tokens, "_dummy": True}
         if packed:
             segs = padding_segments(s)
-            cu = torch.zeros(len(segs) + 1, dtype=torch.int32)
-            cu[1:] = torch.cumsum(torch.tensor(segs), 0)
             dummy.update(position_ids=torch.cat([torch.arange(n_) for n_ in segs])[None].to(dev),
-                         cu_seqlens=cu.to(dev), max_seqlen=max(segs))
+                         **segment_inputs(segs, dev))
         out.append(dummy)
     return out
 
@@ -159,10 +153,14 @@ def hidden_states_output(gpt_model):
 
 def packed_seq_params(batch: dict, device):
     """megatron-core's THD PackedSeqParams for a packed microbatch (see megatron_rl.packing),
-    None for a padded one."""
+    None for a padded one. Every packed forward of a microbatch (training, scoring, the
+    reference's, every pipeline stage's) gets its params here: with the boundaries the
+    microbatch carries on the host ("cu_seqlens_host", packing.segment_inputs), the attention
+    reads nothing back from the device; without them it reads cu_seqlens once per forward."""
     if "cu_seqlens" not in batch:
         return None
-    return thd_params(batch["cu_seqlens"], batch["max_seqlen"], device)
+    return thd_params(batch["cu_seqlens"], batch["max_seqlen"], device,
+                      bounds=batch.get("cu_seqlens_host"))
 
 
 def check_same_layout(policy: Policy, other: Policy) -> None:

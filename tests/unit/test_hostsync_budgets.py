@@ -12,6 +12,10 @@ and none grows with the number of layers, experts or tokens (each is checked at 
   (make_packed_seq_params); the backward: 0. The same for both ways SDPAttention attends the
   row: the per-sequence loop, and the one varlen_attn call per layer of the CUDA path (fp16/bf16),
   emulated here by models.packed_attention.reference_varlen_attn.
+- the trainer's packed forwards (runner.forward_backward over packing's microbatches: the RL
+  loss with its backward, with the reference's forward beside, the scoring of log-probs): 0
+  for the whole call, the microbatches carry their segment boundaries on the host
+  ("cu_seqlens_host") and the runner hands them to the attention.
 - the RL loss of a microbatch (update.make_rl_loss_fn: Policy.score through the fused log-prob
   op or its torch reference, policy_loss with the KL in the reward, in the loss, or exact),
   forward and backward: 0; the advantages of a batch (build_advantages): 0.
@@ -165,10 +169,49 @@ def test_packed_forward_budget_does_not_grow_with_layers(dist_env, monkeypatch, 
     assert hosts == {2: 0, 4: 0} and backwards == {2: 0, 4: 0}
 
 
+# -- the trainer's packed forwards -------------------------------------------------------------
+@pytest.mark.parametrize("path", ["train", "train-with-reference", "score"])
+def test_trainers_packed_forwards_read_no_segment_bounds_back(dist_env, path):
+    """Packed microbatches as the trainer builds them (packing.Layout, bucketed rows, so they
+    carry their boundaries on the host) through the runner's schedule (runner.forward_backward:
+    its PackedSeqParams per microbatch, the model, the loss or the collected values): 0 host
+    synchronisations for the whole call, so none reads cu_seqlens back. train: the RL loss,
+    forward and backward; train-with-reference: the exact KL in the loss, the frozen
+    reference's forward beside the policy's; score: Policy.token_logprobs (old and reference
+    log-probs)."""
+    from megatron_rl.kl import KLConfig
+    from megatron_rl.loss import LossConfig
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.packing import Layout
+    from megatron_rl.update import make_rl_loss_fn
+
+    torch.manual_seed(0)
+    policy = Policy(_args(2), trainable=path != "score")
+    reference = _policy(2) if path == "train-with-reference" else None
+    cfg = LossConfig(kl=KLConfig(placement="loss", estimator="exact")
+                     if reference is not None else KLConfig())
+    micro = _microbatches(policy, packed=True, bucket=True)
+    if path == "score":
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, VOCAB, (6, 12), generator=g).to(_dev())
+        layout = Layout(packed=True, max_tokens=40, bucket=True)
+        syncs = _count(lambda: policy.token_logprobs(tokens, layout,
+                                                     seq_lengths=[12, 7, 9, 4, 11, 6]))
+    else:
+        loss_fn = make_rl_loss_fn(policy, cfg, 40.0, 6.0, reference=reference)
+        syncs = _count(lambda: policy.forward_backward(micro, loss_fn, reference=reference,
+                                                       for_scoring=True))
+    assert syncs.total == 0, syncs.report()
+    for mb in micro:  # the host boundaries are those of the device tensor
+        assert mb["cu_seqlens"].tolist() == list(mb["cu_seqlens_host"])
+        assert mb["cu_seqlens_host"][-1] == mb["tokens"].shape[1]
+
+
 # -- the RL loss -----------------------------------------------------------------------------
-def _microbatches(policy, packed: bool):
+def _microbatches(policy, packed: bool, bucket: bool = False):
     """Two microbatches of a batch of 6 sequences in the trainer's layout, as update.py hands
-    them to the loss function (without the model outputs)."""
+    them to the loss function (without the model outputs); `bucket`: packed rows of bucketed
+    lengths (packing.bucketed_length)."""
     from megatron_rl.packing import Layout
 
     g, dev = torch.Generator().manual_seed(0), _dev()
@@ -182,7 +225,7 @@ def _microbatches(policy, packed: bool):
     ref = torch.randn(B, L - 1, generator=g) - 3
     advantages = torch.randn(B, generator=g)
     loss_mask, old, ref, advantages = (t.to(dev) for t in (loss_mask, old, ref, advantages))
-    layout = Layout(packed=packed, micro_batch_size=3, max_tokens=40)
+    layout = Layout(packed=packed, micro_batch_size=3, max_tokens=40, bucket=bucket)
     out = []
     for m in layout.microbatches(tokens, lengths, pad_multiple=8):
         out.append({**m.inputs, "layout": m, "loss_mask": loss_mask[m.rows],

@@ -54,6 +54,8 @@ def test_packed_rows_restart_positions_and_unpack_exactly():
         assert t.shape[0] == 1 and t.shape[1] % 8 == 0 and t.shape[1] <= 16
         cu = mb.inputs["cu_seqlens"].tolist()
         assert cu[0] == 0 and cu[-1] == t.shape[1]
+        assert mb.inputs["cu_seqlens_host"] == tuple(cu)  # the same boundaries, on the host
+        assert mb.inputs["cu_seqlens"].dtype == torch.int32
         assert mb.inputs["max_seqlen"] == max(b - a for a, b in zip(cu, cu[1:]))
         pos = mb.inputs["position_ids"][0]
         for a, b in zip(cu, cu[1:]):
@@ -214,8 +216,42 @@ def test_a_bucketed_row_pads_with_segments_of_their_own():
     assert torch.equal(mb.unpack, plain.unpack) and torch.equal(mb.valid, plain.valid)
     assert torch.equal(mb.inputs["tokens"][:, :1020], plain.inputs["tokens"][:, :1020])
     assert torch.equal(mb.inputs["position_ids"][:, :1020], plain.inputs["position_ids"][:, :1020])
+    assert mb.inputs["cu_seqlens_host"] == tuple(cu)
     (pp,) = packed_microbatches(tokens, lengths, range(5), 8000, equal_shapes=True, bucket=True)
     assert pp.num_tokens == 1512
+
+
+@pytest.mark.parametrize("bucket", [False, True])
+@pytest.mark.parametrize("equal_shapes", [False, True])
+def test_every_packed_row_carries_its_boundaries_on_the_host(bucket, equal_shapes):
+    """cu_seqlens_host equals cu_seqlens in every row shape packing makes (padding to the pad
+    multiple, bucketed lengths, the pipeline's equal shapes), and a row grown by padding
+    (packing.pad_segments, as match_expert_peers grows one) keeps both in step: its padding in
+    segments of at most PAD_SEGMENT tokens, max_seqlen the longest segment."""
+    from megatron_rl.packing import PAD_SEGMENT, host_segment_bounds, pad_segments
+
+    tokens, lengths = _batch()
+    lengths = [n * 30 for n in lengths]
+    tokens = tokens.repeat_interleave(30, dim=1)
+    mbs = Layout(packed=True, max_tokens=600, bucket=bucket).microbatches(
+        tokens, lengths, equal_shapes=equal_shapes)
+    assert len(mbs) > 1
+    for mb in mbs:
+        host = mb.inputs["cu_seqlens_host"]
+        assert host == tuple(mb.inputs["cu_seqlens"].tolist())
+        assert host[-1] == mb.num_tokens
+        grown = pad_segments(mb.inputs, 600)
+        cu = grown["cu_seqlens"].tolist()
+        assert grown["cu_seqlens_host"] == tuple(cu) and cu[:len(host)] == list(host)
+        assert cu[-1] == mb.num_tokens + 600
+        assert [b - a for a, b in zip(cu[len(host) - 1:], cu[len(host):])] == [256, 256, 88]
+        assert grown["max_seqlen"] == max(mb.inputs["max_seqlen"], PAD_SEGMENT)
+        assert grown["cu_seqlens"].dtype == torch.int32
+        assert grown["cu_seqlens"].device == mb.inputs["cu_seqlens"].device
+        # inputs built without the host copy: read back from the device once, same result
+        bare = {k: v for k, v in mb.inputs.items() if k != "cu_seqlens_host"}
+        assert host_segment_bounds(bare) == host
+        assert pad_segments(bare, 600)["cu_seqlens_host"] == grown["cu_seqlens_host"]
 
 
 @pytest.mark.distributed
