@@ -63,9 +63,9 @@ def match_expert_peers(microbatches: list[dict], group) -> list[dict]:
     while data-parallel ranks hold batches of their own lengths. Each microbatch grows to the
     group's largest [b, s]: padded rows take copies of the first row and right padding, cut off
     the output again (its "_shape" is the original), a packed row padding segments at its end
-    (packing.pad_segments: cu_seqlens and its host copy grow together; its outputs are read
-    through its layout, so nothing to cut). Missing microbatches are padding only, marked
-    "_dummy": loss 0, results dropped."""
+    (packing.pad_segments: cu_seqlens and its host copy grow together), cut off the output
+    again too. Missing microbatches are padding only, marked "_dummy": loss 0, results
+    dropped."""
     from megatron_rl.packing import pad_segments, padding_segments, segment_inputs
     from megatron_rl.parallel import all_reduce
 
@@ -280,10 +280,12 @@ class ForwardStep:
         """The schedule's loss function of a microbatch's last-stage output `out`: (loss x
         scale, metrics) from loss_fn, or (0, collected value) from collect; nothing for an
         expert-parallel padding microbatch. Padding added here or by match_expert_peers is cut
-        off `out` (and `ref_out`) first."""
+        off `out` (and `ref_out`) first: a padded microbatch back to [rows, seq_length] or its
+        "_shape", a packed row grown by match_expert_peers back to its "_shape" [1, T] (the
+        shape of its layout's targets)."""
         if batch.get("_dummy"):  # expert-parallel padding: no loss, nothing collected
             return out.float().sum() * 0.0, {}
-        if "cu_seqlens" not in batch:  # cut the padding off (sequence parallel, EP peers)
+        if "cu_seqlens" not in batch or "_shape" in batch:  # cut the padding off (SP, EP peers)
             rows, length = batch.get("_shape", (out.shape[0], self.seq_length))
             if (rows, length) != tuple(out.shape[:2]):
                 out = out[:rows, :length].contiguous()

@@ -13,9 +13,9 @@ and none grows with the number of layers, experts or tokens (each is checked at 
   row: the per-sequence loop, and the one varlen_attn call per layer of the CUDA path (fp16/bf16),
   emulated here by models.packed_attention.reference_varlen_attn.
 - the trainer's packed forwards (runner.forward_backward over packing's microbatches: the RL
-  loss with its backward, with the reference's forward beside, the scoring of log-probs): 0
-  for the whole call, the microbatches carry their segment boundaries on the host
-  ("cu_seqlens_host") and the runner hands them to the attention.
+  loss with its backward, with the reference's forward beside, the scoring of log-probs,
+  expert-parallel peers' padding): 0 for the whole call, the microbatches carry their segment
+  boundaries on the host ("cu_seqlens_host") and the runner hands them to the attention.
 - the RL loss of a microbatch (update.make_rl_loss_fn: Policy.score through the fused log-prob
   op or its torch reference, policy_loss with the KL in the reward, in the loss, or exact),
   forward and backward: 0; the advantages of a batch (build_advantages): 0.
@@ -170,17 +170,21 @@ def test_packed_forward_budget_does_not_grow_with_layers(dist_env, monkeypatch, 
 
 
 # -- the trainer's packed forwards -------------------------------------------------------------
-@pytest.mark.parametrize("path", ["train", "train-with-reference", "score"])
-def test_trainers_packed_forwards_read_no_segment_bounds_back(dist_env, path):
+@pytest.mark.parametrize("path", ["train", "train-with-reference", "score", "expert-peers"])
+def test_trainers_packed_forwards_read_no_segment_bounds_back(dist_env, monkeypatch, path):
     """Packed microbatches as the trainer builds them (packing.Layout, bucketed rows, so they
     carry their boundaries on the host) through the runner's schedule (runner.forward_backward:
     its PackedSeqParams per microbatch, the model, the loss or the collected values): 0 host
     synchronisations for the whole call, so none reads cu_seqlens back. train: the RL loss,
     forward and backward; train-with-reference: the exact KL in the loss, the frozen
     reference's forward beside the policy's; score: Policy.token_logprobs (old and reference
-    log-probs)."""
+    log-probs); expert-peers: the microbatches first made alike as expert-parallel peers make
+    them (runner.match_expert_peers: the shorter row grown by padding segments, and a padding
+    microbatch more, as if a peer held three)."""
+    from megatron_rl import parallel
     from megatron_rl.kl import KLConfig
     from megatron_rl.loss import LossConfig
+    from megatron_rl.models import runner
     from megatron_rl.models.policy import Policy
     from megatron_rl.packing import Layout
     from megatron_rl.update import make_rl_loss_fn
@@ -191,6 +195,16 @@ def test_trainers_packed_forwards_read_no_segment_bounds_back(dist_env, path):
     cfg = LossConfig(kl=KLConfig(placement="loss", estimator="exact")
                      if reference is not None else KLConfig())
     micro = _microbatches(policy, packed=True, bucket=True)
+    if path == "expert-peers":
+        all_reduce = parallel.all_reduce
+
+        def one_more_microbatch(values, group=None, op=None):  # a peer with one more
+            return all_reduce(values, group) + torch.tensor([1.0, 0, 0, 0], device=_dev())
+
+        monkeypatch.setattr(parallel, "all_reduce", one_more_microbatch)
+        micro = runner.match_expert_peers(micro, None)
+        assert len(micro) == 3 and micro[2]["_dummy"]
+        assert len({mb["tokens"].shape for mb in micro}) == 1
     if path == "score":
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, VOCAB, (6, 12), generator=g).to(_dev())

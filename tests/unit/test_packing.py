@@ -254,14 +254,10 @@ def test_every_packed_row_carries_its_boundaries_on_the_host(bucket, equal_shape
         assert pad_segments(bare, 600)["cu_seqlens_host"] == grown["cu_seqlens_host"]
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "logits"])
-def test_bucketing_leaves_the_trainers_loss_and_gradients_unchanged(dist_env, fused):
-    """The trainer's loss function (update.make_rl_loss_fn) over a tiny megatron Qwen2 at TP1
-    on packed microbatches, with and without bucketing: the same losses and main gradients to
-    fp32 rounding, while the bucketed rows are longer (their padding, a segment of its own,
-    scores nothing)."""
-    pytest.importorskip("megatron.core")
+def _trainer_loss(fused: bool):
+    """(policy, batch, advantages, reference log-probs, loss function): a tiny megatron Qwen2
+    at TP1 (fused LM head or logits), a batch of 8 rollouts of unequal lengths in 4 groups, and
+    the trainer's RL loss over it (update.make_rl_loss_fn, k3 KL in the loss)."""
     from megatron_rl.batch import pack_rollouts
     from megatron_rl.kl import KLConfig
     from megatron_rl.loss import LossConfig, build_advantages
@@ -269,7 +265,7 @@ def test_bucketing_leaves_the_trainers_loss_and_gradients_unchanged(dist_env, fu
     from megatron_rl.models.policy import Policy
     from megatron_rl.rollout.base import Completion
     from megatron_rl.rollout.functions import single_turn_groups
-    from megatron_rl.update import loss_microbatch, make_rl_loss_fn
+    from megatron_rl.update import make_rl_loss_fn
 
     args = ModelArgs(architecture="Qwen2ForCausalLM", vocab_size=96, hidden_size=32,
                      intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -297,20 +293,80 @@ def test_bucketing_leaves_the_trainers_loss_and_gradients_unchanged(dist_env, fu
     adv = build_advantages(batch.rewards, batch.old_logprobs, ref, batch.loss_mask, cfg,
                            batch.group_size)
     loss_fn = make_rl_loss_fn(policy, cfg, float(batch.loss_mask.sum()), 8.0)
-    got = {}
-    for bucket in (False, True):
-        lay = Layout(packed=True, max_tokens=200, bucket=bucket)
-        mbs = lay.microbatches(batch.tokens, batch.seq_lengths, None, policy.pad_multiple)
-        results = policy.forward_backward([loss_microbatch(batch, adv, ref, m) for m in mbs],
-                                          loss_fn, for_scoring=True)
-        got[bucket] = ([m.num_tokens for m in mbs], torch.stack([r["loss"] for r in results]),
-                       {k: v.clone() for k, v in policy.full_grads(dst=None).items()})
-    (plain_rows, plain_loss, plain_grads), (rows, loss, grads) = got[False], got[True]
-    assert len(rows) == len(plain_rows) > 1 and sum(rows) > sum(plain_rows)
-    assert all(r % 16 == 0 or r == 200 for r in rows), rows  # q = ceil(200 / 16) -> 16
+    return policy, batch, adv, ref, loss_fn
+
+
+def _losses_and_grads(policy, microbatches, loss_fn):
+    """([the microbatches' losses], {name: main gradient}) of one forward_backward."""
+    results = policy.forward_backward(microbatches, loss_fn, for_scoring=True)
+    return (torch.stack([r["loss"] for r in results if r]),
+            {k: v.clone() for k, v in policy.full_grads(dst=None).items()})
+
+
+def _assert_same_losses_and_grads(got, expected):
+    (loss, grads), (plain_loss, plain_grads) = got, expected
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-7)
     assert float(plain_loss.abs().max()) > 0
     for name, grad in plain_grads.items():
         assert float(grad.abs().max()) > 0, name
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7,
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "logits"])
+def test_bucketing_leaves_the_trainers_loss_and_gradients_unchanged(dist_env, fused):
+    """The trainer's loss function (update.make_rl_loss_fn) over a tiny megatron Qwen2 at TP1
+    on packed microbatches, with and without bucketing: the same losses and main gradients to
+    fp32 rounding, while the bucketed rows are longer (their padding, a segment of its own,
+    scores nothing)."""
+    pytest.importorskip("megatron.core")
+    from megatron_rl.update import loss_microbatch
+
+    policy, batch, adv, ref, loss_fn = _trainer_loss(fused)
+    got, rows = {}, {}
+    for bucket in (False, True):
+        lay = Layout(packed=True, max_tokens=200, bucket=bucket)
+        mbs = lay.microbatches(batch.tokens, batch.seq_lengths, None, policy.pad_multiple)
+        rows[bucket] = [m.num_tokens for m in mbs]
+        got[bucket] = _losses_and_grads(
+            policy, [loss_microbatch(batch, adv, ref, m) for m in mbs], loss_fn)
+    assert len(rows[True]) == len(rows[False]) > 1 and sum(rows[True]) > sum(rows[False])
+    assert all(r % 16 == 0 or r == 200 for r in rows[True]), rows  # q = ceil(200 / 16) -> 16
+    _assert_same_losses_and_grads(got[True], got[False])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "logits"])
+def test_expert_peers_padding_leaves_the_trainers_loss_and_gradients_unchanged(
+        dist_env, monkeypatch, fused):
+    """Packed microbatches made alike as expert-parallel peers make them
+    (runner.match_expert_peers, here as if a peer held one more microbatch, 64 tokens wider
+    than the widest: every row grown by padding segments, and a padding microbatch) give the
+    trainer's loss function the same losses and main gradients as the microbatches as they
+    were: the runner cuts a grown row's output back to its own length before the loss."""
+    pytest.importorskip("megatron.core")
+    from megatron_rl import parallel
+    from megatron_rl.models import runner
+    from megatron_rl.update import loss_microbatch
+
+    policy, batch, adv, ref, loss_fn = _trainer_loss(fused)
+    mbs = Layout(packed=True, max_tokens=200, bucket=True).microbatches(
+        batch.tokens, batch.seq_lengths, None, policy.pad_multiple)
+    micro = [loss_microbatch(batch, adv, ref, m) for m in mbs]
+    expected = _losses_and_grads(policy, micro, loss_fn)
+    all_reduce = parallel.all_reduce
+
+    def a_larger_peer(values, group=None, op=None):  # [microbatches, b, s, packed]
+        got = all_reduce(values, group)
+        return got + torch.tensor([1.0, 0, 64, 0], dtype=got.dtype, device=got.device)
+
+    monkeypatch.setattr(parallel, "all_reduce", a_larger_peer)
+    grown = runner.match_expert_peers(micro, None)
+    width = max(m.num_tokens for m in mbs) + 64
+    assert len(grown) == len(micro) + 1 and grown[-1]["_dummy"]
+    assert all(mb["tokens"].shape == (1, width) for mb in grown)
+    for mb in grown:
+        assert mb["cu_seqlens"].tolist() == list(mb["cu_seqlens_host"])
+        assert mb["cu_seqlens_host"][-1] == width
+    _assert_same_losses_and_grads(_losses_and_grads(policy, grown, loss_fn), expected)
