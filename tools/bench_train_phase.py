@@ -47,9 +47,16 @@ forward_backward inside):
 Tokens/s: response tokens (and all tokens, prompt + response, no padding) of the timed steps /
 their phase time. Each configuration runs in a subprocess of its own (peak RSS =
 getrusage's ru_maxrss, monotone per process: the whole process, model and optimizer state
-included), one thread count for all. Ratio: packed+fused / padded+logits tokens/s per
---max-response and KL family (the same batches, so the response and all-token ratios are
-equal), goal >= 1.8x marked met / not met.
+included), one thread count for all.
+
+The project's two goals for the training phase (on one H200, long-tailed response lengths up
+to 4096), each reported per --max-response and KL family as met or missed and by how much:
+  ratio  packed+fused / padded+logits tokens/s >= GOAL_RATIO (1.5x) (the same batches, so the
+         response and all-token ratios are equal);
+  MFU    the packed+fused path's MFU >= MFU_GOAL (35%) at the Qwen2.5-1.5B shape (--model
+         qwen2.5-1.5b with no shape overrides: a run with fewer layers or another width says
+         so instead; the MFU is against the peak named beside it, a measured matmul rate on a
+         CPU).
 
 --find-max-tokens: per path, the largest microbatch one forward+backward fits in
 --mem-limit-gib (default: the GPU's memory where one is used, else 24), the whole process counted (policy + main grads + Adam state,
@@ -135,7 +142,9 @@ COMBOS = {"packed+fused": (True, True), "padded+logits": (False, False),
           "packed+logits": (True, False), "padded+fused": (False, True)}
 MAIN_COMBOS = ("packed+fused", "padded+logits")
 PHASES = ("old_lp", "ref_lp", "fwd_bwd", "optim", "other")
-GOAL_RATIO = 1.8  # packed+fused / padded+logits training tokens/s
+GOAL_RATIO = 1.5  # goal: packed+fused / padded+logits training tokens/s at least this
+MFU_GOAL = 0.35  # goal: the packed+fused training phase's MFU at least this ...
+MFU_GOAL_MODEL, MFU_GOAL_COMBO = "qwen2.5-1.5b", "packed+fused"  # ... at this shape, this path
 EXIT_OVER_LIMIT = 75  # the watchdog's exit status
 GIB = 1 << 30
 CPU_DEFAULT_LIMIT_GIB = 24.0  # --mem-limit-gib on a CPU (on a GPU: all of its memory)
@@ -788,6 +797,66 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def full_shape(a, model: str) -> bool:
+    """Whether `model`'s configuration here is its real shape (no --num-layers, --hidden-size,
+    --vocab, ... override changes it)."""
+    cfg = model_config(a, model)
+    return all(cfg[k] == v for k, v in SHAPES[model].items())
+
+
+def mfu_goals(rows: list[dict], a) -> list[dict]:
+    """The MFU goal per (max response, KL family) of the packed+fused rows at the goal's shape
+    (MFU_GOAL_MODEL, MFU_GOAL_COMBO): {"model", "combo", "max_response", "kl", "goal": MFU_GOAL,
+    "mfu": the row's (None when not measured), "met": mfu >= goal (None when not measured or
+    not at the real shape), "by": mfu - goal, "peak_source"; "why" when "met" is None}. One
+    entry without a row, saying so, where no such configuration ran."""
+    base = {"model": MFU_GOAL_MODEL, "combo": MFU_GOAL_COMBO, "goal": MFU_GOAL}
+    mine = [r for r in rows if r.get("model") == MFU_GOAL_MODEL
+            and r["combo"] == MFU_GOAL_COMBO]
+    if not mine:
+        return [{**base, "max_response": None, "kl": None, "mfu": None, "met": None, "by": None,
+                 "why": f"no {MFU_GOAL_MODEL} {MFU_GOAL_COMBO} configuration ran"}]
+    shaped = MFU_GOAL_MODEL in SHAPES and full_shape(a, MFU_GOAL_MODEL)
+    out = []
+    for r in mine:
+        key = {**base, "max_response": r["max_response"], "kl": r["kl"]}
+        if r.get("status") != "ok":
+            out.append({**key, "mfu": None, "met": None, "by": None,
+                        "why": f"{r.get('status')}: {_failure(r)}"})
+            continue
+        x = r["mfu"]
+        got = {**key, "mfu": x, "by": x - MFU_GOAL, "peak_source": r.get("peak_source")}
+        if shaped:
+            out.append({**got, "met": x >= MFU_GOAL})
+        else:
+            cfg = model_config(a, MFU_GOAL_MODEL)
+            out.append({**got, "met": None,
+                        "why": f"not the {MFU_GOAL_MODEL} shape ({cfg['num_hidden_layers']} "
+                               f"layers, hidden {cfg['hidden_size']}, vocab "
+                               f"{cfg['vocab_size']})"})
+    return out
+
+
+def goals(rows: list[dict], a) -> dict:
+    """The summary's goal entries: "ratios" (tokens/s) and "mfu_goals"."""
+    return {"ratios": ratios(rows), "mfu_goals": mfu_goals(rows, a)}
+
+
+def mfu_goal_line(x: dict) -> str:
+    """A summary line for one mfu_goals entry: met, or missed by how many points."""
+    where = (f"{x['model']}, max response {x['max_response']}, {x['kl']}"
+             if x["max_response"] is not None else x["model"])
+    what = f"{x['combo']} training-phase MFU"
+    if x["mfu"] is None:
+        return f"- {where}: {what} not measured ({x['why']}; goal >= {100 * x['goal']:.0f}%)"
+    pts = 100 * abs(x["by"])
+    verdict = ("not judged: " + x["why"] if x["met"] is None
+               else f"met, {pts:.1f} points over" if x["met"]
+               else f"missed by {pts:.1f} points")
+    return (f"- {where}: {what} = **{100 * x['mfu']:.1f}%** of {x.get('peak_source')} "
+            f"(goal >= {100 * x['goal']:.0f}%: {verdict})")
+
+
 def run_benchmark(a, save=None) -> dict:
     """Every configuration in turn (models outermost); save(part), when given, gets the
     results so far after each one."""
@@ -816,8 +885,8 @@ def run_benchmark(a, save=None) -> dict:
                     else:
                         print(f"{what}: {res['status']} {_failure(res)}", flush=True)
                     if save:
-                        save({"train_phase": rows, "ratios": ratios(rows)})
-    return {"train_phase": rows, "ratios": ratios(rows)}
+                        save({"train_phase": rows, **goals(rows, a)})
+    return {"train_phase": rows, **goals(rows, a)}
 
 
 def run_find_max(a) -> dict:
@@ -989,6 +1058,7 @@ def markdown(summary: dict, a) -> str:
                     else f"not measured ({x['why']})")
             lines.append(f"- {x.get('model') or a.model[0]}, max response {x['max_response']}, "
                          f"{x['kl']}: packed+fused / padded+logits training tokens/s = {what}")
+        lines += [mfu_goal_line(x) for x in summary.get("mfu_goals", [])]
         lines.append("")
     fm = summary.get("find_max_tokens")
     if fm:

@@ -178,3 +178,50 @@ def test_results_are_saved_after_each_configuration(monkeypatch, capsys):
     assert ran == [("qwen2.5-1.5b", "packed+fused"), ("qwen2.5-1.5b", "padded+logits"),
                    ("qwen2.5-0.5b", "packed+fused"), ("qwen2.5-0.5b", "padded+logits")]
     assert saved == [1, 2, 3, 4] and len(out["train_phase"]) == 4
+    assert [x["why"] for x in out["mfu_goals"]] == ["failed: not run"]  # the 1.5B's, 4096
+
+
+def _row(combo: str, mfu: float, tok_s: float, model: str = "qwen2.5-1.5b",
+         max_response: int = 4096) -> dict:
+    return {"model": model, "combo": combo, "kl": "k3:loss", "max_response": max_response,
+            "status": "ok", "mfu": mfu, "response_tokens_per_s": tok_s,
+            "peak_source": "NVIDIA H200 dense bf16 data sheet"}
+
+
+def test_the_two_goals_are_judged_with_how_far_off():
+    """Throughput: packed+fused >= 1.5x padded+logits tokens/s; MFU: packed+fused >= 35% at the
+    Qwen2.5-1.5B shape, met or missed by how many points; a run at another shape or without
+    that model says so."""
+    assert btp.GOAL_RATIO == 1.5 and btp.MFU_GOAL == 0.35
+    a = btp.build_parser().parse_args(["--model", "qwen2.5-1.5b", "qwen2.5-0.5b"])
+    rows = [_row("packed+fused", 0.312, 1550.0), _row("padded+logits", 0.1, 1000.0),
+            _row("packed+fused", 0.41, 1490.0, max_response=1024),
+            _row("padded+logits", 0.1, 1000.0, max_response=1024),
+            _row("packed+fused", 0.9, 5000.0, model="qwen2.5-0.5b"),
+            {**_row("packed+fused", 0, 0, max_response=2048), "status": "oom",
+             "error": "CUDA out of memory"}]
+    out = btp.goals(rows, a)
+    assert [(x["max_response"], x["met"]) for x in out["ratios"]] == [(4096, True), (1024, False)]
+    assert out["ratios"][0]["goal"] == 1.5
+    mfu = out["mfu_goals"]
+    assert [(x["max_response"], x["met"]) for x in mfu] == [(4096, False), (1024, True),
+                                                            (2048, None)]
+    assert mfu[0]["by"] == pytest.approx(-0.038) and mfu[1]["by"] == pytest.approx(0.06)
+    lines = [btp.mfu_goal_line(x) for x in mfu]
+    assert lines[0] == ("- qwen2.5-1.5b, max response 4096, k3:loss: packed+fused "
+                        "training-phase MFU = **31.2%** of NVIDIA H200 dense bf16 data sheet "
+                        "(goal >= 35%: missed by 3.8 points)")
+    assert lines[1].endswith("= **41.0%** of NVIDIA H200 dense bf16 data sheet "
+                             "(goal >= 35%: met, 6.0 points over)")
+    assert "not measured (oom: CUDA out of memory; goal >= 35%)" in lines[2]
+    # fewer layers: the MFU is shown, not judged against the goal
+    few = btp.mfu_goals(rows[:2], btp.build_parser().parse_args(
+        ["--model", "qwen2.5-1.5b", "--num-layers", "4"]))
+    assert few[0]["met"] is None and few[0]["mfu"] == 0.312
+    assert "not judged: not the qwen2.5-1.5b shape (4 layers" in btp.mfu_goal_line(few[0])
+    # no 1.5B configuration: one entry saying so
+    (none,) = btp.mfu_goals(rows[4:5], a)
+    assert none["met"] is None and none["max_response"] is None
+    assert btp.mfu_goal_line(none) == ("- qwen2.5-1.5b: packed+fused training-phase MFU not "
+                                       "measured (no qwen2.5-1.5b packed+fused configuration "
+                                       "ran; goal >= 35%)")

@@ -71,10 +71,19 @@ def test_summary_shows_the_training_phases_tokens_per_second_and_mfu(tmp_path):
         {"num_layers": 24, "train_phase": [{**row, "combo": "packed+fused"},
                                            {**row, "combo": "padded+logits", "mfu": 0.1}],
          "ratios": [{"model": "qwen2.5-1.5b", "max_response": 4096, "kl": "k3:loss",
-                     "goal": 1.8, "ratio": 1.0, "met": False}]}))
+                     "goal": 1.5, "ratio": 1.0, "met": False}],
+         "mfu_goals": [{"model": "qwen2.5-1.5b", "combo": "packed+fused", "max_response": 4096,
+                        "kl": "k3:loss", "goal": 0.35, "mfu": 0.3337, "by": 0.3337 - 0.35,
+                        "met": False, "peak_source": "NVIDIA H200 dense bf16 data sheet"}]}))
     s = gs.write_summary(out)
     assert "qwen2.5-1.5b" in s["goals"][0]["goal"]
+    assert s["goals"][0]["target"] == ">= 1.5x" and not s["goals"][0]["met"]
+    assert s["goals"][1] == {
+        "goal": "train phase MFU (qwen2.5-1.5b, packed+fused, responses <= 4096, k3:loss)",
+        "target": ">= 35%", "measured": "33.4% (missed by 1.6 points)", "met": False}
     md = open(os.path.join(out, "summary.md")).read()
+    assert ("| train phase MFU (qwen2.5-1.5b, packed+fused, responses <= 4096, k3:loss) "
+            "| >= 35% | 33.4% (missed by 1.6 points) | no |") in md
     assert ("| qwen2.5-1.5b | 28 | 4096 | k3:loss | packed+fused | ok | 4.00 | 20000 | 19000 "
             "| 330.0 | 33.4% | 60.00 |") in md
     assert "- MFU's peak: 989 TFLOP/s (NVIDIA H200 dense bf16 data sheet)" in md
@@ -110,3 +119,22 @@ def test_pack_then_merge_two_calls(tmp_path):
                                                                  ("gpu-tests", "ok")]
     assert s["bench_vs_trl"]["ratio_megatron_over_trl"] == 1.7
     assert os.path.exists(tmp_path / "merged" / "summary.md")
+
+
+def test_the_mfu_goal_not_measured_or_not_judged_says_why():
+    bench = {"mfu_goals": [
+        {"model": "qwen2.5-1.5b", "combo": "packed+fused", "max_response": None, "kl": None,
+         "goal": 0.35, "mfu": None, "met": None, "by": None,
+         "why": "no qwen2.5-1.5b packed+fused configuration ran"},
+        {"model": "qwen2.5-1.5b", "combo": "packed+fused", "max_response": 1024, "kl": "k1:reward",
+         "goal": 0.35, "mfu": 0.5, "by": 0.15, "met": None,
+         "why": "not the qwen2.5-1.5b shape (4 layers, hidden 1536, vocab 151936)"},
+        {"model": "qwen2.5-1.5b", "combo": "packed+fused", "max_response": 4096, "kl": "k3:loss",
+         "goal": 0.35, "mfu": 0.36, "by": 0.01, "met": True}]}
+    got = gs.train_phase_goals(bench)
+    assert [g["measured"] for g in got] == [
+        "n/a (no qwen2.5-1.5b packed+fused configuration ran)",
+        "50.0% (not judged: not the qwen2.5-1.5b shape (4 layers, hidden 1536, vocab 151936))",
+        "36.0% (1.0 points over)"]
+    assert [g["met"] for g in got] == [False, False, True]
+    assert got[0]["goal"] == "train phase MFU (qwen2.5-1.5b, packed+fused)"
