@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The tool-use demo: a tiny model learns, with RL, to multiply with a calculator it calls.
+"""The tool-use demo: RL teaches a tiny model to use the calculator it was shown using badly.
 
 Three-digit by two-digit products (e.g. 417*86) are beyond a tiny character-level model's head
 but not beyond its reach with a tool: it writes a calculator call, reads the tool's answer and
@@ -7,18 +7,26 @@ copies the number out. On the CPU, in the spirit of the quick start:
 
 1. Data: products a*b, a in [100, 999], b in [10, 99], a training set and a disjoint held-out
    set, as prepared JSONL (task "arithmetic": the last number of the answer is checked).
-2. Two base models, the same tiny Qwen2-architecture model (character tokenizer with
-   "</tool_call>" as one token) after the same number of supervised steps:
-   - "no tool": trained on prompt -> product, evaluated single-turn (what it can do in its head);
-   - "tool": trained on tool-use traces, exactly the token layout the agent loop produces
-     (prompt | call, mask 1 | "<tool_response>" with the tool's answer, mask 0 | product + eos,
-     mask 1), evaluated with the agent loop and the real calculator.
-3. RL of the "tool" base with --rollout-function agent --agent-tools calculator: RLOO, K1 in the
-   reward (beta 0.05), the policy's tokens alone trained on and charged the KL.
-4. Held-out accuracy (mean@k): no tool, tool before RL, tool after RL; printed, written to
-   <out>/summary.json and plotted.
+2. A base model: the quick start's tiny Qwen2-architecture model (character tokenizer; the
+   call's fixed opening, "</tool_call>" and the tool-response tags one token each) after a
+   supervised warm-up on a careless teacher's traces, laid out exactly as the agent loop lays
+   out its episodes (the tool's response has mask 0; each trace's tool response is the real
+   calculator's answer to the call written). The teacher, per problem:
+   - HEAD (40%): answers from its head, without the tool (a product with one digit wrong);
+   - MISCOPY (35%): calls the calculator with one operand digit copied wrong, copies its answer;
+   - the rest (25%): the right call, the tool's answer copied out.
+   So the base model calls the tool on some problems and answers from its head on others, and
+   copies operands wrongly: RL, rewarded for the right product alone, has both to unlearn (and
+   whatever calls of its own do not parse: the plot shows their share).
+3. RL with --rollout-function agent --agent-tools calculator (the real tool, the real agent
+   loop): RLOO, 5 episodes per prompt, K1 in the reward (beta 0.05), the policy's tokens alone
+   trained on and charged the KL.
+4. Held-out accuracy (mean@k) before and after RL on the same problems with the same sampling
+   seeds, the gain with its 95% interval (paired over the problems); plotted over the RL steps
+   with the share of episodes that call the tool, the share of calls that parse and the turns
+   per episode; all in <out>/summary.json.
 
-    python tools/agent_demo.py [--out outputs/agent_demo] [--rl-steps 30]
+    python tools/agent_demo.py [--out outputs/agent_demo] [--seed 1] [--rl-steps 60]
 """
 import argparse
 import json
@@ -31,16 +39,29 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from cpu_demo import (_stamp, _stamped, discard_stale_run, gain_line,  # noqa: E402
+                      held_out_scores, mean, paired_gain, read_rows)
+
 PROMPT_TEMPLATE = "{prompt}="
-CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}\n</tool_call>'
-RESPONSE = "\n<tool_response>\n{result}\n</tool_response>\n"  # the agent loop's plain format
+# the call up to its argument, one token of the tokenizer; the argument and '"}}\n' are written
+# character by character, then "</tool_call>" (one token) ends the policy's turn
+CALL_OPEN = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+CALL_CLOSE = '"}}\n'
+SPECIAL_TOKENS = (CALL_OPEN, "</tool_call>", "<tool_response>", "</tool_response>")
+# the careless teacher's shares of traces (the rest: the right call, its answer copied out)
+TEACHER = {"head": 0.4, "miscopy": 0.35}
+# what a run prints on a 2-core x86 machine (docs/agent.md: 3 seeds)
+EXPECTED = "see docs/agent.md for the measured range"
 
 
 def prepare_data(out: str, train_size: int, eval_size: int) -> tuple[str, str]:
     from megatron_rl.data.records import TaskExample, write_jsonl
 
-    train_path, eval_path = os.path.join(out, "data/train.jsonl"), os.path.join(out, "data/eval.jsonl")
-    if not (os.path.exists(train_path) and os.path.exists(eval_path)):
+    data = os.path.join(out, "data")
+    train_path, eval_path = os.path.join(data, "train.jsonl"), os.path.join(data, "eval.jsonl")
+    settings = {"train_size": train_size, "eval_size": eval_size}
+    if not _stamped(data, settings):
+        os.makedirs(data)
         rng = random.Random(0)
         pairs = set()
         while len(pairs) < train_size + eval_size:
@@ -49,126 +70,147 @@ def prepare_data(out: str, train_size: int, eval_size: int) -> tuple[str, str]:
         rng.shuffle(rows)
         write_jsonl(eval_path, rows[:eval_size])
         write_jsonl(train_path, rows[eval_size:])
+        _stamp(data, settings)
         print(f"[data] {train_size} training and {eval_size} held-out products (disjoint)")
     return train_path, eval_path
 
 
-def build_base(out: str, name: str, train_path: str, sft_steps: int, tool: bool) -> str:
-    """A tiny model after `sft_steps` supervised steps on tool-use traces (tool) or on direct
-    answers, exported as HF to <out>/<name> (reused when there)."""
+def _wrong_digit(number: str, rng: random.Random) -> str:
+    """`number` with one digit replaced by another (never a leading zero)."""
+    i = rng.randrange(len(number))
+    digits = [d for d in "0123456789" if d != number[i] and (i or d != "0")]
+    return number[:i] + rng.choice(digits) + number[i + 1:]
+
+
+def teacher_trace(a: int, b: int, rng: random.Random) -> tuple[str, list[str]]:
+    """The careless teacher's behaviour on a*b (one of TEACHER's, or "right") and its turns: the
+    answer alone, or a call and None (the tool's answer, copied out, is the second turn)."""
+    kind = rng.choices([*TEACHER, "right"], [*TEACHER.values(), 1 - sum(TEACHER.values())])[0]
+    head = _wrong_digit(str(a * b), rng)
+    if kind == "head":
+        return kind, [head]
+    x, y = str(a), str(b)
+    if kind == "miscopy":
+        if rng.random() < 0.5:
+            x = _wrong_digit(x, rng)
+        else:
+            y = _wrong_digit(y, rng)
+    return kind, [f"{CALL_OPEN}{x}*{y}{CALL_CLOSE}</tool_call>", None]
+
+
+def build_base(out: str, train_path: str, sft_steps: int, seed: int) -> str:
+    """The tiny model after `sft_steps` supervised steps on the careless teacher's traces
+    (seeded by `seed`: initial weights, teacher, batches), exported as HF to <out>/base."""
+    from megatron_rl.agent.calculator import calculator_tool
+    from megatron_rl.agent.loop import ChatFormat
+    from megatron_rl.agent.parsing import parse_tool_calls
+    from megatron_rl.agent.tools import ToolRegistry, execute_tool_call
     from megatron_rl.data.prompts import PromptBuilder, load_tokenizer
     from megatron_rl.data.records import read_examples
     from megatron_rl.experiments.sft import warm_up
     from megatron_rl.experiments.tiny_model import make_demo_model
     from megatron_rl.parallel import destroy_distributed
 
-    base = os.path.join(out, name)
-    if os.path.exists(os.path.join(base, "model.safetensors")):
-        print(f"[{name}] reusing {base}")
+    base = os.path.join(out, "base")
+    settings = {"sft_steps": sft_steps, "seed": seed, "teacher": TEACHER,
+                "special_tokens": list(SPECIAL_TOKENS)}
+    if _stamped(base, settings) and os.path.exists(os.path.join(base, "model.safetensors")):
+        print(f"[base] reusing {base}")
         return base
     init = os.path.join(out, "init")
-    if not os.path.exists(os.path.join(init, "model.safetensors")):
-        make_demo_model(init, special=("</tool_call>",))
+    make_demo_model(init, special=SPECIAL_TOKENS, seed=seed)
     tok = load_tokenizer(init)
+    fmt = ChatFormat(tok)
+    tools = ToolRegistry([calculator_tool()])
     builder = PromptBuilder(template=PROMPT_TEMPLATE, task_instruction=False)
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    traces = []
+    rng = random.Random(seed)
+    traces, kinds = [], {}
     for ex in read_examples(train_path):
-        prompt = tok(builder(ex))["input_ids"]
-        answer = enc(ex.answer) + [tok.eos_token_id]
-        if tool:
-            call, env = enc(CALL.format(expr=ex.prompt)), enc(RESPONSE.format(result=ex.answer))
-            traces.append((prompt, call + env + answer,
-                           [1] * len(call) + [0] * len(env) + [1] * len(answer)))
-        else:
-            traces.append((prompt, answer))
-    warm_up(init, base, traces, sft_steps, name=name)
-    destroy_distributed()  # the next base, or the RL run, starts its own
+        a, b = map(int, ex.prompt.split("*"))
+        kind, turns = teacher_trace(a, b, rng)
+        kinds[kind] = kinds.get(kind, 0) + 1
+        ids, mask = [], []
+        if len(turns) == 2:  # a call, the tool's answer (mask 0), then that answer copied out
+            call = enc(turns[0])
+            result = execute_tool_call(tools, parse_tool_calls(turns[0])[0])
+            env = fmt.encode_after_turn([result.text], call[-1])
+            ids, mask = call + env, [1] * len(call) + [0] * len(env)
+            turns = [result.text]
+        answer = enc(turns[0]) + [tok.eos_token_id]
+        traces.append((tok(builder(ex))["input_ids"], ids + answer, mask + [1] * len(answer)))
+    print("[base] the teacher's traces: " + ", ".join(f"{k} {v / len(traces):.0%}"
+                                                      for k, v in sorted(kinds.items())))
+    warm_up(init, base, traces, sft_steps, lr=2e-3, lr_decay_style="cosine", seed=seed)
+    destroy_distributed()  # the RL run starts its own
+    _stamp(base, settings)
     return base
-
-
-def evaluate_weights(cfg) -> dict:
-    """The trainer's evaluation of the run's starting weights (step 0), cached in
-    <save>/base_eval.json."""
-    path = os.path.join(cfg.checkpoint.save, "base_eval.json")
-    if os.path.exists(path):
-        return json.load(open(path))
-    from megatron_rl.evaluation import evaluate
-    from megatron_rl.runtime import setup_run
-
-    run = setup_run(cfg)
-    res = evaluate(run, 0)
-    run.close()
-    with open(path, "w") as f:
-        json.dump(res, f)
-    return res
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="outputs/agent_demo", help="where data, models, runs go")
-    p.add_argument("--sft-steps", type=int, default=500, help="supervised steps of each base")
-    p.add_argument("--rl-steps", type=int, default=40, help="RL steps of the tool base")
+    p.add_argument("--seed", type=int, default=1, help="seeds the base model and the RL run")
+    p.add_argument("--sft-steps", type=int, default=600, help="supervised warm-up steps")
+    p.add_argument("--rl-steps", type=int, default=60, help="RL steps")
     p.add_argument("--prompts-per-step", type=int, default=16, help="prompts per RL step")
     p.add_argument("--lr", type=float, default=3e-4, help="RL learning rate")
     p.add_argument("--eval-interval", type=int, default=10, help="RL steps between evaluations")
-    p.add_argument("--eval-prompts", type=int, default=64, help="held-out problems evaluated")
+    p.add_argument("--eval-prompts", type=int, default=128, help="held-out problems")
+    p.add_argument("--eval-samples", type=int, default=8, help="episodes per held-out problem")
     p.add_argument("--fresh", action="store_true", help="discard a previous RL run in <out>/rl")
     a = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t_start = time.time()
     train_path, eval_path = prepare_data(a.out, train_size=20000, eval_size=a.eval_prompts)
-    no_tool = build_base(a.out, "base_no_tool", train_path, a.sft_steps, tool=False)
-    tool = build_base(a.out, "base_tool", train_path, a.sft_steps, tool=True)
+    base = build_base(a.out, train_path, a.sft_steps, a.seed)
+    t_base = time.time()
 
     from megatron_rl.config import parse_config
     from megatron_rl.train import train
 
-    def config(model: str, save: str, *extra: str):
-        return parse_config([
-            "--hf-checkpoint", model, "--save", save, "--train-data", train_path,
-            "--eval-data", eval_path, "--train-iters", str(a.rl_steps),
-            "--num-prompts-per-step", str(a.prompts_per_step), "--group-size", "4",
-            "--micro-batch-size", "64", "--lr", str(a.lr), "--adam-beta2", "0.99",
-            "--kl-estimator", "k1", "--kl-placement", "reward", "--kl-coef", "0.05",
-            "--advantage-estimator", "rloo", "--eval-interval", str(a.eval_interval),
-            "--eval-samples", "4", "--save-interval", str(a.eval_interval), "--seed", "1",
-            "--prompt-template", PROMPT_TEMPLATE, "--no-task-instruction", *extra])
-
-    agent = ("--rollout-function", "agent", "--agent-tools", "calculator", "--agent-max-turns",
-             "3", "--agent-max-tokens", "250", "--max-new-tokens", "80")
-    head = evaluate_weights(config(no_tool, os.path.join(a.out, "eval_no_tool"),
-                                   "--max-new-tokens", "8"))
-    rl_dir = os.path.join(a.out, "rl")
-    if a.fresh and os.path.exists(rl_dir):
-        import shutil
-
-        shutil.rmtree(rl_dir)
-    cfg = config(tool, rl_dir, *agent)
-    before = evaluate_weights(cfg)
+    cfg = parse_config([
+        "--hf-checkpoint", base, "--save", os.path.join(a.out, "rl"),
+        "--train-data", train_path, "--eval-data", eval_path, "--train-iters", str(a.rl_steps),
+        "--num-prompts-per-step", str(a.prompts_per_step), "--group-size", "5",
+        "--micro-batch-size", "80", "--lr", str(a.lr), "--adam-beta2", "0.99",
+        "--lr-warmup-iters", "5",
+        "--kl-estimator", "k1", "--kl-placement", "reward", "--kl-coef", "0.05",
+        "--advantage-estimator", "rloo", "--eval-interval", str(a.eval_interval),
+        "--eval-samples", str(a.eval_samples), "--save-interval", str(a.eval_interval),
+        "--seed", str(a.seed), "--prompt-template", PROMPT_TEMPLATE, "--no-task-instruction",
+        "--rollout-function", "agent", "--agent-tools", "calculator", "--agent-max-turns", "3",
+        "--agent-max-tokens", "200", "--max-new-tokens", "16"])
+    discard_stale_run(cfg, a.fresh)
+    before = held_out_scores(cfg, "base_eval.json")
     train(cfg)
-    rows = [json.loads(line) for line in open(os.path.join(rl_dir, "metrics.jsonl"))]
-    final = [r for r in rows if "eval/mean_at_k" in r][-1]
-    k = cfg.eval.eval_samples
-    summary = {"no_tool": head["eval/mean_at_k"], "tool_base": before["eval/mean_at_k"],
-               "tool_after_rl": final["eval/mean_at_k"], "rl_steps": final["step"],
-               "eval_prompts": a.eval_prompts, "k": k,
-               "turns_mean": sum(r.get("rollout/agent/turns", 0) for r in rows) / len(rows),
-               "seconds": round(time.time() - t_start)}
+    after = held_out_scores(cfg, f"eval_{a.rl_steps}.json")
+    t_end = time.time()
+    rows = read_rows(cfg)
+    for r in rows:  # the share of calls that parse, from the per-episode means
+        if r.get("rollout/agent/tool_calls"):
+            r["agent/calls_parsed"] = 1 - (r.get("rollout/agent/tool_unparseable_call", 0.0)
+                                           / r["rollout/agent/tool_calls"])
+    gain, se = paired_gain(before, after)
+    summary = {"seed": a.seed, "base": mean(before), "after": mean(after), "gain": gain,
+               "se": se, "rl_steps": a.rl_steps, "eval_prompts": len(before),
+               "k": cfg.eval.eval_samples, "seconds": round(t_end - t_start),
+               "seconds_base": round(t_base - t_start)}
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"\nheld-out accuracy (mean@{k}, {a.eval_prompts} products): no tool "
-          f"{summary['no_tool']:.3f}; with the calculator: base {summary['tool_base']:.3f} -> "
-          f"after {final['step']} RL steps {summary['tool_after_rl']:.3f}   "
-          f"(total time {summary['seconds']} s)")
+    print(f"\nheld-out accuracy with the calculator (mean@{summary['k']}, {len(before)} products): "
+          f"base {mean(before):.3f} -> after {a.rl_steps} RL steps {mean(after):.3f}\n"
+          f"{gain_line(gain, se)}\n"
+          f"time {t_end - t_start:.0f} s ({t_base - t_start:.0f} s data and base model)\n"
+          f"expected on a 2-core x86 machine: {EXPECTED}")
     from megatron_rl.experiments.plots import plot_run
 
-    png = plot_run(rows, os.path.join(a.out, "agent_demo.png"),
-                   baseline=before["eval/mean_at_k"],
-                   title=f"Tool-use demo: calculator, RLOO, K1 in the reward (no tool: "
-                         f"{summary['no_tool']:.2f})")
+    png = plot_run(rows, os.path.join(a.out, "agent_demo.png"), baseline=mean(before),
+                   panels=("reward/mean", "eval/mean_at_k", "rollout/agent/called_tools",
+                           "agent/calls_parsed", "rollout/agent/turns", "kl_k1"),
+                   title="Tool-use demo: calculator, RLOO, K1 in the reward (beta 0.05)")
     print(f"plot: {png}")
-    return 0 if summary["tool_after_rl"] >= summary["tool_base"] else 1
+    return 0 if gain - 1.96 * se > 0 else 1  # status 1: no gain beyond noise
 
 
 if __name__ == "__main__":

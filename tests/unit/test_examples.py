@@ -222,7 +222,7 @@ def test_tiny_cpu_recipe_matches_cpu_demo(monkeypatch):
         raise Captured(cfg)
 
     monkeypatch.setattr(cpu_demo, "prepare_data", lambda out, **kw: ("/t.jsonl", "/e.jsonl"))
-    monkeypatch.setattr(cpu_demo, "build_base_model", lambda out, train, steps, seed: "/base")
+    monkeypatch.setattr(cpu_demo, "build_base_model", lambda out, train, steps, seed, **kw: "/base")
     monkeypatch.setattr(cpu_demo, "discard_stale_run", lambda cfg, fresh: capture(cfg))
     monkeypatch.setattr(sys, "argv", ["cpu_demo.py", "--out", "/nonexistent/demo"])
     with pytest.raises(Captured) as info:
