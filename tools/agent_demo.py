@@ -51,7 +51,8 @@ SPECIAL_TOKENS = (CALL_OPEN, "</tool_call>", "<tool_response>", "</tool_response
 # the careless teacher's shares of traces (the rest: the right call, its answer copied out)
 TEACHER = {"head": 0.4, "miscopy": 0.35}
 # what a run prints on a 2-core x86 machine (docs/agent.md: 3 seeds)
-EXPECTED = "see docs/agent.md for the measured range"
+EXPECTED = ("base 0.30-0.35 -> after 0.86-0.91, gain +0.52 to +0.59 (21-34 standard errors); in "
+            "the plot the share of episodes that call the tool rises to 1.0 within 20 steps")
 
 
 def prepare_data(out: str, train_size: int, eval_size: int) -> tuple[str, str]:
@@ -82,7 +83,7 @@ def _wrong_digit(number: str, rng: random.Random) -> str:
     return number[:i] + rng.choice(digits) + number[i + 1:]
 
 
-def teacher_trace(a: int, b: int, rng: random.Random) -> tuple[str, list[str]]:
+def teacher_trace(a: int, b: int, rng: random.Random) -> tuple[str, list[str | None]]:
     """The careless teacher's behaviour on a*b (one of TEACHER's, or "right") and its turns: the
     answer alone, or a call and None (the tool's answer, copied out, is the second turn)."""
     kind = rng.choices([*TEACHER, "right"], [*TEACHER.values(), 1 - sum(TEACHER.values())])[0]

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """The CPU demo (the README's main job): a tiny model learns arithmetic with RL, K1 in the reward.
 
-1. Data: reasoning-gym basic_arithmetic (two terms, up to two digits, + and -), a training set and
-   a disjoint held-out set (overlap removed), as prepared JSONL.
+1. Data: reasoning-gym basic_arithmetic (two terms of one or two digits, added), a training set
+   and a disjoint held-out set (overlap removed), as prepared JSONL.
 2. A tiny Qwen2-architecture model (character tokenizer) gets a supervised warm-up (1600
    steps of 64) on the training problems, copying a careless teacher who writes 70% of its
-   answers with the wrong sign (-12 for 12, 7 for -7). The base model learns some of the digits
-   (about a third of its samples have them right) and mostly the wrong sign: a habit that
+   answers with the wrong sign (-112 for 112). The base model learns some of the digits (about
+   two in five of its samples have them right) and mostly the wrong sign: a habit that
    demonstrations taught and that only the reward (is the answer right?) can teach it out of.
-   RL (240 steps) unlearns most of it: held-out accuracy climbs towards the share of samples
+   RL (120 steps) unlearns most of it: held-out accuracy climbs towards the share of samples
    with the right digits. The base is cached in <out>/base with a stamp of the warm-up's
    settings (and <out>/data with the task's), reused only by a run with the same ones.
 3. RL with the paper's recommended setup: RLOO, 5 samples per prompt, K1 in the reward
