@@ -60,18 +60,22 @@ def _stamp(path: str, settings: dict) -> None:
         json.dump(settings, f, indent=1)
 
 
-def prepare_data(out: str, train_size: int, eval_size: int) -> tuple[str, str]:
+def prepare_data(out: str, train_size: int, eval_size: int, task: dict | None = None
+                 ) -> tuple[str, str]:
+    """basic_arithmetic problems of `task` (reasoning-gym's settings; default TASK) in
+    <out>/data: train.jsonl and a held-out eval.jsonl, disjoint."""
     from megatron_rl.data.prepare import HELD_OUT_SEED, normalize_problem, remove_overlap
     from megatron_rl.data.records import write_jsonl
     from megatron_rl.data.sources import generate_arithmetic
 
     data = os.path.join(out, "data")
     train_path, eval_path = os.path.join(data, "train.jsonl"), os.path.join(data, "eval.jsonl")
-    settings = {"task": {k: list(v) if isinstance(v, tuple) else v for k, v in TASK.items()},
+    task = TASK if task is None else task
+    settings = {"task": {k: list(v) if isinstance(v, tuple) else v for k, v in task.items()},
                 "train_size": train_size, "eval_size": eval_size}
     if not _stamped(data, settings):
-        held_out = generate_arithmetic(eval_size, HELD_OUT_SEED, **TASK)
-        train, removed = remove_overlap(generate_arithmetic(train_size, 0, **TASK),
+        held_out = generate_arithmetic(eval_size, HELD_OUT_SEED, **task)
+        train, removed = remove_overlap(generate_arithmetic(train_size, 0, **task),
                                         {normalize_problem(e.prompt) for e in held_out})
         print(f"[data] {len(train)} training problems ({removed} overlapping the held-out set "
               f"removed), {len(held_out)} held-out problems")

@@ -6,8 +6,9 @@
 
 1. The exact toy study (`megatron-rl toy`): table + figure (docs/figures/toy_kl_gradients.png).
 2. The tiny base model, built with tools/cpu_demo.py's `prepare_data` and `build_base_model`
-   (its model and warm-up, with a truthful teacher), cached in <out>/base; an out-of-domain eval set (three-term
-   basic_arithmetic, held-out seed) next to the in-domain one. With --hf-checkpoint a real model
+   (its model and warm-up, with a truthful teacher, on TINY_TASK: + and -), cached in
+   <out>/base; an out-of-domain eval set (three-term basic_arithmetic, held-out seed) next to
+   the in-domain one. With --hf-checkpoint a real model
    and prepared data files are used instead (scripts/reproduce_gpu.sh).
 3. The sweep (megatron_rl.experiments.sweep.build_sweep): every run is `python -m megatron_rl.train`
    in <out>/runs/<run_id>, with periodic in-domain eval; OOD accuracy of the final checkpoint
@@ -63,6 +64,8 @@ TINY_SFT_STEPS, TINY_TRAIN_SIZE, TINY_EVAL_SIZE = 800, 20000, 128
 _RG = dict(allow_parentheses=False, allow_negation=False, whitespace="no_space")
 OOD_ARITHMETIC = (dict(min_terms=3, max_terms=3, min_digits=1, max_digits=1, operators=("+", "-"), **_RG),
                   dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("*",), **_RG))
+# In domain: two terms of one or two digits, + and - (the quick start's task is addition alone)
+TINY_TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"), **_RG)
 OOD_SEED = 7_777_777   # not the training seed (0) nor the in-domain held-out seed
 BEGIN, END = "<!-- BEGIN GENERATED (tools/reproduce.py) -->", "<!-- END GENERATED -->"
 
@@ -110,10 +113,10 @@ def prepare_tiny(out: str) -> dict:
         # the studies' base: cpu_demo's model and warm-up with a truthful teacher (seed 0,
         # constant learning rate), not the quick start's sign habit
         code = ("import sys; sys.path.insert(0, %r); import cpu_demo as d; "
-                "t, _ = d.prepare_data(%r, %d, %d); d.build_base_model(%r, t, %d, 0, "
+                "t, _ = d.prepare_data(%r, %d, %d, task=%r); d.build_base_model(%r, t, %d, 0, "
                 "wrong_sign_share=0.0, lr_decay_style='constant')"
-                % (os.path.join(REPO, "tools"), out, TINY_TRAIN_SIZE, TINY_EVAL_SIZE, out,
-                   TINY_SFT_STEPS))
+                % (os.path.join(REPO, "tools"), out, TINY_TRAIN_SIZE, TINY_EVAL_SIZE, TINY_TASK,
+                   out, TINY_SFT_STEPS))
         t0 = time.time()
         _run([sys.executable, "-c", code], os.path.join(out, "base_build.log"))
         log(f"base model: {time.time() - t0:.0f} s")
