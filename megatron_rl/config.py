@@ -10,12 +10,12 @@
       eval        EvalConfig       periodic evaluation
       checkpoint  CheckpointConfig save / load / finetune
       logging     LoggingConfig    Weights & Biases (metrics_log.py)
-      agent       AgentConfig      tools and limits of --rollout-function agent (agent/loop.py)
+      agent       AgentConfig      tools and limits of --rollout-function agent (agent/settings.py)
       train_iters, seed, deterministic_mode
 
 Each setting is declared once, in the dataclass of the module that consumes it (ParallelConfig in
 parallel.py, ModelOptions in models/config.py, OptimConfig in models/optim.py, LossConfig in
-loss.py, KLConfig in kl.py, LoggingConfig in metrics_log.py, AgentConfig in agent/loop.py), its
+loss.py, KLConfig in kl.py, LoggingConfig in metrics_log.py, AgentConfig in agent/settings.py), its
 flag's help text (and its valid "choices" and bounds, where declared) in the field's metadata. The command line and YAML
 keep one flat namespace: a field's flag is
 `--<field-name>` with '_' -> '-', prefixed by its group's `prefix` metadata where a name would be
@@ -46,7 +46,7 @@ from typing import Any
 import yaml
 
 from megatron_rl.advantages import GROUP_BASELINE_ESTIMATORS
-from megatron_rl.agent.loop import AgentConfig
+from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.data.records import not_utf8
 from megatron_rl.errors import ConfigError
 from megatron_rl.loss import LossConfig
@@ -607,7 +607,7 @@ def _check_number(flag: str, value: Any, meta: dict) -> None:
 
 
 def add_flags(parser: argparse.ArgumentParser, cls) -> None:
-    """The fields of the flat settings dataclass `cls` (e.g. agent.loop.AgentConfig) as flags
+    """The fields of the flat settings dataclass `cls` (e.g. agent.settings.AgentConfig) as flags
     of `parser`, as `megatron-rl train` declares them: for another command that uses them."""
     group, defaults = parser.add_argument_group(cls.__name__), cls()
     for name, path, kind, meta in _walk(cls):

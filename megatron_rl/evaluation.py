@@ -142,7 +142,7 @@ def markdown_table(results: dict, k: int) -> str:
 
 def main(argv=None) -> None:
     """`megatron-rl eval`: accuracy table of a HF directory or Megatron checkpoint."""
-    from megatron_rl.agent.loop import AgentConfig, tool_registry
+    from megatron_rl.agent.settings import AgentConfig, tool_registry
     from megatron_rl.config import TrainConfig, add_flags, from_flags
     from megatron_rl.data.prompts import PromptBuilder, PromptDataset, load_tokenizer
     from megatron_rl.models import ModelArgs

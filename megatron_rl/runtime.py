@@ -199,7 +199,7 @@ def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
     tools = None
     agent = cfg.rollout.rollout_function == "agent"
     if agent and cfg.agent.agent_environment == "tools":  # the tools' schemas in the template
-        from megatron_rl.agent.loop import tool_registry
+        from megatron_rl.agent.settings import tool_registry
 
         tools = tool_registry(cfg.agent).schemas()
     builder = PromptBuilder(tokenizer=codec.tokenizer if d.chat_template else None,

@@ -78,7 +78,8 @@ class SleepTool:
 
 
 def rollout(engine, codec, scorer, records, group_size: int, a, registry, concurrency: int):
-    from megatron_rl.agent.loop import AgentConfig, agent_rollout
+    from megatron_rl.agent.loop import agent_rollout
+    from megatron_rl.agent.settings import AgentConfig
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.functions import RolloutContext
 

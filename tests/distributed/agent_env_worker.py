@@ -9,7 +9,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from megatron_rl.agent.env import Environment, StepResult
-from megatron_rl.agent.loop import AgentConfig, agent_rollout
+from megatron_rl.agent.loop import agent_rollout
+from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.data.prompts import PromptRecord
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
 from megatron_rl.parallel import ParallelConfig, init_distributed

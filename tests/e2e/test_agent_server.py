@@ -4,7 +4,8 @@ and a rerun at the same seed gives the same episodes whether one request or eigh
 flight (each request carries its episode's own seed). Skipped where .venv-vllm is absent."""
 import pytest
 
-from megatron_rl.agent.loop import AgentConfig, agent_rollout
+from megatron_rl.agent.loop import agent_rollout
+from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.data.prompts import PromptRecord, load_tokenizer
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.base import SamplingParams

@@ -11,7 +11,8 @@ hostile calls, the real calculator tool and the real reward scorer.
 import pytest
 from transformers import AutoTokenizer
 
-from megatron_rl.agent.loop import AgentConfig, ChatFormat, agent_rollout
+from megatron_rl.agent.loop import ChatFormat, agent_rollout
+from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.data.prompts import PromptRecord
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
 from megatron_rl.rollout.base import SEED_STRIDE, Completion, SamplingParams

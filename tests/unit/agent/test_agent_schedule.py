@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from megatron_rl.agent.loop import AgentConfig, agent_rollout
+from megatron_rl.agent.loop import agent_rollout
+from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.agent.tools import Tool, ToolRegistry
 from megatron_rl.data.prompts import PromptRecord, load_tokenizer
 from megatron_rl.experiments.tiny_model import make_tool_caller_model

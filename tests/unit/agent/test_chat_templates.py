@@ -17,7 +17,8 @@ from pathlib import Path
 from test_agent_loop import ScriptedEngine
 
 from megatron_rl.agent.env import Environment, StepResult
-from megatron_rl.agent.loop import AgentConfig, agent_rollout, tool_registry
+from megatron_rl.agent.loop import agent_rollout
+from megatron_rl.agent.settings import AgentConfig, tool_registry
 from megatron_rl.data.prompts import PromptRecord, load_tokenizer
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
 from megatron_rl.rollout.base import SamplingParams

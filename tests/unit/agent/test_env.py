@@ -16,7 +16,8 @@ from test_agent_loop import QWEN_LIKE, ScriptedEngine
 from transformers import AutoTokenizer
 
 from megatron_rl.agent.env import ABANDONED, Environment, StepResult
-from megatron_rl.agent.loop import AgentConfig, ChatFormat, agent_rollout
+from megatron_rl.agent.loop import ChatFormat, agent_rollout
+from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.data.prompts import PromptRecord
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
 from megatron_rl.rollout.base import SamplingParams
