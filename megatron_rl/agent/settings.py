@@ -38,8 +38,9 @@ class AgentConfig:
                 "responses); the turn that reaches it is cut to fit and ends the episode",
         "min": 2})
     agent_max_tool_output_chars: int = field(default=2000, metadata={
-        "help": "characters of one tool response at most; a longer one keeps its head and tail "
-                "around a note of how much was cut", "min": 64})
+        "help": "characters of one tool response, and of one message of an "
+                "--agent-environment's observation, at most; a longer one keeps its head and "
+                "tail around a note of how much was cut", "min": 64})
     agent_environment: str = field(default="tools", metadata={
         "help": "what answers the policy's turns in --rollout-function agent: tools (the "
                 "built-in: runs the turn's --agent-tools calls) or the import path module:Class "
