@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from megatron_rl.imports import import_callable
 from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_rl.rollout.needs import declare_needs
 
 if TYPE_CHECKING:
     import torch
@@ -122,10 +123,16 @@ class RolloutContext:
     step: int = 0
     evaluation: bool = False
 
+    @property
+    def args(self) -> dict[str, Any]:
+        """The rollout function's settings: --rollout-function-args ({} without a config)."""
+        return dict(self.config.rollout.rollout_function_args) if self.config is not None else {}
+
 
 RolloutFunction = Callable[[RolloutContext, Sequence["PromptRecord"]], list[list[Trajectory]]]
 
 
+@declare_needs(single_response=True)
 def single_turn(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[list[Trajectory]]:
     """One response per trajectory: each prompt encoded, group_size completions of it from the
     engine in one generate call for all prompts, each decoded and scored by its task's
