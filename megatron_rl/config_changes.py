@@ -79,6 +79,7 @@ RESUME_FREE: dict[str, str] = {
     "wandb_exp_name": "where the metrics are also logged",
     "wandb_save_dir": "where the metrics are also logged",
     "wandb_entity": "where the metrics are also logged",
+    "save_rollouts": "which steps' trajectories are written for reading, not what they are",
     "eval_data": _EVAL,
     "eval_interval": _EVAL,
     "eval_samples": _EVAL,

@@ -57,17 +57,32 @@ def register_loss_metric(name: str, reduction: str) -> None:
 
 
 def batch_metrics(rewards: torch.Tensor, response_lengths: list[int], finish_reasons: list[str],
-                  group=None) -> dict[str, float]:
-    """reward/mean, reward/accuracy (reward >= 1), response/length_mean and
-    response/truncated_fraction over the global batch."""
+                  group=None, *, policy_tokens: torch.Tensor | float | None = None
+                  ) -> dict[str, float]:
+    """Per trajectory over the global batch: reward/mean, reward/accuracy (reward >= 1),
+    response/truncated_fraction (finish reason "length") and the response's tokens:
+
+        response/length_mean         all response tokens, the policy's and the environment's
+                                     (a multi-turn rollout's tool outputs, user turns)
+        response/policy_tokens_mean  the tokens the policy sampled (response_mask 1: trained on)
+        response/env_tokens_mean     the others (response_mask 0): length_mean - policy_tokens_mean
+
+    `policy_tokens`: this rank's policy tokens in all (the batch's loss_mask summed); None: every
+    response token is the policy's (a single-turn batch)."""
+    length = float(sum(response_lengths))
+    dev = rewards.device
+    policy = (torch.tensor(length, device=dev) if policy_tokens is None
+              else torch.as_tensor(policy_tokens, device=dev).float())
     sums = torch.stack([rewards.sum(), (rewards >= 1.0).sum(),
-                        torch.tensor(float(sum(response_lengths)), device=rewards.device),
+                        torch.tensor(length, device=dev), policy.reshape(()),
                         torch.tensor(float(sum(f == "length" for f in finish_reasons)),
-                                     device=rewards.device),
-                        torch.tensor(float(rewards.numel()), device=rewards.device)]).double()
-    total, correct, length, truncated, n = all_reduce(sums, group).tolist()
+                                     device=dev),
+                        torch.tensor(float(rewards.numel()), device=dev)]).double()
+    total, correct, length, policy_sum, truncated, n = all_reduce(sums, group).tolist()
     return {"reward/mean": total / n, "reward/accuracy": correct / n,
-            "response/length_mean": length / n, "response/truncated_fraction": truncated / n}
+            "response/length_mean": length / n, "response/policy_tokens_mean": policy_sum / n,
+            "response/env_tokens_mean": (length - policy_sum) / n,
+            "response/truncated_fraction": truncated / n}
 
 
 def weighted_mean_tensor(results: list[dict], keys: list[str]) -> torch.Tensor:

@@ -11,6 +11,10 @@ what each rank trains on.
        (update.behaviour_logprobs: the weights that generated it, at the time it is built) and
        the rollout metrics
 
+With --save-rollouts N the whole batch of every Nth step is written as JSONL once its groups
+exist, under the step it is trained at (a batch generated ahead under --async-level too):
+rollout/trajectory_log.py.
+
 With --dynamic-sampling the rollout function runs in rounds (`sample_informative`): the groups
 whose task rewards are all equal do not count towards the batch, and further prompts, next in
 data order, are generated until --num-prompts-per-step groups with spread are in hand
@@ -54,6 +58,7 @@ from megatron_rl.rewards.types import REASONS
 from megatron_rl.rollout.base import on_client
 from megatron_rl.rollout.functions import RolloutContext, Trajectory, run_rollout, trajectory_counts
 from megatron_rl.rollout.threads import BackgroundThreads
+from megatron_rl.rollout.trajectory_log import write_rollouts
 from megatron_rl.update import behaviour_logprobs
 
 if TYPE_CHECKING:
@@ -111,7 +116,8 @@ def finish_rollout(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
     batch, metrics = r.done if r.done is not None else _build_batch(run, r)
     metrics["rollout/staleness"] = float(r.step - r.version)
     metrics.update(global_metrics.batch_metrics(batch.rewards, batch.response_lengths,
-                                                batch.finish_reasons, data_parallel_group()))
+                                                batch.finish_reasons, data_parallel_group(),
+                                                policy_tokens=batch.loss_mask.sum()))
     return batch, metrics
 
 
@@ -292,11 +298,13 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
     sampled: Sampled | None = None
     if engine.client_rank is None and algo.dynamic_sampling:
         sampled = sample_informative(run, run.train_data, r.step, _local_round(run, r.step))
+        write_rollouts(run, r.step + 1, "train", sampled.records, sampled.groups)
         groups = _deal_groups(run, sampled.groups)
         engine_stats: dict = {}
     elif engine.client_rank is None:
         mine = r.records[run.dp_rank::run.dp_size]
         groups = _rollout(run, mine, _seed(run, r.step) + run.dp_rank, r.step)
+        write_rollouts(run, r.step + 1, "train", mine, groups, shared=True)
         if algo.sequence_packing and run.dp_size > 1:  # re-deal the groups by token count
             groups = _deal_groups(run, [g for part in _gather_dp(groups) for g in part])
         engine_stats = {}
@@ -314,10 +322,14 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
 
         out, engine_stats = on_client(engine, generate,
                                       f"generating and scoring step {r.step}'s batch")
+        records = r.records
         if isinstance(out, Sampled):
             sampled, out = out, out.groups
+            records = getattr(sampled, "records", None) or []  # None: saved by an older run
             # every rank's data position: after the prompts the client's rounds consumed
             run.train_data.load_state_dict(sampled.data_state)
+        if len(records) == len(out):
+            write_rollouts(run, r.step + 1, "train", records, out, writer=engine.client_rank or 0)
         groups = _deal_groups(run, out)
     # the one host -> device boundary: from here on the batch lives where the model does
     batch = pack_rollouts(groups, run.codec.pad_id).to(device())
@@ -419,12 +431,14 @@ def refill_size(spread: Sequence[bool], target: int, unit: int = 1,
 @dataclasses.dataclass
 class Sampled:
     """A batch of --dynamic-sampling: its groups in data order, the data position after the
-    prompts it consumed, its rollout/* metrics, and the warning when the rounds ran out before
-    the batch had --num-prompts-per-step groups with spread ("" otherwise)."""
+    prompts it consumed, its rollout/* metrics, the warning when the rounds ran out before
+    the batch had --num-prompts-per-step groups with spread ("" otherwise), and the prompt
+    records of its groups (for --save-rollouts)."""
     groups: list[list[Trajectory]]
     data_state: dict
     stats: dict[str, float]
     shortfall: str = ""
+    records: list = dataclasses.field(default_factory=list)  # the groups' prompt records
 
 
 def sample_informative(run: Run, data: PromptDataset, step: int,
@@ -446,14 +460,17 @@ def sample_informative(run: Run, data: PromptDataset, step: int,
     unit = _batch_unit(run) if keep else 1
     granularity = run.dp_size if run.engine.client_rank is None else 1
     groups: list[list[Trajectory]] = []
+    records: list = []
     spread: list[bool] = []
     starts: list[tuple[int, dict]] = []  # each round's first group and data position before it
     size, selection, rounds = target, None, 0
     while selection is None:
         starts.append((len(groups), data.state_dict()))
-        new = rollout(data.next_batch(size), rounds)
+        drawn = data.next_batch(size)
+        new = rollout(drawn, rounds)
         assert len(new) == size, (len(new), size)
         groups += new
+        records += drawn
         spread += [has_spread(g) for g in new]
         rounds += 1
         selection = select_groups(spread, target, unit, keep,
@@ -479,7 +496,8 @@ def sample_informative(run: Run, data: PromptDataset, step: int,
                      f"{len(groups)} prompts generated); training on {len(selection.kept)} "
                      "groups, " + ("all those consumed" if keep else
                                    f"{target - selection.found} of them without spread"))
-    return Sampled([groups[i] for i in selection.kept], data.state_dict(), stats, shortfall)
+    return Sampled([groups[i] for i in selection.kept], data.state_dict(), stats, shortfall,
+                   [records[i] for i in selection.kept])
 
 
 def _batch_unit(run: Run) -> int:
