@@ -20,24 +20,27 @@ import torch.distributed as dist
 
 from megatron_rl.errors import ConfigError
 from megatron_rl.metrics import count_metrics
-from megatron_rl.parallel import all_reduce, data_parallel_group
+from megatron_rl.parallel import all_reduce, data_parallel_group, dist_rank
 from megatron_rl.rollout.base import SamplingParams, on_client, prompt_seed
 from megatron_rl.rollout.functions import (RolloutContext, resolve_rollout_function, run_rollout,
                                           trajectory_counts)
+from megatron_rl.rollout.trajectory_log import saves_rollouts, write_rollouts
 
 if TYPE_CHECKING:
     from megatron_rl.runtime import Run
 
 
 def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
-                    batch_prompts: int = 16, counts: Counter | None = None) -> dict:
+                    batch_prompts: int = 16, counts: Counter | None = None,
+                    kept: list | None = None) -> dict:
     """Per-task {"mean_at_k", "pass_at_k", "num_prompts"} plus "all", k = ctx.group_size; a
     reward >= 1 is correct. The rollout function `rollout` (a --rollout-function value,
     rollout/functions.py) samples and scores `batch_prompts` records at a time, with
     each prompt seeded as in one call (base.prompt_seed: the chunk seeded as its first prompt),
     as an evaluation (no routed experts).
     `counts`, where given, accumulates the trajectories' metadata["counts"] (the agent loop's
-    turns, tool calls, ...) and their number under "trajectories".
+    turns, tool calls, ...) and their number under "trajectories". `kept`, where given,
+    receives the records and their groups of trajectories (--save-rollouts).
 
     Collective when the engine is (local engine under TP/PP): every rank passes the same records.
     """
@@ -49,6 +52,8 @@ def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
                               "return_routed_experts": False})
         groups = run_rollout(rollout, dataclasses.replace(ctx, params=p, evaluation=True), chunk)
         correct = torch.tensor([[t.reward for t in g] for g in groups]) >= 1.0
+        if kept is not None:
+            kept.append((chunk, groups))
         if counts is not None:
             counts.update(trajectory_counts(groups))
             counts["trajectories"] += sum(len(g) for g in groups)
@@ -77,7 +82,7 @@ def evaluate(run: Run, step: int) -> dict:
     """The trainer's periodic evaluation: flat metrics "eval/<task>/mean_at_k" ... (DP-reduced).
     An engine with one client rank evaluates the whole set there; the in-process engine
     evaluates each data-parallel rank's share (under expert parallelism: the whole set on every
-    rank)."""
+    rank). With --save-rollouts its trajectories go to <save>/rollouts/eval_step_<step>.jsonl."""
     if run.eval_data is None:
         return {}
     cfg, engine, rollout = run.cfg, run.engine, run.cfg.rollout.rollout_function
@@ -85,10 +90,22 @@ def evaluate(run: Run, step: int) -> dict:
                                       cfg.eval.eval_samples, run.codec, run.scorer, cfg, step,
                                       evaluation=True)
     counts: Counter = Counter()
+    # (records, groups) chunks, written with --save-rollouts
+    kept = [] if saves_rollouts(cfg.logging.save_rollouts, step, "eval") else None
+
+    def save(shared: bool = False, writer: int = 0) -> None:
+        if kept is not None:
+            write_rollouts(run, step, "eval", [r for recs, _ in kept for r in recs],
+                           [g for _, groups in kept for g in groups], shared=shared,
+                           writer=writer)
+
     if engine.client_rank is not None:
         def on_the_client():
             records, _ = _eval_records(run, cfg.eval.eval_max_prompts, share=False)
-            return evaluate_engine(ctx(cfg.seed + 104729), records, rollout, counts=counts), counts
+            res = evaluate_engine(ctx(cfg.seed + 104729), records, rollout, counts=counts,
+                                  kept=kept)
+            save(writer=dist_rank())
+            return res, counts
 
         res, counts = on_client(engine, on_the_client, f"evaluating at step {step}")
         return {**reduce_eval_results(res, sorted(res), group=None), **_count_means(counts)}
@@ -97,7 +114,8 @@ def evaluate(run: Run, step: int) -> dict:
     share = run.policy.ep_size == 1
     records, tasks = _eval_records(run, cfg.eval.eval_max_prompts, share=share)
     seed = cfg.seed + 104729 + (run.dp_rank if share else 0)
-    res = evaluate_engine(ctx(seed), records, rollout, counts=counts)
+    res = evaluate_engine(ctx(seed), records, rollout, counts=counts, kept=kept)
+    save(shared=share)
     group = data_parallel_group() if share else None
     if share:
         counts = Counter(count_metrics(counts, "", group))  # summed over the DP ranks
