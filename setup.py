@@ -70,6 +70,7 @@ setup(
             "train=megatron_rl.train:main",
             "eval=megatron_rl.evaluation:main",
             "convert=megatron_rl.convert:main",
+            "rollouts=megatron_rl.rollout.trajectory_log:main",
             "toy=megatron_rl.experiments.toy:main",
         ],
     },

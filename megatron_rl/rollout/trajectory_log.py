@@ -1,6 +1,7 @@
-"""Print the trajectories a run saved with --save-rollouts: one per row of a JSONL file, its
-prompt and each segment of its response (the policy's tokens, the environment's), reward and
-end.
+"""Print the trajectories a run saved with --save-rollouts, one readably or a line each.
+
+`megatron-rl rollouts FILE` shows a trajectory's prompt and each segment of its response (the
+policy's tokens, the environment's) with its reward and end; this module also writes them.
 
 What the run writes (`write_rollouts`): with --save-rollouts N, the trajectories of every Nth
 step's batch and of every periodic evaluation, one JSON object a line, in
