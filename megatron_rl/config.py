@@ -465,15 +465,17 @@ class TrainConfig:
         return (ENGINES[self.rollout.rollout_engine].holds_own_weights
                 and self.algorithm.async_level >= 1)
 
-    def validate(self) -> None:
+    def validate(self, training: bool = True) -> None:
         """Raise ValueError naming the flag for an invalid or inconsistent setting: every flag's
         declared choices and minimum (YAML values bypass argparse's checks), then each group's
         own rules, then the rules across groups. The one place a TrainConfig is checked;
-        `check_layout` adds what needs the data-parallel size."""
+        `check_layout` adds what needs the data-parallel size. `training`: False for a
+        configuration that only generates (`megatron-rl eval`), which reads no --train-data."""
         _check_declared(self, TrainConfig)
         self.model.validate()
         self.parallel.validate()
-        self.data.validate()
+        if training:
+            self.data.validate()
         self.rollout.validate()
         self.algorithm.validate()
         self.checkpoint.validate()
@@ -606,24 +608,33 @@ def _check_number(flag: str, value: Any, meta: dict) -> None:
         raise ValueError(f"{flag} {value}: must be {bounds}")
 
 
-def add_flags(parser: argparse.ArgumentParser, cls) -> None:
-    """The fields of the flat settings dataclass `cls` (e.g. agent.settings.AgentConfig) as flags
-    of `parser`, as `megatron-rl train` declares them: for another command that uses them."""
-    group, defaults = parser.add_argument_group(cls.__name__), cls()
+def add_flags(parser: argparse.ArgumentParser, cls, only=None) -> None:
+    """The fields of the settings dataclass `cls` (e.g. agent.settings.AgentConfig, or
+    TrainConfig) as flags of `parser`, as `megatron-rl train` declares them (help, choices,
+    default): for another command that uses them. `only`: the flat names of the fields to
+    declare (default: all); a group of `cls` (TrainConfig's "rollout") is an argument group."""
+    groups: dict[str, Any] = {}
+    defaults = cls()
     for name, path, kind, meta in _walk(cls):
-        group.add_argument(_flag(name), **_argparse_kwargs(name, kind, meta, _get(defaults, path)))
+        if only is not None and name not in only:
+            continue
+        title = path[0] if len(path) > 1 else cls.__name__
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        groups[title].add_argument(_flag(name), **_argparse_kwargs(name, kind, meta,
+                                                                   _get(defaults, path)))
 
 
-def from_flags(cls, namespace: argparse.Namespace):
+def from_flags(cls, namespace: argparse.Namespace, **checks):
     """The `cls` that `add_flags`' flags in `namespace` give (defaults for those not given),
-    checked (declared choices and bounds, then its own `validate`): ConfigError naming the
-    flag."""
-    obj = cls(**{path[-1]: getattr(namespace, name) for name, path, _, _ in _walk(cls)
-                 if hasattr(namespace, name)})
+    checked (declared choices and bounds, then its own `validate(**checks)`): ConfigError
+    naming the flag."""
+    obj = _build(cls, {path: getattr(namespace, name) for name, path, _, _ in _walk(cls)
+                       if hasattr(namespace, name)})
     try:
         _check_declared(obj, cls)
         if hasattr(obj, "validate"):
-            obj.validate()
+            obj.validate(**checks)
     except ConfigError:
         raise
     except ValueError as e:
