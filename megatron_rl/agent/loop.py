@@ -82,6 +82,7 @@ from megatron_rl.agent.settings import AgentConfig, tool_registry
 from megatron_rl.agent.tools import OUTCOMES, ToolExecutor, ToolRegistry
 from megatron_rl.parallel import model_parallel_source
 from megatron_rl.rollout.functions import Trajectory
+from megatron_rl.rollout.needs import declare_needs
 
 if TYPE_CHECKING:
     from megatron_rl.data.prompts import PromptRecord
@@ -272,6 +273,7 @@ class _Episode:
         self.logprobs = [0.0] * len(self.response_ids)
 
 
+@declare_needs(agent_settings=True, episode_context=True, tool_schemas=True, routing_replay=False)
 def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord],
                   registry: ToolRegistry | None = None) -> list[list[Trajectory]]:
     """The rollout function "agent": ctx.group_size episodes per record (see the module
@@ -395,7 +397,7 @@ class _Environments:
         """Each episode's environment made and reset: OK with the prompt text to use (None:
         the record's), or the failure."""
         def make_and_reset(i: int):
-            env = self.factory()
+            env = self.factory(**self.config.agent_env_args)  # {} for the built-in tools
             self.envs[i] = env
             prompt = env.reset(self.records[i])
             if prompt is not None and not isinstance(prompt, str):
