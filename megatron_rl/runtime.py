@@ -20,7 +20,7 @@ from megatron_rl.metrics_log import MetricsLogger
 from megatron_rl.rollout.base import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
-    from megatron_rl.data.prompts import PromptDataset
+    from megatron_rl.data.prompts import PromptBuilder, PromptDataset
     from megatron_rl.models.policy import Policy
     from megatron_rl.rewards import RewardScorer
 
@@ -186,39 +186,59 @@ def setup_run(cfg: TrainConfig) -> Run:
 def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
               ) -> tuple[PromptDataset, PromptDataset | None]:
     """The run's training and evaluation data (--train-data, --eval-data), each prompt that
-    the run will send checked against the context (data/lengths.py) for a model of
-    `max_position_embeddings` positions: an overlong one refused, or skipped under
-    --filter-overlong-prompts. Collective when distributed: rank 0 counts the tokens, every
-    rank gets the rows to keep."""
-    from megatron_rl.data.lengths import ContextLimit, check_prompt_lengths
-    from megatron_rl.data.prompts import PromptBuilder, PromptDataset
-    from megatron_rl.parallel import run_on_rank
-    from megatron_rl.rollout.factory import context_limit
+    the run will send checked against the context (check_context) for a model of
+    `max_position_embeddings` positions. Collective when distributed."""
+    from megatron_rl.data.prompts import PromptDataset
 
     d = cfg.data
-    tools = None
-    agent = cfg.rollout.rollout_function == "agent"
-    if agent and cfg.agent.agent_environment == "tools":  # the tools' schemas in the template
-        from megatron_rl.agent.settings import tool_registry
-
-        tools = tool_registry(cfg.agent).schemas()
-    builder = PromptBuilder(tokenizer=codec.tokenizer if d.chat_template else None,
-                            template=d.prompt_template, use_chat_template=d.chat_template,
-                            task_instruction=d.task_instruction, tools=tools)
+    builder = prompt_builder(cfg, codec)
     train = PromptDataset.from_jsonl(d.train_data, builder, seed=cfg.seed)
     evals = PromptDataset.from_jsonl(d.eval_data, builder, shuffle=False) if d.eval_data else None
-    limit = ContextLimit(*context_limit(cfg.rollout, max_position_embeddings),
-                         max_new_tokens=cfg.rollout.max_new_tokens)
-    if agent and cfg.agent.agent_max_tokens > limit.tokens:
-        raise ValueError(f"--agent-max-tokens {cfg.agent.agent_max_tokens}: an episode longer "
-                         f"than {limit.source} cannot be generated; lower it to at most "
-                         f"{limit.tokens}")
     checks = [(train, "--train-data", 0)]
     if evals is not None and cfg.eval.eval_interval:  # evaluation reads --eval-max-prompts rows
         checks.append((evals, "--eval-data", cfg.eval.eval_max_prompts))
+    train, *evaluated = check_context(cfg, codec, max_position_embeddings, checks)
+    return train, evaluated[0] if evaluated else evals
+
+
+def prompt_builder(cfg: TrainConfig, codec: Codec) -> PromptBuilder:
+    """The data.prompts.PromptBuilder of `cfg`'s prompt flags (--chat-template,
+    --prompt-template, --task-instruction; the agent's tool schemas under --rollout-function
+    agent with --agent-environment tools)."""
+    from megatron_rl.data.prompts import PromptBuilder
+
+    d = cfg.data
+    tools = None
+    if cfg.rollout.rollout_function == "agent" and cfg.agent.agent_environment == "tools":
+        from megatron_rl.agent.settings import tool_registry
+
+        tools = tool_registry(cfg.agent).schemas()  # the tools' schemas in the template
+    return PromptBuilder(tokenizer=codec.tokenizer if d.chat_template else None,
+                         template=d.prompt_template, use_chat_template=d.chat_template,
+                         task_instruction=d.task_instruction, tools=tools)
+
+
+def check_context(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
+                  checks: list[tuple[PromptDataset, str, int]]) -> list[PromptDataset]:
+    """Each (data, flag, first) of `checks` checked against the context (data/lengths.py) of
+    `cfg` for a model of `max_position_embeddings` positions: an overlong prompt among its
+    `first` rows (0: all) refused naming `flag`, file and line, or skipped under
+    --filter-overlong-prompts; returns the data sets to use. An --agent-max-tokens episode
+    longer than the context is refused first. Collective when distributed: rank 0 counts the
+    tokens, every rank gets the rows to keep."""
+    from megatron_rl.data.lengths import ContextLimit, check_prompt_lengths
+    from megatron_rl.parallel import run_on_rank
+    from megatron_rl.rollout.factory import context_limit
+
+    limit = ContextLimit(*context_limit(cfg.rollout, max_position_embeddings),
+                         max_new_tokens=cfg.rollout.max_new_tokens)
+    if (cfg.rollout.rollout_function == "agent"
+            and cfg.agent.agent_max_tokens > limit.tokens):
+        raise ValueError(f"--agent-max-tokens {cfg.agent.agent_max_tokens}: an episode longer "
+                         f"than {limit.source} cannot be generated; lower it to at most "
+                         f"{limit.tokens}")
     kept = run_on_rank(0, lambda: [
         check_prompt_lengths(data, codec.encode_batch, limit, what=what, first=first,
-                             skip=d.filter_overlong_prompts) for data, what, first in checks],
-        "counting the prompts' tokens")
-    train, *evaluated = [data.subset(*rows) for (data, _, _), rows in zip(checks, kept)]
-    return train, evaluated[0] if evaluated else evals
+                             skip=cfg.data.filter_overlong_prompts)
+        for data, what, first in checks], "counting the prompts' tokens")
+    return [data.subset(*rows) for (data, _, _), rows in zip(checks, kept)]
