@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import operator
 import os
@@ -57,6 +58,7 @@ from megatron_rl.parallel import ParallelConfig, use_cuda
 from megatron_rl.rollout.base import check_sampling
 from megatron_rl.rollout.factory import ENGINES
 from megatron_rl.rollout.functions import resolve_rollout_function
+from megatron_rl.rollout.needs import rollout_needs
 
 _field = dataclasses.field
 
@@ -195,6 +197,9 @@ class RolloutConfig:
         "by its task's verifier) or the import path `module:function` of a function "
         "fn(ctx, records) -> groups of Trajectory, e.g. a multi-turn agent loop "
         "(megatron_rl/rollout/functions.py: the signature; docs/rollout.md)"))
+    rollout_function_args: dict[str, Any] = _opt(factory=dict, help=(
+        "settings of the --rollout-function: a JSON object the function reads as ctx.args "
+        "(YAML: a mapping)"))
 
     def __post_init__(self):
         # YAML may give one URL as a string (and None for none)
@@ -481,6 +486,12 @@ class TrainConfig:
         self.checkpoint.validate()
         self.optimizer.validate()
         self.logging.validate()
+        unread = self.agent.changed_flags()
+        if unread and not rollout_needs(self.rollout.rollout_function).agent_settings:
+            raise ValueError(f"{', '.join(unread)} set, but nothing reads them with "
+                             f"--rollout-function {self.rollout.rollout_function}, which does "
+                             "not read the agent settings (--rollout-function agent does, and "
+                             "a function declaring RolloutNeeds.agent_settings): remove them")
         self.agent.validate()
         if self.loss.rollout_correction.enabled and self.use_rollout_logprobs():
             raise ValueError(f"--rollout-correction {self.loss.rollout_correction.mode} weighs "
@@ -500,15 +511,19 @@ class TrainConfig:
             raise ValueError(f"--overlong-buffer-len {buffer}: the last tokens before "
                              f"--max-new-tokens ({self.rollout.max_new_tokens}) that are "
                              "penalised; must be less than it")
-        if buffer and self.rollout.rollout_function != "single-turn":
+        function = self.rollout.rollout_function
+        needs = rollout_needs(function)
+        if buffer and not needs.single_response:
             raise ValueError(f"--overlong-buffer-len measures a response against "
                              f"--max-new-tokens, one generate call's budget; --rollout-function "
-                             f"{self.rollout.rollout_function} makes several calls per "
-                             "trajectory (--overlong-filtering works with any)")
-        if self.algorithm.routing_replay and self.rollout.rollout_function == "agent":
-            raise ValueError("--routing-replay with --rollout-function agent: the engine's "
-                             "experts are recorded per generate call, and an episode's turns "
-                             "are several calls; replay is for single-turn rollouts")
+                             f"{function} does not declare one response per trajectory "
+                             "(RolloutNeeds.single_response; --overlong-filtering works with "
+                             "any)")
+        if self.algorithm.routing_replay and not needs.routing_replay:
+            raise ValueError(f"--routing-replay with --rollout-function {function}: the "
+                             "engine's experts are recorded per generate call, and its "
+                             "trajectories are not one call's (RolloutNeeds.routing_replay); "
+                             "replay is for single-turn rollouts")
         if self.algorithm.routing_replay:
             engine = self.rollout.rollout_engine
             if not ENGINES[engine].routed_experts:
@@ -687,6 +702,9 @@ def _argparse_kwargs(name: str, kind, meta: dict, default) -> dict[str, Any]:
     base = args[0] if args and typing.get_origin(kind) is not list else kind
     if base is bool:
         kw["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(kind) is dict:
+        kw["type"] = _json_object
+        kw["metavar"] = "JSON"
     elif typing.get_origin(kind) is list:
         kw["nargs"] = "+"
         if typing.get_args(kind) in ((int,), (float,)):
@@ -698,9 +716,21 @@ def _argparse_kwargs(name: str, kind, meta: dict, default) -> dict[str, Any]:
     return kw
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A dict-typed flag's value: a JSON object (argparse names the flag in the error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object ({{\"name\": value, ...}}) is needed, "
+                                         f"not a {type(value).__name__}")
+    return value
+
+
 def _help_text(meta: dict, default) -> str:
     """The field's help followed by its default, escaped for argparse's %-formatting."""
-    if default is None or default == "" or default == []:
+    if default is None or default == "" or default == [] or default == {}:
         shown = "unset"
     elif isinstance(default, bool):
         shown = "on" if default else "off"
@@ -734,6 +764,8 @@ def _coerce(value: Any, kind, key: str, source: str) -> Any:
     ValueError naming the key and the file. null is None for an optional setting and the empty
     list for a list."""
     args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) is dict:
+        return _coerce_mapping(value, key, source)
     if typing.get_origin(kind) is list:
         elem = typing.get_args(kind)[0]
         items = [] if value is None else value if isinstance(value, list) else [value]
@@ -772,6 +804,26 @@ def _coerce(value: Any, kind, key: str, source: str) -> Any:
     if base is str and not isinstance(value, str):
         raise refuse()
     return value
+
+
+def _coerce_mapping(value: Any, key: str, source: str) -> dict[str, Any]:
+    """A config file's value for a mapping setting (--agent-env-args ...): a mapping with
+    string keys whose values JSON can hold (the run's config.json keeps it), or a string
+    holding a JSON object, as the flag takes it; null is the empty mapping."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}: {key}: not valid JSON ({e}); a mapping is needed") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"{source}: {key}: {value!r} is not a mapping of names to values (the "
+                         f"type of {_flag(key)})")
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {key}: a value JSON cannot hold ({e})") from None
 
 
 def read_config_file(path: str) -> dict[str, Any]:

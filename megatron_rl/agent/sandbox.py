@@ -75,7 +75,7 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from megatron_rl.agent.tools import OK, OUTPUT_TRUNCATED, TIMEOUT, TOOL_ERROR, Tool, ToolResult
 
@@ -268,34 +268,40 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Resource limits of one sandboxed call."""
+    """Resource limits of one sandboxed call. Each field's metadata holds its help text and its
+    bound ("gt" or "min"), which ``validate`` checks and which the flags of these limits
+    (agent/settings.py, --agent-sandbox-*) declare."""
 
-    wall_time_s: float = field(default=10.0, metadata={"help": (
+    wall_time_s: float = field(default=10.0, metadata={"gt": 0, "help": (
         "wall-clock limit of one call in seconds; the whole sandbox is killed past it")})
-    cpu_time_s: int | None = field(default=None, metadata={"help": (
-        "CPU seconds per process (RLIMIT_CPU; SIGXCPU past it); None: the wall limit rounded up")})
-    memory_mb: int = field(default=1024, metadata={"help": (
+    cpu_time_s: int | None = field(default=None, metadata={"min": 1, "help": (
+        "CPU seconds per process (RLIMIT_CPU; SIGXCPU past it); unset: the wall-clock limit "
+        "rounded up")})
+    memory_mb: int = field(default=1024, metadata={"min": 64, "help": (
         "address space per process in MiB (RLIMIT_AS); a larger allocation raises MemoryError")})
-    max_processes: int = field(default=16, metadata={"help": (
+    max_processes: int = field(default=16, metadata={"min": 2, "help": (
         "processes and threads in the sandbox (RLIMIT_NPROC in its own user namespace)")})
-    scratch_mb: int = field(default=64, metadata={"help": (
+    scratch_mb: int = field(default=64, metadata={"min": 1, "help": (
         "size in MiB of each writable tmpfs (/tmp and /dev/shm); also the largest file")})
-    max_output_bytes: int = field(default=64 * 1024, metadata={"help": (
-        "stdout plus stderr kept from one call; the program is stopped once it writes more")})
-    max_open_files: int = field(default=256, metadata={"help": "open file descriptors per process (RLIMIT_NOFILE)"})
+    max_output_bytes: int = field(default=64 * 1024, metadata={"min": 1024, "help": (
+        "bytes of stdout plus stderr kept from one call; the program is stopped once it writes "
+        "more")})
+    max_open_files: int = field(default=256, metadata={"min": 16, "help": (
+        "open file descriptors per process (RLIMIT_NOFILE)")})
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
-        if not self.wall_time_s > 0:
-            raise ValueError(f"wall_time_s must be > 0, got {self.wall_time_s}")
-        if self.cpu_time_s is not None and self.cpu_time_s < 1:
-            raise ValueError(f"cpu_time_s must be >= 1 (whole seconds) or None, got {self.cpu_time_s}")
-        for name, least in (("memory_mb", 64), ("max_processes", 2), ("scratch_mb", 1),
-                            ("max_output_bytes", 1024), ("max_open_files", 16)):
-            if getattr(self, name) < least:
-                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        """Raise ValueError naming the first limit outside its declared bound."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if "gt" in f.metadata and not value > f.metadata["gt"]:
+                raise ValueError(f"{f.name} must be > {f.metadata['gt']}, got {value}")
+            if "min" in f.metadata and not value >= f.metadata["min"]:
+                raise ValueError(f"{f.name} must be >= {f.metadata['min']}, got {value}")
 
     @property
     def cpu_seconds(self) -> int:

@@ -305,7 +305,9 @@ OUT_OF_RANGE = {
     "--clip-grad": ("-1", []),
     "--lr-warmup-init": ("1", []),  # above --lr
     "--exit-duration-in-mins": ("-1", []),
-    "--agent-env-timeout": ("0", []),
+    "--agent-env-timeout": ("0", ["--rollout-function", "agent"]),
+    "--agent-max-env-failures": ("1.5", ["--rollout-function", "agent"]),
+    "--agent-sandbox-time": ("0", ["--rollout-function", "agent", "--agent-tools", "python"]),
 }
 NO_RANGE = {"--entropy-coef"}  # any finite value is a setting (negative: an entropy penalty)
 
