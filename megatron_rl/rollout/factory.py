@@ -13,6 +13,7 @@ import os
 from typing import Callable
 
 from megatron_rl.rollout.memory import GiB, ServerMemory, model_server_memory
+from megatron_rl.rollout.needs import episode_tokens
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ def server_configs(cfg, args, longest_prompt: int | None, cuda: bool,
     context_len: int | None = None  # attached servers: theirs
     if not r.rollout_url:
         assert longest_prompt is not None, "started servers need the longest prompt"
-        episode = cfg.agent.agent_max_tokens if r.rollout_function == "agent" else 0
+        # a rollout function declaring episode_context: an episode of --agent-max-tokens
+        episode = episode_tokens(r.rollout_function, cfg.agent)
         context_len = server_context_len(r, longest_prompt, args.max_position_embeddings,
                                          episode)
         if cuda:

@@ -111,6 +111,7 @@ def test_recipe_server_holds_a_full_length_request(path):
     (rollout/memory.py), holds one request of that length on an 80 GB H100: the server starts."""
     from megatron_rl.models import ModelArgs
     from megatron_rl.rollout.factory import ENGINES, server_context_len, server_memory_plan
+    from megatron_rl.rollout.needs import episode_tokens
 
     cfg = parse_config(["--config", path])
     r = cfg.rollout
@@ -120,7 +121,7 @@ def test_recipe_server_holds_a_full_length_request(path):
     args = ModelArgs.from_hf_config(HF_CONFIGS[os.path.basename(cfg.model.hf_checkpoint)])
     # the length is the recipe's own (known before the data is), the prompts are checked by it
     assert r.rollout_max_context_len > r.max_new_tokens
-    episode = cfg.agent.agent_max_tokens if r.rollout_function == "agent" else 0
+    episode = episode_tokens(r.rollout_function, cfg.agent)
     context_len = server_context_len(r, r.rollout_max_context_len - r.max_new_tokens,
                                      args.max_position_embeddings, episode)
     assert r.rollout_gpu_memory_utilization is not None
@@ -135,6 +136,7 @@ def test_recipe_microbatch_holds_a_full_length_sequence(path):
     started here, a whole episode (--agent-max-tokens) of --rollout-function agent, at least
     one full response."""
     from megatron_rl.rollout.factory import ENGINES
+    from megatron_rl.rollout.needs import episode_tokens
 
     cfg = parse_config(["--config", path])
     r, budget = cfg.rollout, cfg.algorithm.max_tokens_per_microbatch
@@ -143,8 +145,7 @@ def test_recipe_microbatch_holds_a_full_length_sequence(path):
     longest = r.max_new_tokens + 1
     if ENGINES[r.rollout_engine].servers and not r.rollout_url:
         longest = max(longest, r.rollout_max_context_len)
-    if r.rollout_function == "agent":
-        longest = max(longest, cfg.agent.agent_max_tokens)
+    longest = max(longest, episode_tokens(r.rollout_function, cfg.agent))
     assert budget >= longest, (budget, longest)
 
 
