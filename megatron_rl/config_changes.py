@@ -38,6 +38,7 @@ import os
 import warnings
 from typing import Any
 
+from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.config import TrainConfig, flag_fields, to_flat_dict
 from megatron_rl.errors import ConfigError
 
@@ -143,7 +144,9 @@ def _rules_of_this_resume(old: dict, new: dict, ckpt: str, from_load: bool) -> d
     take effect. Under --filter-overlong-prompts the context limit (--rollout-max-context-len,
     where --rollout-url leaves servers to start) decides which rows the run trains on: a change
     of it needs the flag. The tensor/pipeline-parallel sizes (RESAMPLES where _layout_resamples
-    says what they redraw) set the data-parallel size at a given number of ranks."""
+    says what they redraw) set the data-parallel size at a given number of ranks. An agent
+    setting that nothing reads before and after (_unread_agent_settings) is free: a start
+    that drops one the configuration now refuses resumes."""
     from megatron_rl.checkpoint import step_reference
 
     rules: dict[str, tuple] = {}
@@ -167,6 +170,9 @@ def _rules_of_this_resume(old: dict, new: dict, ckpt: str, from_load: bool) -> d
             for name in ("rollout_max_context_len", "rollout_url"):
                 if old.get(name) != new.get(name):
                     rules[name] = (NEEDS_FLAG, why)
+    for name in _unread_agent_settings(old) & _unread_agent_settings(new):
+        rules[name] = (FREE, "nothing reads it: the rollout function does not read the agent "
+                             "settings, or the environment and tools do not read this one")
     if from_load:
         for name in ("load", "finetune"):
             rules[name] = (FREE, "where the resumed run checkpoint is read from")
@@ -188,6 +194,23 @@ def _rules_of_this_resume(old: dict, new: dict, ckpt: str, from_load: bool) -> d
         rules["ref_checkpoint"] = (FIXED, "the checkpoint holds the run's reference (saved with "
                                           "--ref-reset-interval), which the resume takes")
     return rules
+
+
+def _unread_agent_settings(flat: dict) -> set[str]:
+    """The agent settings (AgentConfig's flat names) that nothing reads in the flat
+    configuration `flat`: all of them where its --rollout-function does not declare
+    agent_settings (rollout/needs.py), else those its --agent-environment and --agent-tools
+    leave unread; none where the rollout function does not import."""
+    from megatron_rl.rollout.needs import rollout_needs
+
+    names = [f.name for f in dataclasses.fields(AgentConfig)]
+    try:
+        reads = rollout_needs(flat.get("rollout_function", "single-turn")).agent_settings
+        if not reads:
+            return set(names)
+        return set(AgentConfig(**{n: flat[n] for n in names if n in flat}).unread_fields())
+    except (TypeError, ValueError):
+        return set()
 
 
 def _keeps_filtered_groups(flat: dict) -> bool:
@@ -303,6 +326,8 @@ def _show(value: Any) -> str:
         return "on" if value else "off"
     if isinstance(value, list):
         return " ".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value) if value else "unset"
     if value == "":
         return '""'
     return str(value)

@@ -187,13 +187,18 @@ def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
               ) -> tuple[PromptDataset, PromptDataset | None]:
     """The run's training and evaluation data (--train-data, --eval-data), each prompt that
     the run will send checked against the context (check_context) for a model of
-    `max_position_embeddings` positions. Collective when distributed."""
+    `max_position_embeddings` positions. A row's task may be one no verifier knows where an
+    environment of the user's gives the reward (rollout.needs.free_tasks). Collective when
+    distributed."""
     from megatron_rl.data.prompts import PromptDataset
+    from megatron_rl.rollout.needs import free_tasks
 
     d = cfg.data
     builder = prompt_builder(cfg, codec)
-    train = PromptDataset.from_jsonl(d.train_data, builder, seed=cfg.seed)
-    evals = PromptDataset.from_jsonl(d.eval_data, builder, shuffle=False) if d.eval_data else None
+    any_task = free_tasks(cfg.rollout.rollout_function, cfg.agent)
+    train = PromptDataset.from_jsonl(d.train_data, builder, any_task, seed=cfg.seed)
+    evals = (PromptDataset.from_jsonl(d.eval_data, builder, any_task, shuffle=False)
+             if d.eval_data else None)
     checks = [(train, "--train-data", 0)]
     if evals is not None and cfg.eval.eval_interval:  # evaluation reads --eval-max-prompts rows
         checks.append((evals, "--eval-data", cfg.eval.eval_max_prompts))
@@ -203,16 +208,13 @@ def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
 
 def prompt_builder(cfg: TrainConfig, codec: Codec) -> PromptBuilder:
     """The data.prompts.PromptBuilder of `cfg`'s prompt flags (--chat-template,
-    --prompt-template, --task-instruction; the agent's tool schemas under --rollout-function
-    agent with --agent-environment tools)."""
+    --prompt-template, --task-instruction; the tool schemas of --agent-tools where the rollout
+    function declares tool_schemas and --agent-environment is tools: rollout.needs.prompt_tools)."""
     from megatron_rl.data.prompts import PromptBuilder
+    from megatron_rl.rollout.needs import prompt_tools
 
     d = cfg.data
-    tools = None
-    if cfg.rollout.rollout_function == "agent" and cfg.agent.agent_environment == "tools":
-        from megatron_rl.agent.settings import tool_registry
-
-        tools = tool_registry(cfg.agent).schemas()  # the tools' schemas in the template
+    tools = prompt_tools(cfg.rollout.rollout_function, cfg.agent)
     return PromptBuilder(tokenizer=codec.tokenizer if d.chat_template else None,
                          template=d.prompt_template, use_chat_template=d.chat_template,
                          task_instruction=d.task_instruction, tools=tools)
@@ -224,16 +226,16 @@ def check_context(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
     `cfg` for a model of `max_position_embeddings` positions: an overlong prompt among its
     `first` rows (0: all) refused naming `flag`, file and line, or skipped under
     --filter-overlong-prompts; returns the data sets to use. An --agent-max-tokens episode
-    longer than the context is refused first. Collective when distributed: rank 0 counts the
+    (a rollout function declaring episode_context) longer than the context is refused first. Collective when distributed: rank 0 counts the
     tokens, every rank gets the rows to keep."""
     from megatron_rl.data.lengths import ContextLimit, check_prompt_lengths
     from megatron_rl.parallel import run_on_rank
     from megatron_rl.rollout.factory import context_limit
+    from megatron_rl.rollout.needs import episode_tokens
 
     limit = ContextLimit(*context_limit(cfg.rollout, max_position_embeddings),
                          max_new_tokens=cfg.rollout.max_new_tokens)
-    if (cfg.rollout.rollout_function == "agent"
-            and cfg.agent.agent_max_tokens > limit.tokens):
+    if episode_tokens(cfg.rollout.rollout_function, cfg.agent) > limit.tokens:
         raise ValueError(f"--agent-max-tokens {cfg.agent.agent_max_tokens}: an episode longer "
                          f"than {limit.source} cannot be generated; lower it to at most "
                          f"{limit.tokens}")

@@ -133,14 +133,19 @@ class AgentConfig:
         return [_flag(f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != getattr(default, f.name)]
 
-    def unread_flags(self) -> list[str]:
-        """The flags set to other than their defaults that the agent loop does not read with
-        this --agent-environment and --agent-tools (see the module docstring)."""
+    def unread_fields(self) -> list[str]:
+        """The fields the agent loop does not read with this --agent-environment and
+        --agent-tools, whatever their values (see the module docstring)."""
         tools_env = self.agent_environment in BUILT_IN
         reads = {"tools": tools_env, "environment": not tools_env,
                  "python": tools_env and "python" in self.agent_tools}
-        unread = {_flag(f.name) for f in dataclasses.fields(self)
-                  if not reads.get(f.metadata.get("reads", ""), True)}
+        return [f.name for f in dataclasses.fields(self)
+                if not reads.get(f.metadata.get("reads", ""), True)]
+
+    def unread_flags(self) -> list[str]:
+        """The flags set to other than their defaults that the agent loop does not read with
+        this --agent-environment and --agent-tools."""
+        unread = {_flag(name) for name in self.unread_fields()}
         return [flag for flag in self.changed_flags() if flag in unread]
 
     def validate(self) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from megatron_rl.data.records import TaskExample, iter_examples
+from megatron_rl.data.records import TASKS, TaskExample, iter_examples
 
 CHOICE_LETTERS = "ABCDEFGHIJ"
 
@@ -103,7 +103,9 @@ class PromptBuilder:
                 and getattr(self.tokenizer, "chat_template", None) is not None)
 
     def user_message(self, example: TaskExample) -> str:
-        if not self.task_instruction:
+        """The problem, with its task's answer-format instruction (--task-instruction) where
+        the task has one (a task of an environment's own, outside TASKS, has none)."""
+        if not self.task_instruction or example.task not in TASKS:
             return example.prompt.strip()
         return task_instruction_text(example, self.countdown_require_all)
 
@@ -202,11 +204,14 @@ class PromptDataset:
 
     @classmethod
     def from_jsonl(cls, paths: str | Path | Sequence[str | Path], builder: PromptBuilder | None = None,
-                   **kwargs) -> "PromptDataset":
+                   any_task: bool = False, **kwargs) -> "PromptDataset":
+        """The rows of the JSONL files `paths`, each checked (records.TaskExample.from_dict;
+        `any_task`: a task no verifier knows is accepted, for an environment that gives the
+        reward)."""
         paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
         examples, locations = [], []
         for p in paths:
-            for line, ex in iter_examples(p):
+            for line, ex in iter_examples(p, any_task):
                 examples.append(ex)
                 locations.append(f"{p}:{line}")
         kwargs.setdefault("name", "+".join(Path(p).stem for p in paths))

@@ -2,7 +2,8 @@
 
 ``prompt`` is the raw problem text (no instruction, no chat template: prompts.py adds those at
 training time), ``answer`` the gold answer as a string, ``task`` the reward to use (a name in
-``megatron_rl.rewards.REWARDS``), ``metadata`` whatever the reward or prompt builder needs
+``megatron_rl.rewards.REWARDS``; any name where the rows are read with ``any_task``: an agent
+environment of the user's gives the reward, runtime.load_data), ``metadata`` whatever the reward or prompt builder needs
 (Countdown numbers, MMLU choices) plus provenance.
 """
 from __future__ import annotations
@@ -39,8 +40,12 @@ class TaskExample:
         return json.dumps(asdict(self), ensure_ascii=False)
 
     @classmethod
-    def from_dict(cls, row: Any, path: str | Path = "<row>", line: int | None = None) -> "TaskExample":
-        """Validate one parsed row; raises DataFormatError naming path, line and field."""
+    def from_dict(cls, row: Any, path: str | Path = "<row>", line: int | None = None,
+                  any_task: bool = False) -> "TaskExample":
+        """Validate one parsed row; raises DataFormatError naming path, line and field.
+        `any_task`: a `task` that no verifier knows (TASKS) is accepted (its rows get no task
+        instruction and are scored by the environment; the metadata of a known task is still
+        checked)."""
         if not isinstance(row, dict):
             raise DataFormatError(path, line, f"expected a JSON object, got {type(row).__name__}")
         for name in ("prompt", "answer", "task"):
@@ -50,8 +55,11 @@ class TaskExample:
                 raise DataFormatError(path, line, f"expected a string, got {type(row[name]).__name__}", field=name)
         if not row["prompt"].strip():
             raise DataFormatError(path, line, "empty", field="prompt")
-        if row["task"] not in TASKS:
-            raise DataFormatError(path, line, f"unknown task {row['task']!r}; valid: {list(TASKS)}", field="task")
+        if row["task"] not in TASKS and not (any_task and row["task"].strip()):
+            free = "" if any_task else (" (any name with --agent-environment set to an "
+                                        "environment of your own, which gives the reward)")
+            raise DataFormatError(path, line, f"unknown task {row['task']!r}; valid: "
+                                              f"{list(TASKS)}{free}", field="task")
         metadata = row.get("metadata", {})
         if metadata is None:
             metadata = {}
@@ -132,10 +140,11 @@ def not_utf8(path: str | Path, error: UnicodeDecodeError) -> DataFormatError:
     return DataFormatError(path, None, f"not UTF-8 ({error.reason})")
 
 
-def iter_examples(path: str | Path) -> Iterator[tuple[int, TaskExample]]:
-    """(line number, row) for each row of a prepared JSONL file, validating every row."""
+def iter_examples(path: str | Path, any_task: bool = False) -> Iterator[tuple[int, TaskExample]]:
+    """(line number, row) for each row of a prepared JSONL file, validating every row
+    (`any_task`: TaskExample.from_dict's)."""
     for lineno, row in iter_jsonl(path):
-        yield lineno, TaskExample.from_dict(row, path, lineno)
+        yield lineno, TaskExample.from_dict(row, path, lineno, any_task)
 
 
 def read_examples(path: str | Path) -> list[TaskExample]:
