@@ -87,8 +87,8 @@ def evaluate(run: Run, step: int) -> dict:
         return {}
     cfg, engine, rollout = run.cfg, run.engine, run.cfg.rollout.rollout_function
     ctx = lambda seed: RolloutContext(engine, run.sampling_params(seed=seed),  # noqa: E731
-                                      cfg.eval.eval_samples, run.codec, run.scorer, cfg, step,
-                                      evaluation=True)
+                                      cfg.eval.eval_samples, run.codec, run.scorer, cfg,
+                                      step - 1, evaluation=True)  # from 0: RolloutContext.step
     counts: Counter = Counter()
     # (records, groups) chunks, written with --save-rollouts
     kept = [] if saves_rollouts(cfg.logging.save_rollouts, step, "eval") else None

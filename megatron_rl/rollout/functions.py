@@ -109,9 +109,14 @@ class RolloutContext:
     group_size: trajectories per prompt (--group-size; --eval-samples in evaluation).
     codec: text <-> token ids with the run's tokenizer (runtime.Codec).
     scorer: the rewards (rewards.RewardScorer.score: a Scored per response).
-    config: the run's configuration (None outside a training run: `megatron-rl eval`).
-    step: the RL step the rollout is for (the step evaluated at, in evaluation).
-    evaluation: True when the rollout is for the periodic evaluation, not for training.
+    config: the run's configuration (`megatron-rl eval`: its flags' settings, the defaults
+        for the rest).
+    step: the RL step the rollout belongs to, from 0: step s's training batch and the
+        evaluation after step s's update both have s (metrics.jsonl and the checkpoints number
+        that step s + 1); `megatron-rl eval` has its weights' periodic evaluation's (a --load
+        checkpoint of step N: N - 1; 0 for weights no RL step made).
+    evaluation: True when the rollout is for an evaluation (periodic or `megatron-rl eval`),
+        not for training.
     """
 
     engine: RolloutEngine
