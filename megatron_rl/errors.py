@@ -6,8 +6,13 @@ command refuses (convert's --save). The functions raise it like any ValueError; 
 becomes a process (`megatron-rl <command>`, `python -m megatron_rl.train`,
 tools/convert_checkpoint.py) run_command prints its message as `<command>: error: <message>` and
 exits with EXIT_USAGE, the status argparse gives a flag it refuses, without a traceback: the
-message names what to fix, and a traceback above it would bury it. Every other exception is a
-bug or a failure of the machine and keeps its traceback.
+message names what to fix, and a traceback above it would bury it.
+
+A RunError is a run that cannot go on for a cause outside the program, found while it runs
+(an --agent-environment that fails most of a step's episodes): run_command prints it the same
+way and exits with EXIT_FAILURE. Its message names the cause (the environment, its error, the
+record); the trainer's traceback would only show where the check is. Every other exception is
+a bug or a failure of the machine and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from typing import Callable
 
 EXIT_USAGE = 2
 """Exit status of a command refused for what it was given (argparse's for a bad flag)."""
+
+EXIT_FAILURE = 1
+"""Exit status of a command stopped by a RunError."""
+
 
 class UserError(ValueError):
     """A mistake in a command's input, its message naming the flag, key, file or line to fix.
@@ -28,12 +37,21 @@ class ConfigError(UserError):
     file that cannot be read."""
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on, for a cause outside the program that its message names (the
+    environment, the error it raised, the record it raised on): printed without a traceback."""
+
+
 def run_command(command: str, main: Callable[[list[str]], object], argv: list[str]) -> int:
     """Run a command's `main(argv)` as a process does: its exit status (0 where main returns
-    None), or EXIT_USAGE after printing `<command>: error: <message>` to stderr for a UserError
-    (no traceback). A SystemExit from main (argparse's, a resumable stop's) passes through."""
+    None), or, after printing `<command>: error: <message>` to stderr (no traceback),
+    EXIT_USAGE for a UserError and EXIT_FAILURE for a RunError. A SystemExit from main
+    (argparse's, a resumable stop's) passes through."""
     try:
         return int(main(argv) or 0)  # type: ignore[call-overload]
     except UserError as e:
         print(f"{command}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except RunError as e:
+        print(f"{command}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE

@@ -21,19 +21,33 @@ turn such as <|im_end|> is there when the policy wrote it). `step` returns a Ste
     counts       numbers summed over the episode's steps into its metrics (rollout/agent/<name>)
     info         anything else; the last step's is kept in the trajectory's metadata
 
-The trajectory's reward: the `reward` of the step on the episode's last policy turn where that
-step returned one; otherwise (no reward, or no step on the last turn: a turn cut at
---agent-max-tokens) the task's verifier on the text of the last policy turn.
+The trajectory's rewards (agent/loop.py): one per policy turn, Trajectory.turn_rewards, the
+`reward` of the step on that turn (None: 0); on the last policy turn, where its step returned
+no reward (or there was no step: a turn cut at --agent-max-tokens), the task's verifier on that
+turn's text. The trajectory's reward is their sum.
+
+`reset`, `step` and `close` may be coroutine functions (`async def`), or return an awaitable:
+it is awaited on the call's thread, in an event loop of the episode's own, made at its first
+awaitable and kept for all its calls (an environment may hold loop-bound things from reset to
+close: a client session, a lock, a subprocess), closed after `close`. Each call still runs on
+a thread of its own under --agent-env-timeout, so one episode's slow coroutine holds no other.
+
+Each message of an observation is cut to --agent-max-tool-output-chars characters (its head
+and tail around a note of how much was cut, as a tool's output is: tools.truncate_text),
+counted as rollout/agent/observation_truncated.
 
 Failures are the episode's, not the run's: `factory()`, `reset` and `step` run on daemon threads
 (one per call, all of a turn's episodes at once) and a call that raises, or that has not
 returned after --agent-env-timeout seconds, ends its episode with reward 0, end reason
 env_error or env_timeout, and its policy tokens masked (mask 0: the policy is not trained on an
-episode its environment broke). A Python thread cannot be killed: the thread of a call that
-timed out is abandoned, still running, and its environment is never touched again. At most
---agent-env-max-abandoned such threads may be alive in the process at once; one more stops the
-run with an error (an environment that hangs that often is broken, and each hung thread holds
-its memory).
+episode its environment broke; it leaves its group's baseline). A Python thread cannot be
+killed: the thread of a call that timed out is abandoned, still running, and its environment is
+never touched again. At most --agent-env-max-abandoned such threads may be alive in the process
+at once; one more stops the run with an error (an environment that hangs that often is broken,
+and each hung thread holds its memory). An environment that fails more than
+--agent-max-env-failures of a rollout call's episodes is broken, not unlucky: the rollout stops
+with EnvironmentFailed, naming the environment, how many episodes failed and the first
+failure's call, error and record.
 
 The built-in environment "tools" (ToolsEnvironment) is the loop's tool calling: it parses the
 turn's calls (--tool-call-format), runs them on the loop's ToolExecutor, and answers with one
@@ -43,15 +57,19 @@ the batch: it runs without --agent-env-timeout.
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Union
 
 from megatron_rl.agent.parsing import parse_tool_calls
-from megatron_rl.imports import import_callable
 from megatron_rl.agent.tools import ToolExecutor
+from megatron_rl.errors import RunError
+from megatron_rl.imports import import_callable
 
 if TYPE_CHECKING:
     from megatron_rl.data.prompts import PromptRecord
@@ -169,12 +187,14 @@ OK, ERROR, TIMEOUT = "ok", "env_error", "env_timeout"
 @dataclass
 class CallOutcome:
     """One environment call's outcome: status OK with its `value`, ERROR with `error` (the
-    exception's type and message), or TIMEOUT; `seconds` it took (the limit, for TIMEOUT)."""
+    exception's type and message) and `where` (the file, line and function it was raised in),
+    or TIMEOUT; `seconds` it took (the limit, for TIMEOUT)."""
 
     status: str
     value: Any = None
     error: str = ""
     seconds: float = 0.0
+    where: str = ""
 
 
 class _Abandoned:
@@ -217,8 +237,10 @@ def run_calls(calls: Sequence[Callable[[], Any] | None], timeout: float | None,
             value = fn()
             box.append(CallOutcome(OK, value, seconds=time.monotonic() - start))
         except BaseException as e:  # noqa: BLE001 - the episode's failure, reported
+            frames = traceback.extract_tb(e.__traceback__)
+            where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
             box.append(CallOutcome(ERROR, error=f"{type(e).__name__}: {e}",
-                                   seconds=time.monotonic() - start))
+                                   seconds=time.monotonic() - start, where=where))
 
     start = time.monotonic()
     threads: list[threading.Thread | None] = []
@@ -249,15 +271,67 @@ def record_identity(record: PromptRecord) -> str:
     return record.uid + (f" ({', '.join(where)})" if where else "")
 
 
+def failure_text(outcome: CallOutcome, what: str, record: PromptRecord,
+                 timeout: float | None) -> str:
+    """`<call> on record <record> raised <type: message> (at <file:line>)`, or that it did not
+    return in time: one failed call, as the log and EnvironmentFailed name it."""
+    why = (f"did not return within --agent-env-timeout {timeout} s (its thread is abandoned)"
+           if outcome.status == TIMEOUT else
+           f"raised {outcome.error}" + (f" (at {outcome.where})" if outcome.where else ""))
+    return f"{what} on record {record_identity(record)} {why}"
+
+
 def log_failure(outcome: CallOutcome, what: str, record: PromptRecord, environment: str,
                 timeout: float | None) -> None:
     """One warning for an episode its environment failed."""
-    why = (f"did not return within --agent-env-timeout {timeout} s (its thread is abandoned)"
-           if outcome.status == TIMEOUT else f"raised {outcome.error}")
-    log.warning("agent environment %s: %s on record %s %s%s", environment, what,
-                record_identity(record), why,
+    log.warning("agent environment %s: %s%s", environment,
+                failure_text(outcome, what, record, timeout),
                 "" if what == "close" else "; the episode ends with reward 0")
 
 
-__all__ = ["ABANDONED", "BUILT_IN", "CallOutcome", "Environment", "StepResult",
-           "ToolsEnvironment", "messages", "resolve_environment", "run_calls"]
+class EnvironmentFailed(RunError):
+    """An --agent-environment failed more than --agent-max-env-failures of a rollout call's
+    episodes (check_failures): the run stops, the message naming the environment, the count
+    and the first failure."""
+
+
+def check_failures(environment: str, max_share: float, total: int,
+                   failures: Sequence[str]) -> None:
+    """Raise EnvironmentFailed when `failures` (failure_text of each failed episode, in episode
+    order) are more than `max_share` (--agent-max-env-failures) of the `total` episodes of a
+    rollout call. Below it the failed episodes stay the episodes' own (reward 0, mask 0)."""
+    if not failures or len(failures) <= max_share * total:
+        return
+    raise EnvironmentFailed(
+        f"agent environment {environment} (--agent-environment) failed {len(failures)} of "
+        f"{total} episodes of this rollout, more than --agent-max-env-failures {max_share:g} "
+        f"of them; the first: {failures[0]}")
+
+
+def resolve(value: Any, loops: list[asyncio.AbstractEventLoop | None], i: int) -> Any:
+    """`value`, awaited where it is awaitable (a coroutine function's call, or a coroutine a
+    plain function returned) in episode `i`'s event loop `loops[i]`, made on first use, on this
+    thread. The calls of one environment never overlap (a call past the timeout is abandoned
+    with its environment), so the loop is never run by two threads at once."""
+    if not inspect.isawaitable(value):
+        return value
+    if loops[i] is None:
+        loops[i] = asyncio.new_event_loop()
+    loop = loops[i]
+    assert loop is not None
+    return loop.run_until_complete(value)
+
+
+def close_loop(loops: list[asyncio.AbstractEventLoop | None], i: int) -> None:
+    """Episode `i`'s event loop, if it made one, closed (its async generators finished)."""
+    loop, loops[i] = loops[i], None
+    if loop is not None:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+__all__ = ["ABANDONED", "BUILT_IN", "CallOutcome", "Environment", "EnvironmentFailed",
+           "StepResult", "ToolsEnvironment", "check_failures", "failure_text", "messages",
+           "resolve_environment", "run_calls"]

@@ -51,10 +51,18 @@ rollout/agent/end_<reason>:
     env_error       the environment raised (made, reset or step): reward 0, every token mask 0
     env_timeout     its call took longer than --agent-env-timeout: the same
     (another environment may end an episode with a reason of its own: StepResult.end)
+More than --agent-max-env-failures of the call's episodes ending in env_error or env_timeout
+stop the rollout (env.check_failures: EnvironmentFailed naming the environment, the count, the
+first failure's call, error and record), on every rank of a model-parallel group alike (the
+outcomes it counts are the group's shared ones).
 
-Reward: the environment's reward for the policy's last turn where its step on that turn gave
-one (counted as agent/env_reward); otherwise the task's verifier on the text of the policy's
-last turn, against the record's answer (tool responses are not the policy's answer).
+Rewards, one per policy turn (Trajectory.turn_rewards): the environment's step reward on that
+turn, 0 where the step gave None; on the last policy turn, where its step gave none (or it was
+not stepped: a turn cut at --agent-max-tokens), the task's verifier on that turn's text against
+the record's answer (tool responses are not the policy's answer); an environment's reward on
+the last turn is counted as agent/env_reward. The trajectory's reward is the sum of its turn
+rewards (for the built-in tools environment, which gives none: the verifier's on the last
+turn). An episode its environment failed: every turn reward 0.
 
 Per-trajectory counts in Trajectory.metadata["counts"] (agent/turns, agent/tool_calls,
 agent/tool_seconds, agent/tool_<outcome> for agent.tools.OUTCOMES, agent/end_<reason>,
@@ -67,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -76,10 +85,10 @@ from megatron_rl.agent import schedule
 from megatron_rl.agent.env import OK, CallOutcome, StepResult, ToolsEnvironment
 from megatron_rl.agent.env import ERROR as ENV_ERROR
 from megatron_rl.agent.env import TIMEOUT as ENV_TIMEOUT
-from megatron_rl.agent.env import (log_failure, messages, resolve_environment,
-                                   run_calls)
+from megatron_rl.agent.env import (check_failures, close_loop, failure_text, log_failure,
+                                   messages, resolve, resolve_environment, run_calls)
 from megatron_rl.agent.settings import AgentConfig, tool_registry
-from megatron_rl.agent.tools import OUTCOMES, ToolExecutor, ToolRegistry
+from megatron_rl.agent.tools import OUTCOMES, ToolExecutor, ToolRegistry, truncate_text
 from megatron_rl.parallel import model_parallel_source
 from megatron_rl.rollout.functions import Trajectory
 from megatron_rl.rollout.needs import declare_needs
@@ -246,8 +255,10 @@ class _Episode:
     finish_reason: str = "stop"
     end: str | None = None
     counts: dict[str, float] = field(default_factory=dict)
-    env_reward: float | None = None  # the reward of the step on the last policy turn
+    # the reward of each policy turn's step (None: no reward, or not stepped)
+    turn_rewards: list[float | None] = field(default_factory=list)
     env_info: dict[str, Any] = field(default_factory=dict)
+    failure: tuple[str, CallOutcome] | None = None  # the failed call ("reset", "step"), its outcome
 
     def count(self, name: str, by: float = 1.0) -> None:
         key = f"agent/{name}"
@@ -266,9 +277,10 @@ class _Episode:
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
-    def fail(self, status: str) -> None:
-        """Ended by its environment's failure: not trained on (every token mask 0)."""
-        self.end = status
+    def fail(self, status: str, what: str, outcome: CallOutcome) -> None:
+        """Ended by its environment's failure (`outcome` of its call `what`): not trained on
+        (every token mask 0)."""
+        self.end, self.failure = status, (what, outcome)
         self.mask = [0] * len(self.response_ids)
         self.logprobs = [0.0] * len(self.response_ids)
 
@@ -321,6 +333,9 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord],
         for e in episodes:
             if e.end is None:  # still going after its last allowed turn
                 e.end = "max_turns"
+    failed = [failure_text(e.failure[1], e.failure[0], records[i // ctx.group_size],
+                           envs.timeout) for i, e in enumerate(episodes) if e.failure]
+    check_failures(config.agent_environment, config.agent_max_env_failures, len(episodes), failed)
     return _score(ctx, records, episodes)
 
 
@@ -370,6 +385,7 @@ class _Environments:
         self.name = config.agent_environment
         self.timeout = config.agent_env_timeout if getattr(factory, "time_limited", True) else None
         self.envs: list[Any] = [None] * len(records)
+        self.loops: list[Any] = [None] * len(records)  # each episode's event loop (env.resolve)
         self.failed: set[int] = set()  # episodes whose environment is never called again
 
     def _run(self, idx: list[int], calls: list, what: str) -> list[CallOutcome]:
@@ -399,7 +415,7 @@ class _Environments:
         def make_and_reset(i: int):
             env = self.factory(**self.config.agent_env_args)  # {} for the built-in tools
             self.envs[i] = env
-            prompt = env.reset(self.records[i])
+            prompt = resolve(env.reset(self.records[i]), self.loops, i)
             if prompt is not None and not isinstance(prompt, str):
                 raise TypeError(f"reset returned a {type(prompt).__name__}, not a str or None")
             return prompt
@@ -410,14 +426,25 @@ class _Environments:
 
     def step(self, idx: list[int], texts: list[str]) -> list[CallOutcome]:
         """The environments of episodes `idx` stepped on their policy turns `texts`: OK with a
-        StepResult (its observation as chat messages), or the failure."""
+        StepResult (its observation as chat messages, each cut to
+        --agent-max-tool-output-chars and counted as observation_truncated), or the failure."""
+        limit = self.config.agent_max_tool_output_chars
+
         def step(i: int, text: str) -> StepResult:
-            result = self.envs[i].step(text)
+            result = resolve(self.envs[i].step(text), self.loops, i)
             if not isinstance(result, StepResult):
                 raise TypeError(f"step returned a {type(result).__name__}, not a StepResult")
             reward = None if result.reward is None else float(result.reward)
-            return dataclasses.replace(result, observation=messages(result.observation),
-                                       reward=reward)
+            if reward is not None and not math.isfinite(reward):
+                raise ValueError(f"step returned the reward {reward}, not a finite number")
+            observation, counts = [], dict(result.counts)
+            for m in messages(result.observation):
+                content, cut = truncate_text(m["content"], limit)
+                observation.append(dict(m, content=content))
+                if cut:
+                    counts["observation_truncated"] = counts.get("observation_truncated", 0) + 1
+            return dataclasses.replace(result, observation=observation, reward=reward,
+                                       counts=counts)
 
         if not idx:
             return []
@@ -426,9 +453,15 @@ class _Environments:
 
     def close(self) -> None:
         """Every environment still held closed (on this rank; a failure is logged)."""
+        def close(i: int) -> None:
+            try:
+                resolve(self.envs[i].close(), self.loops, i)
+            finally:
+                close_loop(self.loops, i)
+
         held = [i for i, env in enumerate(self.envs) if env is not None and i not in self.failed]
         if held:
-            self._run(held, [self.envs[i].close for i in held], "close")
+            self._run(held, [functools.partial(close, i) for i in held], "close")
 
 
 def _start(ctx: RolloutContext, records: Sequence[PromptRecord], resets: list[CallOutcome]
@@ -442,7 +475,7 @@ def _start(ctx: RolloutContext, records: Sequence[PromptRecord], resets: list[Ca
         e = _Episode(list(record_ids[i // ctx.group_size]) if prompt is None
                      else ctx.codec.encode(prompt))
         if o.status != OK:
-            e.fail(o.status)
+            e.fail(o.status, "reset", o)
         episodes.append(e)
     return episodes
 
@@ -452,12 +485,12 @@ def _answer(e: _Episode, outcome: CallOutcome, fmt: ChatFormat, config: AgentCon
     """The environment's `outcome` for the policy's last turn applied to `e`: its failure, the
     end it gives, or its observation appended (mask 0)."""
     if outcome.status != OK:
-        e.fail(outcome.status)
+        e.fail(outcome.status, "step", outcome)
         return
     result: StepResult = outcome.value
     for name, value in result.counts.items():
         e.count(name, value)
-    e.env_reward, e.env_info = result.reward, result.info
+    e.turn_rewards[-1], e.env_info = result.reward, result.info
     if result.done:
         end = result.end or "answer"
         e.end = "length" if end == "answer" and e.finish_reason == "length" else end
@@ -475,25 +508,31 @@ def _answer(e: _Episode, outcome: CallOutcome, fmt: ChatFormat, config: AgentCon
 
 def _score(ctx: RolloutContext, records: Sequence[PromptRecord], episodes: list[_Episode]
            ) -> list[list[Trajectory]]:
-    """The trajectories, grouped by record: the reward is the environment's for the last
-    policy turn where it gave one, 0 for an episode its environment failed, else the task's
-    verifier on the text of the last policy turn."""
+    """The trajectories, grouped by record, with their turn rewards (the module docstring):
+    each turn's step reward (None: 0), the verifier's on the last turn where its step gave
+    none, all 0 for an episode its environment failed; the reward is their sum."""
     k = ctx.group_size
-    verify = [i for i, e in enumerate(episodes) if not e.failed and e.env_reward is None]
+    verify = [i for i, e in enumerate(episodes)
+              if not e.failed and (not e.turn_rewards or e.turn_rewards[-1] is None)]
     scored = ctx.scorer.score(
         [ctx.codec.decode(episodes[i].last_turn) for i in verify],
         [records[i // k].answer for i in verify], [records[i // k].task for i in verify],
         [records[i // k].metadata for i in verify]) if verify else []
-    rewards: list[tuple[float, str | None]] = [(0.0, None)] * len(episodes)
-    for i, s in zip(verify, scored):
-        rewards[i] = (s.reward, s.reason)
+    verified: dict[int, tuple[float, str | None]] = {
+        i: (s.reward, s.reason) for i, s in zip(verify, scored)}
     groups: list[list[Trajectory]] = []
     for i, e in enumerate(episodes):
         if i % k == 0:
             groups.append([])
-        if e.env_reward is not None and not e.failed:
-            rewards[i] = (e.env_reward, None)
+        turn_rewards = [0.0 if r is None or e.failed else r for r in e.turn_rewards]
+        reward, reward_error = 0.0, None
+        if i in verified:
+            reward, reward_error = verified[i]
+            if turn_rewards:
+                turn_rewards[-1] = reward
+        elif not e.failed:
             e.count("env_reward")
+        reward = sum(turn_rewards) if turn_rewards else reward
         e.count(f"end_{e.end}")
         if e.counts.get("agent/tool_calls"):
             e.count("called_tools")
@@ -501,8 +540,8 @@ def _score(ctx: RolloutContext, records: Sequence[PromptRecord], episodes: list[
         if e.env_info:
             metadata["env_info"] = e.env_info
         groups[-1].append(Trajectory(e.prompt_ids, e.response_ids, e.mask, e.logprobs,
-                                     e.finish_reason, rewards[i][0], rewards[i][1],
-                                     metadata=metadata))
+                                     e.finish_reason, reward, reward_error, metadata=metadata,
+                                     turn_rewards=turn_rewards))
     return groups
 
 
@@ -547,7 +586,7 @@ def _take_turn(e: _Episode, c: Completion, config: AgentConfig, marker: str | No
     e.append(ids, logprobs)
     e.last_turn = ids
     e.finish_reason = finish
-    e.env_reward = None
+    e.turn_rewards.append(None)
     e.count("turns")
     if cut:
         e.end = "max_tokens"

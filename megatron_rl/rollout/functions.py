@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from megatron_rl.imports import import_callable
@@ -65,7 +66,7 @@ class Trajectory:
         1 (ignored where it is 0: write 0).
     finish_reason: how it ended: "stop" or "length" (counted as truncated), or the rollout
         function's own reason.
-    reward: the scalar reward of the whole trajectory.
+    reward: the scalar reward of the whole trajectory: with turn_rewards, their sum.
     reward_error: why the reward is 0 when the scorer counts a cause (rewards.types.REASONS:
         timeout, error, too_long, no_answer), logged as reward_errors/<reason>; None otherwise.
     routed_experts: the engine's experts for every token it forwarded, [P + T - 1, M, k]
@@ -73,6 +74,11 @@ class Trajectory:
     metadata: anything else the rollout function keeps; not used in training. Its "counts"
         ({name: number}, e.g. the agent loop's agent/turns) are averaged over the batch's
         trajectories and logged as rollout/<name>.
+    turn_rewards: a multi-turn trajectory's reward for each policy turn, in order (the agent
+        loop's: each environment step's reward, the verifier's on the last turn where the
+        environment gave none there); None for a single-turn one. `reward` is their sum (the
+        return the advantage is taken of, docs/results.md "Per-turn rewards" derives why the
+        KL placements stay unbiased with it); check_groups refuses another reward.
     """
 
     prompt_ids: list[int]
@@ -84,6 +90,7 @@ class Trajectory:
     reward_error: str | None = None
     routed_experts: torch.Tensor | None = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    turn_rewards: list[float] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -203,7 +210,7 @@ def check_groups(groups: Any, num_prompts: int, group_size: int, name: str) -> N
     """Raise ValueError, naming --rollout-function `name` and the first problem, unless
     `groups` is what a rollout function must return for `num_prompts` prompts: group_size
     Trajectory per prompt, each with a prompt, one mask value (0 or 1) and one log-prob per
-    response token."""
+    response token, and turn rewards (where given) that sum to its reward."""
     flag = f"--rollout-function {name}"
     if not isinstance(groups, list) or len(groups) != num_prompts:
         got = f"{len(groups)} groups" if isinstance(groups, list) else type(groups).__name__
@@ -226,6 +233,13 @@ def check_groups(groups: Any, num_prompts: int, group_size: int, name: str) -> N
                                  f"values, {len(t.rollout_logprobs)} log-probs (one each)")
             if any(m not in (0, 1) for m in t.response_mask):
                 raise ValueError(f"{where}: response_mask holds values other than 0 and 1")
+            if t.turn_rewards is not None:
+                if not all(math.isfinite(r) for r in t.turn_rewards):
+                    raise ValueError(f"{where}: turn_rewards {t.turn_rewards} are not all "
+                                     "finite numbers")
+                if not math.isclose(sum(t.turn_rewards), t.reward, rel_tol=1e-9, abs_tol=1e-9):
+                    raise ValueError(f"{where}: reward {t.reward} is not the sum of its "
+                                     f"turn_rewards {t.turn_rewards}")
 
 
 def run_rollout(name: str, ctx: RolloutContext,

@@ -17,9 +17,9 @@ env_config=..., extras=...)`, as SkyRL's own trainer does from a data set row:
 
 The observations are the chat messages the environment returns (user messages, for skyrl-gym's
 built-in environments), rendered by the run's chat template between the policy's turns. Each
-step's reward is the environment's for that turn; the agent loop takes the reward of the step on
-the last policy turn (agent/env.py). At done, the environment's get_metrics() numbers are
-counted as rollout/agent/skyrl_<name>.
+step's reward is the environment's for that turn (gsm8k_multi_turn scores every turn), kept in
+Trajectory.turn_rewards; the trajectory's reward is their sum (agent/env.py). At done, the
+environment's get_metrics() numbers are counted as rollout/agent/skyrl_<name>.
 
 What is not carried over: an environment whose init() rewrites the prompt (the episode fails
 with a message saying so: the prompt is the record's, rendered by the data pipeline), and
@@ -56,7 +56,9 @@ class SkyRLGymEnvironment(Environment):
         if env_class is None:
             raise ValueError(f"record {record.uid}: no metadata env_class and "
                              f"{type(self).__name__}.env_class is unset: which skyrl-gym "
-                             f"environment ({', '.join(skyrl_gym.registry)})?")
+                             f"environment ({', '.join(skyrl_gym.registry)})? Give the data an "
+                             "env_class column, or a class that names one "
+                             "(megatron_rl.agent.envs.skyrl:GSM8k, :GSM8kMultiTurn)")
         meta.setdefault("reward_spec", {"method": "rule", "ground_truth": record.answer})
         meta.setdefault("extra_info", {})
         self.env = skyrl_gym.make(env_class, env_config=_config(self.env_config), extras=meta)

@@ -103,6 +103,8 @@ def test_a_tool_call_and_an_answer_are_one_trajectory_token_for_token(tokenizer,
     assert t.rollout_logprobs == ([-(i + 1) / 100 for i in range(len(turn1))] + [0.0] * len(env)
                                   + [-(i + 1) / 100 for i in range(len(turn2))])
     assert (t.finish_reason, t.reward, t.reward_error) == ("stop", 1.0, None)
+    # the tools give no reward: the verifier's on the last turn, the trajectory's reward as it is
+    assert t.turn_rewards == [0.0, 1.0]
     counts = t.metadata["counts"]
     assert counts == {"agent/turns": 2, "agent/tool_calls": 1, "agent/tool_ok": 1,
                       "agent/called_tools": 1,

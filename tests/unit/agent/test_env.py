@@ -119,6 +119,7 @@ def test_a_user_environment_by_import_path_runs_multi_turn_episodes(tokenizer, s
     assert t.rollout_logprobs == l1 + [0.0] * len(lower) + l2 + [0.0] * len(higher) + l3
     # the environment's reward at done, not the verifier's (the record's answer is "0")
     assert (t.reward, t.reward_error, t.metadata["end"]) == (1.0, None, "answer")
+    assert t.turn_rewards == [0.0, 0.0, 1.0]  # no reward on the wrong guesses
     assert t.metadata["counts"] == {"agent/turns": 3, "agent/guesses": 3,
                                     "agent/env_reward": 1, "agent/end_answer": 1}
     # the second record's prompt is the one its environment's reset gave; its secret is
@@ -128,6 +129,7 @@ def test_a_user_environment_by_import_path_runs_multi_turn_episodes(tokenizer, s
     assert u.prompt_ids == codec.encode("Guess 1..99:")
     assert u.response_ids == g1 + lower + g2 + lower + g3
     assert (u.reward, u.metadata["end"]) == (1.0, "max_turns")
+    assert u.turn_rewards == [0.0, 0.0, 1.0]
     assert "agent/env_reward" not in u.metadata["counts"]
     # the first turn still generates each prompt once, n = group size
     assert engine.calls[0][:2] == ([t.prompt_ids, u.prompt_ids], 2)
@@ -152,7 +154,9 @@ def test_an_environment_that_raises_or_hangs_fails_its_episode_only(tokenizer, s
     records = [PromptRecord(f"games:{i}", "Play:", "arithmetic", "1",
                             {"fail": fail, "source": "games.jsonl", "row": i})
                for i, fail in enumerate([None, "reset", "step", "hang", None])]
-    config = AgentConfig(agent_environment=f"{HERE}:Faulty", agent_env_timeout=0.5)
+    # 6 of the 10 episodes fail: at --agent-max-env-failures 0.6 they are the episodes' own
+    config = AgentConfig(agent_environment=f"{HERE}:Faulty", agent_env_timeout=0.5,
+                         agent_max_env_failures=0.6)
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="megatron_rl.agent.env"):
         groups, _, _ = _run(tokenizer, scorer, lambda _, __: "1<eos>", records, config)
@@ -224,13 +228,16 @@ def test_a_skyrl_gym_environment_runs_through_the_loop(tokenizer, scorer):
     assert t.response_ids == g1 + env + g2
     assert t.response_mask == [1] * len(g1) + [0] * len(env) + [1] * len(g2)
     assert t.rollout_logprobs == l1 + [0.0] * len(env) + l2
-    assert (t.reward, t.metadata["end"]) == (1.0, "answer")
+    # each turn's reward is skyrl-gym's: the format score 0.2 / 3 for the well-formed wrong
+    # answer, 1 for the right one; the trajectory's reward is their sum
+    assert t.turn_rewards == [pytest.approx(0.2 / 3), 1.0]
+    assert (t.reward, t.metadata["end"]) == (pytest.approx(1 + 0.2 / 3), "answer")
     assert t.metadata["counts"]["agent/skyrl_steps"] == 2
-    # three well-formed wrong answers: skyrl-gym ends the episode at its max_turns with the
-    # format score 0.2 / 3 of its last step, the trajectory's reward
+    # three well-formed wrong answers, each scored 0.2 / 3, until skyrl-gym's max_turns
     u = groups[1][0]
     assert u.metadata["counts"]["agent/turns"] == 3 and u.metadata["end"] == "answer"
-    assert u.reward == pytest.approx(0.2 / 3)
+    assert u.turn_rewards == [pytest.approx(0.2 / 3)] * 3
+    assert u.reward == pytest.approx(0.2)
     # the single-turn gsm8k environment, the class naming it
     groups, _, _ = _run(tokenizer, scorer, lambda _, __: "#### 72<eos>",
                         [PromptRecord("gsm8k:2", "Q3: 8*9?", "gsm8k", "72")],
