@@ -187,23 +187,27 @@ def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
               ) -> tuple[PromptDataset, PromptDataset | None]:
     """The run's training and evaluation data (--train-data, --eval-data), each prompt that
     the run will send checked against the context (check_context) for a model of
-    `max_position_embeddings` positions. A row's task may be one no verifier knows where an
-    environment of the user's gives the reward (rollout.needs.free_tasks). Collective when
+    `max_position_embeddings` positions (read as read_prompts reads them). Collective when
     distributed."""
-    from megatron_rl.data.prompts import PromptDataset
-    from megatron_rl.rollout.needs import free_tasks
-
     d = cfg.data
-    builder = prompt_builder(cfg, codec)
-    any_task = free_tasks(cfg.rollout.rollout_function, cfg.agent)
-    train = PromptDataset.from_jsonl(d.train_data, builder, any_task, seed=cfg.seed)
-    evals = (PromptDataset.from_jsonl(d.eval_data, builder, any_task, shuffle=False)
-             if d.eval_data else None)
+    train = read_prompts(cfg, codec, d.train_data, seed=cfg.seed)
+    evals = read_prompts(cfg, codec, d.eval_data, shuffle=False) if d.eval_data else None
     checks = [(train, "--train-data", 0)]
     if evals is not None and cfg.eval.eval_interval:  # evaluation reads --eval-max-prompts rows
         checks.append((evals, "--eval-data", cfg.eval.eval_max_prompts))
     train, *evaluated = check_context(cfg, codec, max_position_embeddings, checks)
     return train, evaluated[0] if evaluated else evals
+
+
+def read_prompts(cfg: TrainConfig, codec: Codec, paths: list[str], **kwargs) -> PromptDataset:
+    """The prompt files `paths` (JSONL) as a PromptDataset (`kwargs`: its seed, shuffle) built
+    with `cfg`'s prompt_builder; a row's task may be one no verifier knows where an
+    environment of the user's gives the reward (rollout.needs.free_tasks)."""
+    from megatron_rl.data.prompts import PromptDataset
+    from megatron_rl.rollout.needs import free_tasks
+
+    return PromptDataset.from_jsonl(paths, prompt_builder(cfg, codec),
+                                    free_tasks(cfg.rollout.rollout_function, cfg.agent), **kwargs)
 
 
 def prompt_builder(cfg: TrainConfig, codec: Codec) -> PromptBuilder:
@@ -226,8 +230,8 @@ def check_context(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
     `cfg` for a model of `max_position_embeddings` positions: an overlong prompt among its
     `first` rows (0: all) refused naming `flag`, file and line, or skipped under
     --filter-overlong-prompts; returns the data sets to use. An --agent-max-tokens episode
-    (a rollout function declaring episode_context) longer than the context is refused first. Collective when distributed: rank 0 counts the
-    tokens, every rank gets the rows to keep."""
+    (a rollout function declaring episode_context) longer than the context is refused first.
+    Collective when distributed: rank 0 counts the tokens, every rank gets the rows to keep."""
     from megatron_rl.data.lengths import ContextLimit, check_prompt_lengths
     from megatron_rl.parallel import run_on_rank
     from megatron_rl.rollout.factory import context_limit
