@@ -24,7 +24,7 @@ from megatron_rl.agent.env import BUILT_IN, resolve_environment
 from megatron_rl.agent.parsing import TOOL_CALL_FORMATS
 from megatron_rl.agent.sandbox import SandboxLimits
 from megatron_rl.agent.tools import Tool, ToolRegistry
-from megatron_rl.imports import check_arguments, import_object, is_import_path
+from megatron_rl.imports import check_arguments, import_object
 
 TOOLS = ("calculator", "python")
 
