@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_rl import checkpoint, config_changes
 from megatron_rl.config import TrainConfig, to_flat_dict
+from megatron_rl.errors import ConfigError
 from megatron_rl.metrics_log import MetricsLogger
 from megatron_rl.rollout.base import RolloutEngine, SamplingParams
 
@@ -240,9 +241,9 @@ def check_context(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
     limit = ContextLimit(*context_limit(cfg.rollout, max_position_embeddings),
                          max_new_tokens=cfg.rollout.max_new_tokens)
     if episode_tokens(cfg.rollout.rollout_function, cfg.agent) > limit.tokens:
-        raise ValueError(f"--agent-max-tokens {cfg.agent.agent_max_tokens}: an episode longer "
-                         f"than {limit.source} cannot be generated; lower it to at most "
-                         f"{limit.tokens}")
+        raise ConfigError(f"--agent-max-tokens {cfg.agent.agent_max_tokens}: an episode longer "
+                          f"than {limit.source} cannot be generated; lower it to at most "
+                          f"{limit.tokens}")
     kept = run_on_rank(0, lambda: [
         check_prompt_lengths(data, codec.encode_batch, limit, what=what, first=first,
                              skip=cfg.data.filter_overlong_prompts)
