@@ -43,12 +43,6 @@ class LoggingConfig:
     """Weights & Biases logging, with Megatron's flags: on when --wandb-project is given; and
     the trajectories written for reading (--save-rollouts: rollout/trajectory_log.py)."""
 
-    save_rollouts: int = field(default=0, metadata={"min": 0, "help": (
-        "write the trajectories of every this many steps' batches, and of every evaluation, "
-        "as JSONL under <save>/rollouts (step_000010.jsonl, eval_step_000010.jsonl: token ids, "
-        "the text of each policy and environment segment, the engine's log-probs, reward, end "
-        "reason, environment info), for reading with `megatron-rl rollouts` (0: none)")})
-
     wandb_project: str | None = field(default=None, metadata={"help": (
         "also log each step's metrics and the run's configuration to this Weights & Biases "
         "project (needs the wandb package: pip install wandb). A run resumed from --save "
@@ -62,6 +56,11 @@ class LoggingConfig:
     wandb_entity: str | None = field(default=None, metadata={"help": (
         "W&B user or team that owns --wandb-project (unset: the logged-in user's default "
         "entity); needs --wandb-project")})
+    save_rollouts: int = field(default=0, metadata={"min": 0, "help": (
+        "write the trajectories of every this many steps' batches, and of every evaluation, "
+        "as JSONL under <save>/rollouts (step_000010.jsonl, eval_step_000010.jsonl: token ids, "
+        "the text of each policy and environment segment, the engine's log-probs, reward, end "
+        "reason, environment info), for reading with `megatron-rl rollouts` (0: none)")})
 
     def validate(self) -> None:
         """Raise ValueError for a W&B setting without --wandb-project, or --wandb-project
