@@ -262,7 +262,8 @@ def _mean_logprob(seg: dict) -> float:
 def summary_line(i: int, row: dict) -> str:
     """One line of `--list`: the row's number, group/sample, uid, reward, ends and tokens."""
     end = row.get("end") or "-"
-    return (f"{i:>4}  {row['group']:>4}/{row['index']:<3} {row['uid']:<24} "
+    place = f"{row['group']}/{row['index']}"
+    return (f"{i:>4}  {place:>8} {row['uid']:<24} "
             f"{row['reward']:>7.3g}  {row['finish_reason']:<7} {end:<12} "
             f"{row['policy_tokens']:>6} {row['environment_tokens']:>6}  "
             f"{len(row['segments']):>4}")

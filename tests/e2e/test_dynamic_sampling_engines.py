@@ -48,6 +48,8 @@ def test_the_batch_holds_the_first_groups_with_spread_and_the_data_moves_past_th
         assert [g[0].prompt_ids for g in s.groups] == _prompts(
             run, [order[i] for i in with_spread[:4]])
         assert all(len(g) == 2 and g[0].reward != g[1].reward for g in s.groups)
+        # each kept group's prompt record, for --save-rollouts
+        assert [r.text for r in s.records] == [order[i] for i in with_spread[:4]]
         consumed = with_spread[3] + 1
         assert s.stats["rollout/consumed_prompts"] == consumed
         assert s.stats["rollout/filtered_groups"] == consumed - 4

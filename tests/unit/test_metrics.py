@@ -98,3 +98,30 @@ def test_register_loss_metric():
             metrics.register_loss_metric("test_only_other", "median")
     finally:
         del metrics.LOSS_METRICS["test_only_peak"]
+
+
+def test_batch_metrics_count_policy_and_environment_tokens_apart():
+    """A multi-turn batch (batch.pack_rollouts of trajectories with environment tokens between
+    the policy's turns): response/policy_tokens_mean counts the tokens the policy sampled,
+    response/env_tokens_mean the others, response/length_mean both; a single-turn batch (no
+    policy_tokens given) has no environment tokens."""
+    from megatron_rl.batch import pack_rollouts
+    from megatron_rl.rollout.functions import Trajectory
+
+    def episode(mask, reward):
+        return Trajectory([1, 2], list(range(3, 3 + len(mask))), mask,
+                          [-0.5 * m for m in mask], "stop", reward)
+
+    # policy tokens 2+1, 4, 1+2+1, 3; environment tokens 3, 0, 1+2+1, 0
+    batch = pack_rollouts([[episode([1, 1, 0, 0, 0, 1], 1.0), episode([1, 1, 1, 1], 0.0)],
+                           [episode([0, 1, 0, 0, 1, 1, 0, 1], 1.0), episode([1, 1, 1], 0.0)]],
+                          pad_token_id=0)
+    m = metrics.batch_metrics(batch.rewards, batch.response_lengths, batch.finish_reasons,
+                              policy_tokens=batch.loss_mask.sum())
+    assert m["response/length_mean"] == 21 / 4
+    assert m["response/policy_tokens_mean"] == 14 / 4
+    assert m["response/env_tokens_mean"] == 7 / 4
+    assert m["reward/mean"] == 0.5
+    single = metrics.batch_metrics(batch.rewards, batch.response_lengths, batch.finish_reasons)
+    assert single["response/policy_tokens_mean"] == 21 / 4
+    assert single["response/env_tokens_mean"] == 0.0
