@@ -2,7 +2,7 @@
 
 An environment is made once per episode and sees it from the start to the end::
 
-    env = factory()                     # --agent-environment module:Class, called with no argument
+    env = factory(**env_args)           # --agent-environment module:Class, --agent-env-args
     prompt = env.reset(record)          # None: the record's prompt; a str: the prompt to use
     result = env.step(turn_text)        # after every policy turn
     env.close()                         # once the episode ended (not after a hung call)
@@ -138,7 +138,8 @@ BUILT_IN = ("tools",)
 
 def resolve_environment(name: str) -> Callable[[], Any]:
     """The factory --agent-environment `name` names: `module:attr` (attr may be a dotted path),
-    a class or function called with no argument to make one episode's environment. Raises
+    a class or function called with --agent-env-args as keyword arguments (checked against its
+    signature at configuration: agent/settings.py) to make one episode's environment. Raises
     ValueError naming the flag when it does not import or is not callable."""
     return import_callable(name, f"--agent-environment {name!r}", "environment", BUILT_IN,
                            form="class or function")
