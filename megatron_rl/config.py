@@ -196,7 +196,8 @@ class RolloutConfig:
         "a built-in (single-turn: one response per trajectory from one generate call, scored "
         "by its task's verifier) or the import path `module:function` of a function "
         "fn(ctx, records) -> groups of Trajectory, e.g. a multi-turn agent loop "
-        "(megatron_rl/rollout/functions.py: the signature; docs/rollout.md)"))
+        "(megatron_rl/rollout/functions.py: the signature; rollout/needs.py: what it "
+        "declares it needs of the run, e.g. the --agent-* settings; docs/rollout.md)"))
     rollout_function_args: dict[str, Any] = _opt(factory=dict, help=(
         "settings of the --rollout-function: a JSON object the function reads as ctx.args "
         "(YAML: a mapping)"))
