@@ -7,6 +7,17 @@ contiguous (rows [g * group_size, (g + 1) * group_size) form group g). Input ret
   taken over the group members that have a valid token at position t.
 Output has the shape of the input. Every estimator is registered by name in ADVANTAGE_ESTIMATORS.
 
+Rows out of the baseline: `in_baseline` [B] (1 or 0; None: every row) leaves a row's return out
+of its group's baseline and gives it advantage 0. A trajectory with no token of the policy's (an
+agent episode its environment broke: reward 0, every mask 0, RolloutBatch.in_baseline) is not a
+sample of the policy's return: counting it would pull the baseline towards 0 and inflate its
+siblings' advantages. The baseline of the others is then that of the group without it (a group
+of 4 with one such row: the 3 others get the advantages of a group of 3); a row left alone
+in its group gets RLOO's advantage R_i (no other to take a baseline from: 0) and GRPO's and Dr.
+GRPO's 0 (the group mean is its own return). Leaving out a
+sibling by its own outcome keeps RLOO unbiased: the baseline still does not depend on the row
+it is subtracted from.
+
 Bias: a baseline computed from the *other* samples of the group (RLOO) is independent of the
 sample it is subtracted from, so the policy gradient stays unbiased on-policy. GRPO and Dr. GRPO
 include the sample itself in the group mean, which scales the gradient by (1 - 1/group_size) in
@@ -17,8 +28,10 @@ import torch
 GRPO_EPS = 1e-6
 
 
-def _group(returns: torch.Tensor, loss_mask: torch.Tensor | None, group_size: int):
-    """[B] or [B, T] -> ([G, n, T] values, [G, n, T] float mask), validating the group layout."""
+def _group(returns: torch.Tensor, loss_mask: torch.Tensor | None, group_size: int,
+           in_baseline: torch.Tensor | None = None):
+    """[B] or [B, T] -> ([G, n, T] values, [G, n, T] float mask), validating the group layout;
+    the rows out of the baseline (`in_baseline` 0) have mask 0."""
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     batch = returns.shape[0]
@@ -29,6 +42,10 @@ def _group(returns: torch.Tensor, loss_mask: torch.Tensor | None, group_size: in
         mask = torch.ones_like(values)
     else:
         mask = loss_mask.to(values.dtype).reshape(values.shape)
+    if in_baseline is not None:
+        if in_baseline.shape != (batch,):
+            raise ValueError(f"in_baseline has shape {tuple(in_baseline.shape)}, not ({batch},)")
+        mask = mask * in_baseline.to(values.dtype).unsqueeze(-1)
     shape = (batch // group_size, group_size, values.shape[-1])
     return (values * mask).reshape(shape), mask.reshape(shape)
 
@@ -38,18 +55,18 @@ def _need_baseline_group(name: str, group_size: int):
         raise ValueError(f"{name} needs group_size >= 2 (a baseline from the group), got {group_size}")
 
 
-def reinforce(returns, group_size: int, loss_mask=None) -> torch.Tensor:
+def reinforce(returns, group_size: int, loss_mask=None, in_baseline=None) -> torch.Tensor:
     """Advantages = returns (no baseline). Unbiased, highest variance; any group_size."""
-    values, mask = _group(returns, loss_mask, group_size)
+    values, mask = _group(returns, loss_mask, group_size, in_baseline)
     return (values * mask).reshape(returns.shape)
 
 
-def rloo(returns, group_size: int, loss_mask=None) -> torch.Tensor:
+def rloo(returns, group_size: int, loss_mask=None, in_baseline=None) -> torch.Tensor:
     """REINFORCE leave-one-out: A_i = R_i - mean_{j != i} R_j within the group.
 
     Per token: the mean over the other members valid at that position (0 if there are none).
     """
-    values, mask = _group(returns, loss_mask, group_size)
+    values, mask = _group(returns, loss_mask, group_size, in_baseline)
     _need_baseline_group("rloo", group_size)
     others = (mask.sum(1, keepdim=True) - mask).clamp(min=1)
     baseline = (values.sum(1, keepdim=True) - values) / others
@@ -60,9 +77,10 @@ def _group_mean(values, mask):
     return values.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
 
 
-def grpo(returns, group_size: int, loss_mask=None, eps: float = GRPO_EPS) -> torch.Tensor:
+def grpo(returns, group_size: int, loss_mask=None, in_baseline=None,
+         eps: float = GRPO_EPS) -> torch.Tensor:
     """GRPO: A_i = (R_i - mean_group R) / (std_group R + eps), std with Bessel's correction (n-1)."""
-    values, mask = _group(returns, loss_mask, group_size)
+    values, mask = _group(returns, loss_mask, group_size, in_baseline)
     _need_baseline_group("grpo", group_size)
     mean = _group_mean(values, mask)
     centered = (values - mean) * mask
@@ -70,9 +88,9 @@ def grpo(returns, group_size: int, loss_mask=None, eps: float = GRPO_EPS) -> tor
     return (centered / (var.sqrt() + eps)).reshape(returns.shape)
 
 
-def dr_grpo(returns, group_size: int, loss_mask=None) -> torch.Tensor:
+def dr_grpo(returns, group_size: int, loss_mask=None, in_baseline=None) -> torch.Tensor:
     """Dr. GRPO: A_i = R_i - mean_group R (no std normalization)."""
-    values, mask = _group(returns, loss_mask, group_size)
+    values, mask = _group(returns, loss_mask, group_size, in_baseline)
     _need_baseline_group("dr_grpo", group_size)
     return ((values - _group_mean(values, mask)) * mask).reshape(returns.shape)
 
@@ -90,7 +108,9 @@ def get_advantage_estimator(name: str):
 
 
 def compute_advantages(name: str, returns: torch.Tensor, group_size: int,
-                       loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Advantages [B] or [B, T] (shape of `returns`) by the estimator `name`; detached."""
+                       loss_mask: torch.Tensor | None = None,
+                       in_baseline: torch.Tensor | None = None) -> torch.Tensor:
+    """Advantages [B] or [B, T] (shape of `returns`) by the estimator `name`; detached. Rows
+    with `in_baseline` 0 stay out of their group's baseline (advantage 0)."""
     with torch.no_grad():
-        return get_advantage_estimator(name)(returns, group_size, loss_mask)
+        return get_advantage_estimator(name)(returns, group_size, loss_mask, in_baseline)

@@ -53,6 +53,12 @@ class RolloutBatch:
     # 768 for Qwen3-30B-A3B, far more than the rest of the batch); each microbatch's share
     # goes to the device when it runs.
     routed_experts: torch.Tensor | None = None
+    # [B] float: 1 for a trajectory with a token of the policy's (response_mask 1), 0 for one
+    # with none (an agent episode its environment broke): such a row stays out of its group's
+    # advantage baseline (advantages.py). Taken from the rollout's masks, not from loss_mask,
+    # which --overlong-filtering zeroes for rows whose reward still enters the baseline.
+    # None: every row.
+    in_baseline: torch.Tensor | None = None
 
     @property
     def seq_lengths(self) -> list[int]:
@@ -74,7 +80,8 @@ class RolloutBatch:
         return dataclasses.replace(self, tokens=move(self.tokens), loss_mask=move(self.loss_mask),
                                    rollout_logprobs=move(self.rollout_logprobs),
                                    rewards=move(self.rewards),
-                                   old_logprobs=move(self.old_logprobs))
+                                   old_logprobs=move(self.old_logprobs),
+                                   in_baseline=move(self.in_baseline))
 
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
         """Rows `idx` (e.g. a PPO minibatch), keeping the padding length."""
@@ -86,7 +93,8 @@ class RolloutBatch:
                             pick(self.finish_reasons),
                             None if self.old_logprobs is None else self.old_logprobs[idx_t],
                             None if self.routed_experts is None
-                            else self.routed_experts[idx_t.to(self.routed_experts.device)])
+                            else self.routed_experts[idx_t.to(self.routed_experts.device)],
+                            None if self.in_baseline is None else self.in_baseline[idx_t])
 
 
 def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,
@@ -95,7 +103,8 @@ def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,
     function's output): row b is trajectory b's prompt + response tokens; loss_mask and
     rollout_logprobs carry its response_mask and the engine's log-probs at the positions that
     score its response tokens (position t scores token t+1), 0 elsewhere -- a response token
-    from the environment (mask 0) is context, not trained on."""
+    from the environment (mask 0) is context, not trained on. A trajectory with no token of the
+    policy's gets in_baseline 0 (out of its group's baseline)."""
     group_size = len(groups[0])
     if any(len(g) != group_size for g in groups):
         raise ValueError("every prompt needs the same number of trajectories")
@@ -131,4 +140,6 @@ def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,
     return RolloutBatch(tokens, loss_mask, rollout_lp,
                         torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
                         group_size, plens, rlens, [t.finish_reason for t in trajectories],
-                        routed_experts=routes)
+                        routed_experts=routes,
+                        in_baseline=torch.tensor([float(1 in t.response_mask)
+                                                  for t in trajectories]))

@@ -213,16 +213,18 @@ def compute_rewards_with_kl(rewards: torch.Tensor, logprobs: torch.Tensor, ref_l
 
 
 def build_advantages(rewards, logprobs, ref_logprobs, loss_mask, cfg: LossConfig,
-                     group_size: int, token_kl: torch.Tensor | None = None) -> torch.Tensor:
+                     group_size: int, token_kl: torch.Tensor | None = None,
+                     in_baseline: torch.Tensor | None = None) -> torch.Tensor:
     """Advantages [B] (or [B, T] with reward-to-go or the exact KL in the reward) from task
     rewards [B] and per-token log-probs (token_kl [B, T]: KL_t for the "exact" estimator).
+    Rows with `in_baseline` 0 (RolloutBatch.in_baseline) stay out of their group's baseline.
 
     The KL penalty enters the returns before the baseline (eq. 7-8), so with RLOO it is centred
     by the other samples' KL like any reward. Detached.
     """
     returns = compute_rewards_with_kl(rewards, logprobs, ref_logprobs, loss_mask, cfg.kl, token_kl)
     mask = loss_mask if returns.dim() == 2 else None
-    return compute_advantages(cfg.advantage_estimator, returns, group_size, mask)
+    return compute_advantages(cfg.advantage_estimator, returns, group_size, mask, in_baseline)
 
 
 def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig,

@@ -69,3 +69,20 @@ def test_bad_group_sizes_and_names():
     with pytest.raises(ValueError, match=r"dr_grpo.*grpo.*reinforce.*rloo"):
         compute_advantages("ppo", RETURNS, group_size=4)
     assert set(ADVANTAGE_ESTIMATORS) == {"rloo", "grpo", "dr_grpo", "reinforce"}
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_a_row_out_of_the_baseline_leaves_its_siblings_as_a_smaller_group(name):
+    """A failed episode (in_baseline 0, reward 0) in a group of 4: the 3 others get the
+    advantages of the group of 3 without it, it gets 0; the other group is untouched."""
+    returns = t([2.0, 0.0, 4.0, 9.0, 1.0, 0.0, 0.0, 1.0])
+    keep = t([1, 0, 1, 1, 1, 1, 1, 1])
+    adv = compute_advantages(name, returns, 4, in_baseline=keep)
+    three = compute_advantages(name, t([2.0, 4.0, 9.0]), 3)
+    assert torch.allclose(adv[[0, 2, 3]], three, atol=1e-12) and adv[1] == 0
+    assert torch.allclose(adv[4:], compute_advantages(name, returns[4:], 4), atol=1e-12)
+    # per-token returns: the same, at every position of the rows
+    mask = torch.ones(8, 3, dtype=F64)
+    mask[1] = 0  # a failed episode has no loss token
+    per_token = compute_advantages(name, returns.unsqueeze(-1) * mask, 4, mask, keep)
+    assert torch.allclose(per_token, adv.unsqueeze(-1) * mask, atol=1e-12)
