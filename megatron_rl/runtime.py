@@ -186,13 +186,13 @@ def setup_run(cfg: TrainConfig) -> Run:
 
 def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
               ) -> tuple[PromptDataset, PromptDataset | None]:
-    """The run's training and evaluation data (--train-data, --eval-data), each prompt that
-    the run will send checked against the context (check_context) for a model of
-    `max_position_embeddings` positions (read as read_prompts reads them). Collective when
-    distributed."""
+    """The run's training and evaluation data (--train-data, --eval-data: prompt_data), each
+    prompt that the run will send checked against the context (check_context) for a model of
+    `max_position_embeddings` positions. Collective when distributed."""
     d = cfg.data
-    train = read_prompts(cfg, codec, d.train_data, seed=cfg.seed)
-    evals = read_prompts(cfg, codec, d.eval_data, shuffle=False) if d.eval_data else None
+    builder = prompt_builder(cfg, codec)
+    train = prompt_data(cfg, d.train_data, builder, seed=cfg.seed)
+    evals = prompt_data(cfg, d.eval_data, builder, shuffle=False) if d.eval_data else None
     checks = [(train, "--train-data", 0)]
     if evals is not None and cfg.eval.eval_interval:  # evaluation reads --eval-max-prompts rows
         checks.append((evals, "--eval-data", cfg.eval.eval_max_prompts))
@@ -200,15 +200,17 @@ def load_data(cfg: TrainConfig, codec: Codec, max_position_embeddings: int,
     return train, evaluated[0] if evaluated else evals
 
 
-def read_prompts(cfg: TrainConfig, codec: Codec, paths: list[str], **kwargs) -> PromptDataset:
-    """The prompt files `paths` (JSONL) as a PromptDataset (`kwargs`: its seed, shuffle) built
-    with `cfg`'s prompt_builder; a row's task may be one no verifier knows where an
-    environment of the user's gives the reward (rollout.needs.free_tasks)."""
+def prompt_data(cfg: TrainConfig, paths: list[str], builder: PromptBuilder, **kwargs
+                ) -> PromptDataset:
+    """The rows of the JSONL files `paths` as a data.prompts.PromptDataset (`kwargs`: its
+    seed, shuffle), prompts made by `builder` (prompt_builder). A row's task may be one no
+    verifier knows where an environment of the user's gives the reward
+    (rollout.needs.free_tasks); otherwise an unknown task is refused naming file and line."""
     from megatron_rl.data.prompts import PromptDataset
     from megatron_rl.rollout.needs import free_tasks
 
-    return PromptDataset.from_jsonl(paths, prompt_builder(cfg, codec),
-                                    free_tasks(cfg.rollout.rollout_function, cfg.agent), **kwargs)
+    any_task = free_tasks(cfg.rollout.rollout_function, cfg.agent)
+    return PromptDataset.from_jsonl(paths, builder, any_task, **kwargs)
 
 
 def prompt_builder(cfg: TrainConfig, codec: Codec) -> PromptBuilder:
