@@ -12,22 +12,25 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
+import sys
+import tempfile
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, run_command
 from megatron_rl.metrics import count_metrics
 from megatron_rl.parallel import all_reduce, data_parallel_group, dist_rank
 from megatron_rl.rollout.base import SamplingParams, on_client, prompt_seed
-from megatron_rl.rollout.functions import (RolloutContext, resolve_rollout_function, run_rollout,
-                                          trajectory_counts)
+from megatron_rl.rollout.functions import RolloutContext, run_rollout, trajectory_counts
 from megatron_rl.rollout.trajectory_log import saves_rollouts, write_rollouts
 
 if TYPE_CHECKING:
-    from megatron_rl.runtime import Run
+    from megatron_rl.config import TrainConfig
+    from megatron_rl.runtime import Codec, Run
 
 
 def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
@@ -158,132 +161,202 @@ def markdown_table(results: dict, k: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    """`megatron-rl eval`: accuracy table of a HF directory or Megatron checkpoint."""
-    from megatron_rl.agent.settings import AgentConfig, tool_registry
-    from megatron_rl.config import TrainConfig, add_flags, from_flags
-    from megatron_rl.data.prompts import PromptBuilder, PromptDataset, load_tokenizer
-    from megatron_rl.models import ModelArgs
-    from megatron_rl.models.policy import Policy
-    from megatron_rl.parallel import ParallelConfig, destroy_distributed, init_distributed
-    from megatron_rl.processes import skip_exit_collection
-    from megatron_rl.rewards import RewardScorer
-    from megatron_rl.rollout.base import check_sampling
-    from megatron_rl.rollout.local import LocalEngine
-    from megatron_rl.runtime import Codec
+# The TrainConfig settings `megatron-rl eval` takes, declared once (config.py and the modules it
+# names): the model, its layout, how prompts are built and checked, every rollout setting (the
+# engine's included) and the agent's. Not --rollout-release-memory: it frees a server's memory
+# for a training phase, which evaluation has none of.
+EVAL_GROUPS = ("rollout", "agent")
+EVAL_SETTINGS = ("hf_checkpoint", "bf16", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "distributed_timeout_minutes",
+                 "rank_wait_timeout_minutes", "chat_template", "prompt_template",
+                 "task_instruction", "filter_overlong_prompts")
+NOT_IN_EVAL = ("rollout_release_memory",)
+
+
+def eval_settings() -> set[str]:
+    """The flat names (config.flag_fields) of the TrainConfig settings `megatron-rl eval`
+    declares, with train's help, choices, defaults and checks."""
+    from megatron_rl.config import flag_fields
+
+    return {name for name, (path, _) in flag_fields().items()
+            if name not in NOT_IN_EVAL and (path[0] in EVAL_GROUPS or name in EVAL_SETTINGS)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`megatron-rl eval`'s flags: its own (the data, k, seeds, the checkpoint, the output) and
+    the training settings that apply (eval_settings), as `megatron-rl train` declares them."""
+    from megatron_rl.config import TrainConfig, add_flags
 
     p = argparse.ArgumentParser(prog="megatron-rl eval", description=main.__doc__)
-    p.add_argument("--hf-checkpoint", required=True, help=(
-        "Hugging Face checkpoint directory: the model architecture (config.json), the tokenizer, "
-        "and the weights unless --load gives them. Required"))
-    p.add_argument("--load", help=(
+    own = p.add_argument_group("eval")
+    own.add_argument("--eval-data", nargs="+", required=True, help=(
+        "evaluation prompt files (JSONL, as tools/prepare_data.py writes them), read in file "
+        "order; each row's task selects its reward function and its row of the table. Required"))
+    own.add_argument("--load", help=(
         "Megatron checkpoint whose weights are evaluated instead of the --hf-checkpoint ones: a "
         "checkpoint root (its `latest` iteration) or one iteration directory, loaded in this "
         "run's TP/PP layout; the architecture and tokenizer still come from --hf-checkpoint "
         "(default: unset, the HF weights)"))
-    p.add_argument("--eval-data", nargs="+", required=True, help=(
-        "evaluation prompt files (JSONL, as tools/prepare_data.py writes them), read in file "
-        "order; each row's task selects its reward function and its row of the table. Required"))
-    p.add_argument("--samples", type=int, default=32, help=(
+    own.add_argument("--samples", type=int, default=32, help=(
         "responses sampled per prompt and seed: the k of mean@k and pass@k (a response is "
         "correct when its reward is >= 1) (default: %(default)s)"))
-    p.add_argument("--seeds", type=int, nargs="+", default=[0], help=(
+    own.add_argument("--seeds", type=int, nargs="+", default=[0], help=(
         "sampling seeds, each a full pass of --samples responses per prompt; the table shows "
         "the mean over the seeds, --out also each seed's results (default: %(default)s)"))
-    p.add_argument("--temperature", type=float, default=1.0, help=(
-        "sampling temperature, >= 0 (1: the policy's own distribution, 0: greedy) (default: "
-        "%(default)s)"))
-    p.add_argument("--top-p", type=float, default=1.0, help=(
-        "nucleus sampling: sample from the smallest set of tokens holding this probability, in "
-        "(0, 1] (1: the whole distribution) (default: %(default)s)"))
-    p.add_argument("--max-new-tokens", type=int, default=256, help=(
-        "length limit of each response, in tokens; a response also ends at the tokenizer's EOS "
-        "token, and a cut-off one is scored as it stands (default: %(default)s)"))
-    p.add_argument("--max-prompts", type=int, default=0, help=(
+    own.add_argument("--max-prompts", type=int, default=0, help=(
         "evaluate the first this many prompts of --eval-data, in file order (0: all) "
         "(default: %(default)s)"))
-    p.add_argument("--chat-template", action="store_true", help=(
-        "render each prompt with the tokenizer's chat template (a user message and the "
-        "generation prompt; the tokenizer then adds no special tokens of its own); off, or a "
-        "tokenizer without a template: --prompt-template (default: off)"))
-    p.add_argument("--prompt-template", default="{prompt}", help=(
-        "format string of a prompt without chat template; {prompt} (required) is the user "
-        "message: the problem and, unless --no-task-instruction, its answer-format instruction "
-        "(default: %(default)s)"))
-    p.add_argument("--no-task-instruction", dest="task_instruction", action="store_false", help=(
-        "give each prompt as the bare problem text, without its task's answer-format "
-        "instruction (e.g. math: the final answer in \\boxed{}) and, for mmlu, without the "
-        "listed choices (default: off, the instruction is added)"))
-    p.add_argument("--rollout-function", default="single-turn", help=(
-        "what turns the prompts into scored trajectories: a built-in (single-turn: one "
-        "response per sample; agent: the multi-turn tool-calling loop, with the --agent-* "
-        "flags below) or the import path `module:function` of a rollout function "
-        "(megatron_rl/rollout/functions.py; its context's config holds defaults but for the "
-        "agent's settings) (default: %(default)s)"))
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help=(
-        "tensor-parallel size of the evaluated model; more than one process: run under "
-        "torchrun, with a world size divisible by TP x PP (default: %(default)s)"))
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help=(
-        "pipeline-parallel size (stages) of the evaluated model; more than one process: run "
-        "under torchrun, with a world size divisible by TP x PP (default: %(default)s)"))
-    p.add_argument("--out", help=(
+    own.add_argument("--out", help=(
         "JSON file for the results: mean@k, pass@k and prompts per task for each seed and "
         "averaged over the seeds, with k and the seeds; its directory is created (default: "
         "unset, the table is only printed)"))
-    add_flags(p, AgentConfig)
-    a = p.parse_args(argv)
-    run_config = TrainConfig(agent=from_flags(AgentConfig, a))
-    try:  # before the model is built; each check names its flag
-        check_sampling(a.temperature, a.top_p)
-        resolve_rollout_function(a.rollout_function)
-        for flag, value in (("--samples", a.samples), ("--max-new-tokens", a.max_new_tokens)):
-            if value < 1:
-                raise ValueError(f"{flag} {value}: must be >= 1")
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    init_distributed(ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size))
-    args = ModelArgs.from_pretrained(a.hf_checkpoint)
-    policy = Policy(args, trainable=False)
+    own.add_argument("--save-rollouts", dest="rollouts_dir", metavar="DIR", help=(
+        "write every sampled trajectory to DIR/eval_seed_<seed>.jsonl, one file per --seeds, "
+        "one row each (prompt, response segments, reward; as training's --save-rollouts "
+        "writes them; `megatron-rl rollouts FILE` prints them) (default: unset, none written)"))
+    own.add_argument("--work-dir", help=(
+        "directory for the rollout engine's files, in <dir>/<--rollout-engine>: the logs of "
+        "the servers started here, the weight exports of --weight-sync disk (default: unset, "
+        "a temporary directory, removed after a successful run)"))
+    add_flags(p, TrainConfig, only=eval_settings())
+    return p
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig]:
+    """(the namespace of `megatron-rl eval`'s flags, the TrainConfig of the settings it shares
+    with training, defaults for the rest), checked as `megatron-rl train` checks them (every
+    number finite and in its bounds, choices, each group's rules) before anything is loaded:
+    a refused flag raises ConfigError naming it."""
+    from megatron_rl.config import TrainConfig, from_flags
+
+    a = build_parser().parse_args(argv)
+    cfg = from_flags(TrainConfig, a, training=False)  # --eval-data: cfg.data.eval_data
+    for flag, value, least in (("--samples", a.samples, 1), ("--max-prompts", a.max_prompts, 0)):
+        if value < least:
+            raise ConfigError(f"{flag} {value}: must be >= {least}")
+    return a, cfg
+
+
+def main(argv=None) -> None:
+    """`megatron-rl eval`: mean@k and pass@k per task of a HF directory or Megatron checkpoint,
+    generated by any rollout engine (--rollout-engine, built as training builds it) through
+    the rollout function (--rollout-function); the settings it shares with `megatron-rl train`
+    have train's flags and checks."""
+    a, cfg = parse_args(argv)
+    from megatron_rl.parallel import destroy_distributed, init_distributed
+    from megatron_rl.processes import skip_exit_collection
+
+    init_distributed(cfg.parallel, seed=cfg.seed)
+    try:
+        all_seeds, counts = evaluate_checkpoint(a, cfg)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            report(a, all_seeds, counts)
+    finally:
+        destroy_distributed()
+    skip_exit_collection()
+
+
+def evaluate_checkpoint(a: argparse.Namespace, cfg: TrainConfig) -> tuple[list[dict], Counter]:
+    """(evaluate_engine's results for each of --seeds, the trajectories' counts) of
+    `megatron-rl eval`'s flags `a` and settings `cfg` (parse_args). Checks the data against the
+    context before building the model; builds the engine as training does (rollout.factory)
+    and stops it (servers, the process engine's child) however the evaluation ends.
+    Collective."""
+    from megatron_rl.data.prompts import load_tokenizer
+    from megatron_rl.models import ModelArgs
+    from megatron_rl.models.policy import Policy
+    from megatron_rl.parallel import run_on_rank
+    from megatron_rl.rollout.factory import build_engine
+    from megatron_rl.runtime import Codec, check_context, prompt_builder, prompt_data
+
+    hf = cfg.model.hf_checkpoint
+    args = ModelArgs.from_pretrained(hf)
+    codec = Codec.from_tokenizer(load_tokenizer(hf), cfg.data.chat_template, checkpoint=hf)
+    # before the model: the agent's episode and every evaluated prompt against the context
+    data = prompt_data(cfg, cfg.data.eval_data, prompt_builder(cfg, codec), shuffle=False)
+    [data] = check_context(cfg, codec, args.max_position_embeddings,
+                           [(data, "--eval-data", a.max_prompts)])
+    n = len(data) if not a.max_prompts else min(a.max_prompts, len(data))
+    records = [data.record(0, i) for i in range(n)]
+    policy = Policy(args, trainable=False, parallel=cfg.parallel,
+                    params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32)
+    step = 0  # ctx.step (RolloutContext.step): the periodic evaluation's of these weights
     if a.load:
         from megatron_rl.checkpoint import load_checkpoint, resolve_checkpoint
 
         # checked against its manifest first: a damaged checkpoint is refused naming the file
-        load_checkpoint(resolve_checkpoint(a.load), policy, with_optimizer=False)
+        extra = load_checkpoint(resolve_checkpoint(a.load), policy, with_optimizer=False)
+        step = max(int(extra.get("step", 0)) - 1, 0)
     else:
-        policy.load_hf(a.hf_checkpoint)
-    tok = load_tokenizer(a.hf_checkpoint)
-    tools = (tool_registry(run_config.agent).schemas() if a.rollout_function == "agent"
-             and run_config.agent.agent_environment == "tools" else None)
-    builder = PromptBuilder(tokenizer=tok if a.chat_template else None, template=a.prompt_template,
-                            use_chat_template=a.chat_template, task_instruction=a.task_instruction,
-                            tools=tools)
-    data = PromptDataset.from_jsonl(a.eval_data, builder, shuffle=False)
-    n = len(data) if not a.max_prompts else min(a.max_prompts, len(data))
-    records = [data.record(0, i) for i in range(n)]
-    engine = LocalEngine(policy, pad_token_id=tok.pad_token_id or 0)
-    codec = Codec.from_tokenizer(tok, a.chat_template, checkpoint=a.hf_checkpoint)
-    all_seeds, counts = [], Counter()
-    with RewardScorer(num_workers=2) as scorer:
-        for seed in a.seeds:
-            params = SamplingParams(temperature=a.temperature, top_p=a.top_p,
-                                    max_new_tokens=a.max_new_tokens,
-                                    stop_token_ids=codec.stop_ids,
-                                    seed=seed)
-            all_seeds.append(evaluate_engine(
-                RolloutContext(engine, params, a.samples, codec, scorer, run_config,
-                               evaluation=True), records, a.rollout_function, counts=counts))
+        policy.load_hf(hf)
+    # the engine's files (server logs, weight exports) under <work dir>/<engine>
+    cfg.checkpoint.save = os.path.abspath(a.work_dir) if a.work_dir else run_on_rank(
+        0, lambda: tempfile.mkdtemp(prefix="megatron-rl-eval-"), "creating a work directory")
+    engine = build_engine(cfg, policy, codec.pad_id,
+                          longest_prompt=lambda: data.max_prompt_tokens(first=a.max_prompts))
+
+    def every_seed() -> tuple[list[dict], Counter]:
+        from megatron_rl.rewards import RewardScorer
+
+        results: list[dict] = []
+        counts: Counter = Counter()
+        with RewardScorer(num_workers=2) as scorer:
+            for seed in a.seeds:
+                params = SamplingParams(temperature=cfg.rollout.temperature,
+                                        top_p=cfg.rollout.top_p,
+                                        max_new_tokens=cfg.rollout.max_new_tokens,
+                                        stop_token_ids=codec.stop_ids, seed=seed)
+                ctx = RolloutContext(engine, params, a.samples, codec, scorer, cfg, step,
+                                     evaluation=True)
+                kept: list | None = [] if a.rollouts_dir else None
+                results.append(evaluate_engine(ctx, records, cfg.rollout.rollout_function,
+                                               counts=counts, kept=kept))
+                if kept is not None:
+                    save_rollouts(a.rollouts_dir, seed, step, codec, kept)
+        return results, counts
+
+    try:
+        if a.load or not engine.holds_own_weights:
+            engine.update_weights(step)  # an engine of its own serves the loaded weights
+        # an engine with a client rank evaluates there for all ranks; the local engine on
+        # every rank, together (its model-parallel groups)
+        out = (every_seed() if engine.client_rank is None else
+               on_client(engine, every_seed, "evaluating"))
+    finally:
+        engine.shutdown()  # servers and the process engine's child stopped, also on an error
+    if not a.work_dir and (not dist.is_initialized() or dist.get_rank() == 0):
+        shutil.rmtree(cfg.checkpoint.save, ignore_errors=True)
+    return out
+
+
+def save_rollouts(directory: str, seed: int, step: int, codec: Codec, kept: list) -> None:
+    """Write the trajectories of seed `seed`'s pass, `kept` by evaluate_engine, to
+    <directory>/eval_seed_<seed>.jsonl (rollout/trajectory_log.py's rows, kind "eval", step
+    `step`; `megatron-rl rollouts FILE` prints them)."""
+    from megatron_rl.rollout.trajectory_log import kept_special_tokens, trajectory_rows, write_rows
+
+    rows = trajectory_rows([g for _, groups in kept for g in groups],
+                           [r for records, _ in kept for r in records],
+                           kept_special_tokens(codec), step=step, kind="eval")
+    write_rows(os.path.join(directory, f"eval_seed_{seed}.jsonl"), rows)
+
+
+def report(a: argparse.Namespace, all_seeds: list[dict], counts: Counter) -> None:
+    """Print the table of the mean over the seeds and the trajectories' counts per sample;
+    write them to --out with each seed's results."""
     merged = {t: {"mean_at_k": sum(r[t]["mean_at_k"] for r in all_seeds) / len(all_seeds),
                   "pass_at_k": sum(r[t]["pass_at_k"] for r in all_seeds) / len(all_seeds),
                   "num_prompts": all_seeds[0][t]["num_prompts"]} for t in all_seeds[0]}
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(markdown_table(merged, a.samples))
-        rollout_counts = _count_means(counts)  # the agent's turns, tool calls, ... per sample
-        for name, value in rollout_counts.items():
-            print(f"{name}: {value:.4g}")
-        if a.out:
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            with open(a.out, "w") as f:
-                json.dump({"per_seed": all_seeds, "mean": merged, "k": a.samples,
-                           "seeds": a.seeds, "rollout": rollout_counts}, f, indent=2)
-    destroy_distributed()
-    skip_exit_collection()
+    print(markdown_table(merged, a.samples))
+    rollout_counts = _count_means(counts)  # the agent's turns, tool calls, ... per sample
+    for name, value in rollout_counts.items():
+        print(f"{name}: {value:.4g}")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump({"per_seed": all_seeds, "mean": merged, "k": a.samples,
+                       "seeds": a.seeds, "rollout": rollout_counts}, f, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(run_command("megatron-rl eval", main, sys.argv[1:]))
