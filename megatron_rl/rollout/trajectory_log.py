@@ -236,8 +236,9 @@ def find_file(path: str, step: int | None, kind: str) -> str:
     if not os.path.isdir(path):
         raise UserError(f"{path}: no such file or directory (a rollouts JSONL file, or a run's "
                         "--save directory)")
-    directory = path if os.path.basename(os.path.normpath(path)) == ROLLOUTS_DIR else (
-        os.path.join(path, ROLLOUTS_DIR))
+    directory = os.path.join(path, ROLLOUTS_DIR)
+    if not os.path.isdir(directory):  # the rollouts/ directory itself
+        directory = path
     found = {}
     for name in map(os.path.basename, glob.glob(os.path.join(directory, "*.jsonl"))):
         m = _STEP.match(name)

@@ -175,6 +175,8 @@ def test_the_command_prints_a_trajectory_and_lists_a_file(codec, tmp_path, capsy
     assert lines[1].split() == ["#", "group", "uid", "reward", "finish", "end", "policy", "env",
                                 "segs"]
     assert lines[3].split() == ["1", "0/1", "train:3", "0", "length", "-", "1", "0", "1"]
+    tl.main([os.path.join(save, "rollouts"), "--list"])  # the rollouts/ directory itself
+    assert capsys.readouterr().out.startswith(f"{path}: 2 trajectories")
 
 
 def test_the_command_names_what_it_cannot_find(codec, tmp_path):
