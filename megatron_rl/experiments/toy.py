@@ -105,7 +105,10 @@ passes), every token ("charged": the environment's tokens scored as if the polic
 them), or the policy's tokens with the environment tokens' ratios in the seq-is weights
 ("env-in-weights"); on-policy and off-policy (A_old at the policy's tokens, the same kernel at the
 environment's) under each correction. Derivation and table: docs/results.md, "Trajectories with
-environment tokens". Without --env-tokens this study is not run.
+environment tokens". With it, per-turn rewards (`turn_reward_study`): each turn's reward from
+the environment's answer to its call and the final answer (`reward_events`), the policy
+gradient of E[sum_j R_j] - KL under each TURN_CREDITS rule against its autograd
+(docs/results.md, "Per-turn rewards"). Without --env-tokens this study is not run.
 Policy losses (`--policy-loss NAME|all`, `policy_loss_study`; exact columns only). Every
 (--policy-loss x K1/K2/K3 x placement), on-policy and off-policy under each correction, through the
 production loss with that loss, with clipping off (clip_low 1, clip_high inf; dual-clip keeps its
@@ -989,6 +992,126 @@ def trajectory_study(theta, ref, old, env, seq_len: int, model: str = "count",
             "rows": rows, "single_turn": single_turn}
 
 
+# ---------------------------------------------------------------- per-turn rewards
+
+TURN_CREDITS = ("sum", "to-go", "last-turn", "to-date")
+TOOL_REWARD = 0.25  # the environment's reward for a call whose answer is 1
+
+
+def reward_events(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[..., L] the rewards of a trajectory at the positions they are given, 0 elsewhere: at each
+    environment token (the answer to the turn before it) TOOL_REWARD x its token, and at the last
+    position, where it is the policy's, its token (the final answer). Position p's reward is
+    the reward of policy turn `turn_index` p (the turn the environment token answers, or the
+    last turn): turn j's reward R_j is the sum of its events, the agent loop's turn_rewards[j]."""
+    events = TOOL_REWARD * y * (1 - mask)
+    events[..., -1] = events[..., -1] + y[..., -1] * mask[..., -1]
+    return events
+
+
+def turn_index(mask: torch.Tensor) -> torch.Tensor:
+    """[..., L] the policy turn of each position: the number of environment tokens before it (a
+    turn is a run of the policy's tokens; an environment token answers the turn before it)."""
+    env = 1 - mask
+    return torch.cumsum(env, dim=-1) - env
+
+
+def turn_credit_returns(events: torch.Tensor, mask: torch.Tensor, credit: str) -> torch.Tensor:
+    """The task return each policy token is credited with under `credit`, [..., L] (0 at the
+    environment's tokens), from reward_events' `events`. With token t in policy turn k(t):
+        sum        sum_j R_j            (the agent loop's rule: the trajectory's reward)
+        to-go      sum_{j >= k(t)} R_j  (the events at positions >= t)
+        last-turn  R_last               (the last turn's reward alone)
+        to-date    sum_{j <= k(t)} R_j  (a turn credited with the rewards before it: biased)"""
+    turns = turn_index(mask)
+    if credit == "sum":
+        out = events.sum(-1, keepdim=True).expand_as(events)
+    elif credit == "to-go":
+        out = events.flip(-1).cumsum(-1).flip(-1)
+    elif credit == "last-turn":
+        out = events[..., -1:].expand_as(events)
+    elif credit == "to-date":
+        later = turns.unsqueeze(-2) > turns.unsqueeze(-1)  # [.., t, p]: p's turn after t's
+        out = events.sum(-1, keepdim=True) - (later * events.unsqueeze(-2)).sum(-1)
+    else:
+        raise ValueError(f"unknown turn credit {credit!r}; valid: {list(TURN_CREDITS)}")
+    return out * mask
+
+
+def turn_reward_objective_gradient(theta, ref, env, seq_len: int, model: str = "count",
+                                   layout: str = "call", beta: float = 1.0) -> torch.Tensor:
+    """grad J [2], J(theta) = E_theta[sum_j R_j] - beta KL(P_theta || P_ref), by autograd through
+    the enumeration of all 2^L trajectories (the environment's factors in both laws)."""
+    y = all_sequences(seq_len)
+    mask = policy_token_mask(y, layout)
+    policy, ref_policy, env_policy = _trajectory_policies(theta, ref, env, model)
+    lp = trajectory_logprobs(policy, env_policy, y, mask).sum(-1)
+    with torch.no_grad():
+        lq = trajectory_logprobs(ref_policy, env_policy, y, mask).sum(-1)
+        total = reward_events(y, mask).sum(-1)
+    objective = (lp.exp() * (total - beta * (lp - lq))).sum()
+    return torch.stack(torch.autograd.grad(objective, [policy.a, policy.b]), dim=-1).squeeze(0)
+
+
+def turn_credit_moments(theta, ref, env, seq_len: int, credit: str, model: str = "count",
+                        layout: str = "call", beta: float = 1.0):
+    """(E[grad] [2], per-sample variance) of the policy gradient under `credit`, on-policy over
+    all 2^L trajectories, through the production code: K1 in the reward (coef beta) over the
+    policy's tokens (loss_mask = the policy's tokens), REINFORCE, ppo-clip unclipped. "sum" and
+    "last-turn" give one return per trajectory (build_advantages with that reward, the KL summed
+    over the trajectory); "to-go" and "to-date" per token: the KL to go (--kl-reward-to-go's
+    returns, compute_rewards_with_kl) plus the credited task return, through
+    compute_advantages as per-token returns. Returns the minimized loss's gradient negated: an
+    estimate of grad J."""
+    y = all_sequences(seq_len).transpose(0, 1)  # [2^L, 1, L]: one trajectory per copy
+    mask = policy_token_mask(y, layout)
+    num = y.shape[0]
+    policy = BinaryARPolicy(*theta, num_copies=num, model=model)
+    _, ref_policy, env_policy = _trajectory_policies(theta, ref, env, model)
+    with torch.no_grad():
+        weights = trajectory_logprobs(BinaryARPolicy(*theta, model=model), env_policy, y,
+                                      mask).sum(-1).exp().reshape(-1)
+        ref_lp = ref_policy(y).expand(num, 1, seq_len).reshape(num, seq_len)
+        events = reward_events(y, mask).reshape(num, seq_len)
+    flat_mask = mask.reshape(num, seq_len)
+    logprobs = policy(y).reshape(num, seq_len)
+    per_token = credit in ("to-go", "to-date")
+    kl_cfg = KLConfig("k1", "reward", coef=beta, reward_to_go=per_token)
+    cfg = LossConfig(clip_low=1.0, clip_high=math.inf, aggregation="seq-mean-token-sum",
+                     kl=kl_cfg, advantage_estimator="reinforce")
+    credited = turn_credit_returns(events, flat_mask, credit)
+    if per_token:
+        returns = credited + compute_rewards_with_kl(
+            torch.zeros(num, dtype=DTYPE), logprobs.detach(), ref_lp, flat_mask, kl_cfg)
+        advantages = compute_advantages("reinforce", returns, 1, flat_mask)
+    else:
+        advantages = build_advantages(credited[:, -1] if credit == "last-turn"
+                                      else events.sum(-1), logprobs.detach(), ref_lp,
+                                      flat_mask, cfg, group_size=1)
+    loss, _ = policy_loss_per_token(logprobs, logprobs.detach(), advantages, flat_mask, cfg,
+                                    ref_logprobs=ref_lp)
+    total = aggregate_loss(loss, flat_mask, cfg.aggregation, num_global_seqs=1)
+    grads = -torch.stack(torch.autograd.grad(total, [policy.a, policy.b]), dim=-1)
+    mean = weights @ grads
+    variance = (weights * (grads - mean).square().sum(-1)).sum().item()
+    return mean, variance
+
+
+def turn_reward_study(theta, ref, env, seq_len: int, model: str = "count",
+                      layout: str = "call", beta: float = 1.0) -> dict:
+    """Exact bias^2 against grad J (turn_reward_objective_gradient) and per-sample variance of
+    each TURN_CREDITS rule (docs/results.md, "Per-turn rewards")."""
+    g = turn_reward_objective_gradient(theta, ref, env, seq_len, model, layout, beta)
+    rows = []
+    for credit in TURN_CREDITS:
+        mean, variance = turn_credit_moments(theta, ref, env, seq_len, credit, model, layout,
+                                             beta)
+        sq_bias = (mean - g).square().sum().item()
+        rows.append({"credit": credit, "exact_grad": mean.tolist(), "exact_sq_bias": sq_bias,
+                     "variance": variance, "biased": sq_bias > UNBIASED_TOL})
+    return {"true_gradient": g.tolist(), "beta": beta, "tool_reward": TOOL_REWARD, "rows": rows}
+
+
 # ---------------------------------------------------------------- policy losses (--policy-loss)
 
 POLICY_LOSS_NAMES = tuple(POLICY_LOSSES)
@@ -1232,6 +1355,8 @@ def run_study(setup: ToySetup) -> dict:
         env = setup.env if setup.env is not None else DEFAULT_ENV[model]
         studies["trajectory"] = trajectory_study(setup.theta, setup.ref, setup.old, env, t, model,
                                                  setup.env_tokens)
+        studies["trajectory"]["turn_rewards"] = turn_reward_study(setup.theta, setup.ref, env, t,
+                                                                  model, setup.env_tokens)
     if setup.policy_losses:
         studies["policy_loss"] = policy_loss_study(setup.theta, setup.ref, setup.old, t, model,
                                                    setup.policy_losses, setup.loss_aggregation,
@@ -1430,6 +1555,24 @@ def trajectory_markdown(result: dict) -> list:
                                                  for col in TRAJECTORY_COLUMNS)
                      + f" | {', '.join(single.get(name, [])) or '-'} |")
     lines += [""] + _trajectory_reading(traj)
+    if "turn_rewards" in traj:
+        lines += turn_reward_markdown(traj["turn_rewards"])
+    return lines
+
+
+def turn_reward_markdown(study: dict) -> list:
+    """Lines of the per-turn reward table (turn_reward_study)."""
+    lines = [
+        "", f"Per-turn rewards: R_j = {study['tool_reward']:g} x the environment's answer to "
+        "turn j's call, plus the last token where it is the policy's (the final answer); "
+        f"J = E_theta[sum_j R_j] - {study['beta']:g} KL(P_theta || P_ref), grad J = "
+        f"{_fmt_vec(study['true_gradient'])} (autograd of the enumeration). On-policy, K1 in "
+        "the reward over the policy's tokens, REINFORCE, through the production code; each "
+        "policy token credited with: sum = sum_j R_j, to-go = the rewards of its turn and later "
+        "(the KL to go too), last-turn = the last turn's alone, to-date = its turn's and "
+        "earlier.", "",
+        "| credit | bias^2 / variance |", "|---|---|"]
+    lines += [f"| {r['credit']} | {_cell(r)} |" for r in study["rows"]]
     return lines
 
 
