@@ -143,10 +143,11 @@ def trajectory_rows(groups: Sequence[Sequence[Trajectory]], records: Sequence[Pr
 
 
 def write_rows(path: str, rows: Sequence[dict]) -> bool:
-    """Write `rows` to `path` as JSONL (its directory made; through a temporary file and a
-    rename, so a reader never sees half a file). A failure warns, naming the file and the
-    error, and returns False: the trajectories are a record of the run, not part of it."""
-    tmp = f"{path}.tmp"
+    """Write `rows` to `path` as JSONL (its directory made; through a temporary file of this
+    process and a rename, so a reader never sees half a file, and processes writing the same
+    file leave one whole). A failure warns, naming the file and the error, and returns False:
+    the trajectories are a record of the run, not part of it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
