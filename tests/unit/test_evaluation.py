@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from megatron_rl.errors import ConfigError, UserError
-from megatron_rl.evaluation import build_parser, main
+from megatron_rl.evaluation import main
 
 BASE = ["--hf-checkpoint", "no-such-model", "--eval-data", "no-such-data.jsonl"]
 
@@ -45,6 +45,7 @@ def test_shared_flags_are_trains_flags():
     """Every flag eval shares with train has train's help (what it does, its default), default,
     choices and type: one declaration (config.py's dataclasses)."""
     from megatron_rl.config import build_parser as train_parser
+    from megatron_rl.evaluation import build_parser
 
     train, ev = _flags(train_parser()), _flags(build_parser())
     own = {"--eval-data", "--samples", "--seeds", "--max-prompts", "--out", "--load",
