@@ -1,14 +1,16 @@
 """Worker for test_agent_env.py (two ranks under torchrun, gloo, TP2: one model-parallel group,
 the agent loop running on both as with the in-process engine): an environment whose answers
 differ by rank is made and stepped on the group's first rank alone, and both ranks build the
-same trajectories. Prints `RESULT {json}` per rank."""
+same trajectories; with fewer failures allowed than the "bad" record's, every rank raises
+EnvironmentFailed with the same message (none waits for the other). Prints `RESULT {json}` per
+rank."""
 import json
 import tempfile
 
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from megatron_rl.agent.env import Environment, StepResult
+from megatron_rl.agent.env import Environment, EnvironmentFailed, StepResult
 from megatron_rl.agent.loop import agent_rollout
 from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.data.prompts import PromptRecord
@@ -57,17 +59,29 @@ def main() -> None:
     init_distributed(ParallelConfig(tensor_model_parallel_size=2))
     tok = AutoTokenizer.from_pretrained(make_char_tokenizer(tempfile.mkdtemp()))
     codec = Codec.from_tokenizer(tok, chat_template=False)
-    config = AgentConfig(agent_environment=f"{__name__}:RankEnv")
-    with RewardScorer(num_workers=1) as scorer:
+    records = [PromptRecord("good", "Go:", "arithmetic", "7"),
+               PromptRecord("bad", "Go:", "arithmetic", "7")]
+
+    def rollout(scorer, max_failures):
+        config = AgentConfig(agent_environment=f"{__name__}:RankEnv",
+                             agent_max_env_failures=max_failures)
         ctx = RolloutContext(Engine(tok), SamplingParams(max_new_tokens=20, seed=1,
                                                          stop_token_ids=codec.stop_ids),
                              2, codec, scorer, config=type("C", (), {"agent": config})())
-        groups = agent_rollout(ctx, [PromptRecord("good", "Go:", "arithmetic", "7"),
-                                     PromptRecord("bad", "Go:", "arithmetic", "7")])
+        return agent_rollout(ctx, records)
+
+    with RewardScorer(num_workers=1) as scorer:
+        groups = rollout(scorer, 0.5)  # 2 of 4 episodes fail: not more than half
+        made = list(MADE)
+        try:
+            rollout(scorer, 0.25)
+            stopped = None
+        except EnvironmentFailed as e:
+            stopped = str(e)
     rows = [[tok.decode(t.response_ids), t.response_mask, t.reward, t.metadata["end"]]
             for g in groups for t in g]
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), "made": MADE, "rows": rows}),
-          flush=True)
+    print("RESULT " + json.dumps({"rank": dist.get_rank(), "made": made, "rows": rows,
+                                  "stopped": stopped}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,7 +1,8 @@
 """Agent environments under model parallelism with the in-process engine (the agent loop runs
 on every rank of the group): the environments are made and stepped on the group's first rank
 alone, and every rank gets their answers and failures, so that the group's generate calls stay
-identical (agent_env_worker.py, two gloo ranks, TP2)."""
+identical, and every rank stops alike when the environment fails too often
+(agent_env_worker.py, two gloo ranks, TP2)."""
 import json
 import os
 
@@ -25,3 +26,11 @@ def test_the_groups_first_rank_runs_the_environments_for_both(torchrun):
     assert text == "7<eos>\nrank 0 says go on\n7<eos>" and (reward, end) == (1.0, "answer")
     assert mask.count(0) == len("\nrank 0 says go on\n")
     assert bad == ["", [], 0.0, "env_error"]
+    # more failures than --agent-max-env-failures: both ranks stop, with the same message
+    stopped = rows[0]["stopped"]
+    assert stopped == rows[1]["stopped"]
+    assert stopped.startswith("agent environment __main__:RankEnv (--agent-environment) failed 2 "
+                              "of 4 episodes of this rollout, more than --agent-max-env-failures "
+                              "0.25 of them; the first: reset on record bad raised ValueError: "
+                              "no such game (at "), stopped
+    assert stopped.endswith("agent_env_worker.py:35 in reset)"), stopped
