@@ -35,6 +35,7 @@ def test_process_engine_evaluates_as_the_local_engine_and_is_stopped(
     from multiprocessing import resource_tracker
 
     from megatron_rl.evaluation import main
+    from megatron_rl.rollout.trajectory_log import main as rollouts
 
     resource_tracker.ensure_running()  # multiprocessing's helper of this process's lifetime
     children = lambda: [p for p in psutil.Process().children(recursive=True)  # noqa: E731
@@ -61,6 +62,8 @@ def test_process_engine_evaluates_as_the_local_engine_and_is_stopped(
         assert logprobs(b) == pytest.approx(logprobs(a), abs=1e-5)
     assert _rows(tmp_path / "local" / "eval_seed_0.jsonl") != _rows(
         tmp_path / "local" / "eval_seed_1.jsonl")  # each seed samples its own
+    rollouts([str(tmp_path / "local" / "eval_seed_0.jsonl"), "--list"])  # `megatron-rl rollouts`
+    assert "eval_seed_0.jsonl: 24 trajectories" in capsys.readouterr().out
 
     # an evaluation that fails stops the child too
     with pytest.raises(RuntimeError, match="this rollout function fails"):
