@@ -318,3 +318,23 @@ def test_a_rows_task_is_free_where_an_environment_gives_the_reward(tmp_path, tok
     [[t]] = agent_rollout(_ctx(tokenizer, scorer, cfg, lambda *_: "7<eos>"), [records["guess"]])
     assert (t.reward, t.reward_error, t.metadata["end"]) == (0.0, "error", "answer")
     check_groups([[t]], 1, 1, "agent")
+
+
+def test_no_code_decides_by_the_rollout_functions_name():
+    """A comparison of --rollout-function's value with a built-in's name ("agent",
+    "single-turn") is behaviour a user's function wrapping that built-in would lose: it belongs
+    in the function's declared needs (rollout/needs.py)."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(__file__).resolve().parents[3] / "megatron_rl"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            names = [n.value for n in (node.left, *node.comparators)
+                     if isinstance(n, ast.Constant)]
+            if {"agent", "single-turn"} & set(names) and "rollout_function" in ast.unparse(node):
+                found.append(f"{path.relative_to(package)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "the rollout function's name decides behaviour:\n" + "\n".join(found)
