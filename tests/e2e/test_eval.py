@@ -69,7 +69,7 @@ def test_process_engine_evaluates_as_the_local_engine_and_is_stopped(
     with pytest.raises(RuntimeError, match="this rollout function fails"):
         main(_eval_args(tiny_char_model, arithmetic_jsonl, tmp_path / "failed.json",
                         "--rollout-engine", "process", "--rollout-function",
-                        "eval_rollouts:failing"))
+                        "eval_rollouts:failing", "--work-dir", str(tmp_path / "work")))
     assert {p.pid for p in children()} <= before
     assert not (tmp_path / "failed.json").exists()
 
