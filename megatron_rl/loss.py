@@ -7,7 +7,8 @@ information (global token and sequence counts) comes in as arguments. Three step
 0. `shape_overlong` (optional): truncated responses out of the loss, DAPO's soft penalty on
    long ones in the reward.
 1. `build_advantages`: task rewards minus the reward-side KL (stop-gradient, paper eq. 7-8),
-   then the group baseline (RLOO by default) -> advantages [B] (or [B, T] with reward-to-go).
+   then the group baseline (RLOO by default) -> advantages [B] (or [B, T] with reward-to-go,
+   the KL's or the turn rewards', --turn-credit to-go).
 2. `policy_loss_per_token`: the policy-gradient loss of --policy-loss (policy_losses.py;
    default ppo-clip: ratio exp(logprobs - old_logprobs), asymmetric clip range
    [1 - clip_low, 1 + clip_high]) times the rollout correction's weights, plus the path-wise
@@ -67,6 +68,9 @@ def _seq_mean_token_sum(per_token, loss_mask, num_global_tokens=None, num_global
 # (fixed across the PPO minibatches of one RL step) versus that of the current optimizer step's
 # batch (all DP ranks and microbatches of that step). With one optimizer step per rollout batch
 # they coincide.
+TURN_CREDITS = ("sum", "to-go")
+"""--turn-credit: how per-turn rewards enter the advantage (turn_rewards_to_go)."""
+
 AGGREGATIONS = {
     "token-sum-over-batch-tokens": _token_sum_over,
     "token-mean": _token_sum_over,
@@ -122,6 +126,15 @@ class LossConfig:
         "group mean (the last two include the response itself: gradient scaled by 1 - "
         "1/group_size); reinforce = no baseline")})
 
+    turn_credit: str = field(default="sum", metadata={"choices": TURN_CREDITS, "help": (
+        "how a trajectory's per-turn rewards (Trajectory.turn_rewards: an agent environment's "
+        "reward for each policy turn) enter its advantage: sum = its reward, their sum, one "
+        "return per sequence; to-go = each token's return holds the rewards of its turn and "
+        "of the later turns (per-token advantages; the reward-side KL whole, or to go with "
+        "--kl-reward-to-go; not with --policy-loss gspo). A trajectory without turn rewards "
+        "has its reward on its last token, where both agree. Both are unbiased "
+        "(docs/results.md, \"Per-turn rewards\")")})
+
     policy_loss: str = field(default="ppo-clip", metadata={"help": (
         "the policy-gradient loss (megatron_rl/policy_losses.py: each one's math): ppo-clip = "
         "PPO's clipped ratio surrogate; dual-clip = ppo-clip with the loss of a negative "
@@ -160,8 +173,10 @@ class LossConfig:
     @property
     def token_level_advantages(self) -> bool:
         """Whether build_advantages gives per-token advantages [B, T]: the reward-side KL as
-        reward-to-go, or the exact KL in the advantage (the later positions' KL per token)."""
-        return self.kl.reward_to_go or (self.kl.exact and self.kl.reward_in_advantage)
+        reward-to-go, the exact KL in the advantage (the later positions' KL per token), or the
+        turn rewards to go."""
+        return (self.kl.reward_to_go or (self.kl.exact and self.kl.reward_in_advantage)
+                or self.turn_credit == "to-go")
 
     def validate(self) -> None:
         """The rules beyond each field's declared choices and minimum (which the trainer's
@@ -179,6 +194,7 @@ class LossConfig:
                              f"{self.sapo_tau_neg}: both must be > 0")
         if self.policy_loss in SEQUENCE_LEVEL and self.token_level_advantages:
             cause = ("--kl-reward-to-go" if self.kl.reward_to_go
+                     else "--turn-credit to-go" if self.turn_credit == "to-go"
                      else f"--kl-estimator {self.kl.estimator} in the reward")
             raise ValueError(f"--policy-loss {self.policy_loss} takes one advantage per "
                              f"sequence, but {cause} makes them per token: use --policy-loss "
@@ -212,17 +228,43 @@ def compute_rewards_with_kl(rewards: torch.Tensor, logprobs: torch.Tensor, ref_l
     return rewards
 
 
+def turn_rewards_to_go(returns: torch.Tensor, rewards: torch.Tensor,
+                       token_rewards: torch.Tensor | None, loss_mask: torch.Tensor
+                       ) -> torch.Tensor:
+    """--turn-credit to-go: `returns` ([B], or [B, T] per token, each holding the whole task
+    reward R) with R replaced at each token t by the task reward to go,
+        G_t = sum_{s >= t} token_rewards_s + (R - sum_s token_rewards_s),
+    token_rewards [B, T] holding each turn's reward at its turn's last token
+    (RolloutBatch.token_rewards; None: all zero). What the turn rewards do not account for
+    (a trajectory without them, the overlong penalty added to R) is at the last token, where
+    every token sees it. Returns [B, T], 0 off the loss_mask. docs/results.md, "Per-turn
+    rewards": unbiased, as the sum is."""
+    rewards = rewards.detach().to(loss_mask.dtype)
+    per_token = returns if returns.dim() == 2 else returns.unsqueeze(-1) * loss_mask
+    to_go = rewards.unsqueeze(-1).expand_as(loss_mask)
+    if token_rewards is not None:
+        token_rewards = token_rewards.to(loss_mask.dtype)
+        later = token_rewards.flip(-1).cumsum(-1).flip(-1)
+        to_go = later + (rewards - token_rewards.sum(-1)).unsqueeze(-1)
+    return per_token + (to_go - rewards.unsqueeze(-1)) * loss_mask
+
+
 def build_advantages(rewards, logprobs, ref_logprobs, loss_mask, cfg: LossConfig,
                      group_size: int, token_kl: torch.Tensor | None = None,
-                     in_baseline: torch.Tensor | None = None) -> torch.Tensor:
-    """Advantages [B] (or [B, T] with reward-to-go or the exact KL in the reward) from task
-    rewards [B] and per-token log-probs (token_kl [B, T]: KL_t for the "exact" estimator).
-    Rows with `in_baseline` 0 (RolloutBatch.in_baseline) stay out of their group's baseline.
+                     in_baseline: torch.Tensor | None = None,
+                     token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    """Advantages [B] (or [B, T] with reward-to-go, the exact KL in the reward or --turn-credit
+    to-go) from task rewards [B] and per-token log-probs (token_kl [B, T]: KL_t for the "exact"
+    estimator). Rows with `in_baseline` 0 (RolloutBatch.in_baseline) stay out of their group's
+    baseline. token_rewards [B, T]: each turn's reward at its last token, for --turn-credit
+    to-go (turn_rewards_to_go).
 
     The KL penalty enters the returns before the baseline (eq. 7-8), so with RLOO it is centred
     by the other samples' KL like any reward. Detached.
     """
     returns = compute_rewards_with_kl(rewards, logprobs, ref_logprobs, loss_mask, cfg.kl, token_kl)
+    if cfg.turn_credit == "to-go":
+        returns = turn_rewards_to_go(returns, rewards, token_rewards, loss_mask)
     mask = loss_mask if returns.dim() == 2 else None
     return compute_advantages(cfg.advantage_estimator, returns, group_size, mask, in_baseline)
 

@@ -80,7 +80,8 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
         ref_lp = reference.token_logprobs(batch.tokens, lay, seq_lengths=batch.seq_lengths)
     advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, batch.loss_mask,
                                   loss_cfg, batch.group_size, token_kl=exact_kl,
-                                  in_baseline=batch.in_baseline)
+                                  in_baseline=batch.in_baseline,
+                                  token_rewards=batch.token_rewards)
     rollout_lp = batch.rollout_logprobs if loss_cfg.kl.is_proposal == "rollout" else None
     is_weights = None
     if loss_cfg.rollout_correction.enabled:  # the engine's samples, the trainer's pi_old
