@@ -59,6 +59,10 @@ class RolloutBatch:
     # which --overlong-filtering zeroes for rows whose reward still enters the baseline.
     # None: every row.
     in_baseline: torch.Tensor | None = None
+    # [B, L-1] float: each policy turn's reward (Trajectory.turn_rewards) at the position that
+    # scores the turn's last token, for --turn-credit to-go (loss.turn_rewards_to_go); None
+    # when no trajectory has turn rewards. A row sums to its reward.
+    token_rewards: torch.Tensor | None = None
 
     @property
     def seq_lengths(self) -> list[int]:
@@ -81,7 +85,8 @@ class RolloutBatch:
                                    rollout_logprobs=move(self.rollout_logprobs),
                                    rewards=move(self.rewards),
                                    old_logprobs=move(self.old_logprobs),
-                                   in_baseline=move(self.in_baseline))
+                                   in_baseline=move(self.in_baseline),
+                                   token_rewards=move(self.token_rewards))
 
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
         """Rows `idx` (e.g. a PPO minibatch), keeping the padding length."""
@@ -94,7 +99,8 @@ class RolloutBatch:
                             None if self.old_logprobs is None else self.old_logprobs[idx_t],
                             None if self.routed_experts is None
                             else self.routed_experts[idx_t.to(self.routed_experts.device)],
-                            None if self.in_baseline is None else self.in_baseline[idx_t])
+                            None if self.in_baseline is None else self.in_baseline[idx_t],
+                            None if self.token_rewards is None else self.token_rewards[idx_t])
 
 
 def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,
@@ -104,7 +110,9 @@ def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,
     rollout_logprobs carry its response_mask and the engine's log-probs at the positions that
     score its response tokens (position t scores token t+1), 0 elsewhere -- a response token
     from the environment (mask 0) is context, not trained on. A trajectory with no token of the
-    policy's gets in_baseline 0 (out of its group's baseline)."""
+    policy's gets in_baseline 0 (out of its group's baseline). Turn rewards go to
+    token_rewards, each at the position scoring its turn's last token (a trajectory without
+    turn_ends: all at its last response token; without turn rewards: its reward there)."""
     group_size = len(groups[0])
     if any(len(g) != group_size for g in groups):
         raise ValueError("every prompt needs the same number of trajectories")
@@ -130,6 +138,15 @@ def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,
         loss_mask[i, start:start + n] = mask
         rollout_lp[i, start:start + n] = torch.where(
             mask > 0, torch.tensor(t.rollout_logprobs, dtype=torch.float32), 0.0)
+    token_rewards = None
+    if any(t.turn_rewards is not None for t in trajectories):
+        token_rewards = torch.zeros(B, L - 1)
+        for i, t in enumerate(trajectories):
+            n = rlens[i]
+            rewards = t.turn_rewards if t.turn_rewards is not None else [t.reward]
+            ends = t.turn_ends if t.turn_ends is not None else [n] * len(rewards)
+            for r, end in zip(rewards, ends):  # the position scoring response token end - 1
+                token_rewards[i, min(plens[i] - 1 + max(min(end, n) - 1, 0), L - 2)] += r
     routes = None
     records = [t.routed_experts for t in trajectories]
     if any(r is not None for r in records):
@@ -142,4 +159,5 @@ def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,
                         group_size, plens, rlens, [t.finish_reason for t in trajectories],
                         routed_experts=routes,
                         in_baseline=torch.tensor([float(1 in t.response_mask)
-                                                  for t in trajectories]))
+                                                  for t in trajectories]),
+                        token_rewards=token_rewards)

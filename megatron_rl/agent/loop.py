@@ -255,8 +255,10 @@ class _Episode:
     finish_reason: str = "stop"
     end: str | None = None
     counts: dict[str, float] = field(default_factory=dict)
-    # the reward of each policy turn's step (None: no reward, or not stepped)
+    # the reward of each policy turn's step (None: no reward, or not stepped), and where the
+    # turn ends in response_ids
     turn_rewards: list[float | None] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)
     env_info: dict[str, Any] = field(default_factory=dict)
     failure: tuple[str, CallOutcome] | None = None  # the failed call ("reset", "step"), its outcome
 
@@ -541,7 +543,7 @@ def _score(ctx: RolloutContext, records: Sequence[PromptRecord], episodes: list[
             metadata["env_info"] = e.env_info
         groups[-1].append(Trajectory(e.prompt_ids, e.response_ids, e.mask, e.logprobs,
                                      e.finish_reason, reward, reward_error, metadata=metadata,
-                                     turn_rewards=turn_rewards))
+                                     turn_rewards=turn_rewards, turn_ends=list(e.turn_ends)))
     return groups
 
 
@@ -587,6 +589,7 @@ def _take_turn(e: _Episode, c: Completion, config: AgentConfig, marker: str | No
     e.last_turn = ids
     e.finish_reason = finish
     e.turn_rewards.append(None)
+    e.turn_ends.append(len(e.response_ids))
     e.count("turns")
     if cut:
         e.end = "max_tokens"

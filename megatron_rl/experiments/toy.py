@@ -1059,8 +1059,9 @@ def turn_credit_moments(theta, ref, env, seq_len: int, credit: str, model: str =
     all 2^L trajectories, through the production code: K1 in the reward (coef beta) over the
     policy's tokens (loss_mask = the policy's tokens), REINFORCE, ppo-clip unclipped. "sum" and
     "last-turn" give one return per trajectory (build_advantages with that reward, the KL summed
-    over the trajectory); "to-go" and "to-date" per token: the KL to go (--kl-reward-to-go's
-    returns, compute_rewards_with_kl) plus the credited task return, through
+    over the trajectory); "to-go" is the trainer's --turn-credit to-go with --kl-reward-to-go
+    (build_advantages with the rewards at their positions, loss.turn_rewards_to_go); "to-date"
+    the KL to go (compute_rewards_with_kl) plus the credited task return, through
     compute_advantages as per-token returns. Returns the minimized loss's gradient negated: an
     estimate of grad J."""
     y = all_sequences(seq_len).transpose(0, 1)  # [2^L, 1, L]: one trajectory per copy
@@ -1080,7 +1081,11 @@ def turn_credit_moments(theta, ref, env, seq_len: int, credit: str, model: str =
     cfg = LossConfig(clip_low=1.0, clip_high=math.inf, aggregation="seq-mean-token-sum",
                      kl=kl_cfg, advantage_estimator="reinforce")
     credited = turn_credit_returns(events, flat_mask, credit)
-    if per_token:
+    if credit == "to-go":  # the trainer's --turn-credit to-go, each reward at its position
+        advantages = build_advantages(events.sum(-1), logprobs.detach(), ref_lp, flat_mask,
+                                      replace(cfg, turn_credit="to-go"), group_size=1,
+                                      token_rewards=events)
+    elif per_token:
         returns = credited + compute_rewards_with_kl(
             torch.zeros(num, dtype=DTYPE), logprobs.detach(), ref_lp, flat_mask, kl_cfg)
         advantages = compute_advantages("reinforce", returns, 1, flat_mask)

@@ -79,6 +79,9 @@ class Trajectory:
         environment gave none there); None for a single-turn one. `reward` is their sum (the
         return the advantage is taken of, docs/results.md "Per-turn rewards" derives why the
         KL placements stay unbiased with it); check_groups refuses another reward.
+    turn_ends: with turn_rewards, where each policy turn ends in response_ids (one past its
+        last token), in order: --turn-credit to-go credits a token with the rewards of its turn
+        and the later ones (None: every turn reward at the last token, as the sum rule).
     """
 
     prompt_ids: list[int]
@@ -91,6 +94,7 @@ class Trajectory:
     routed_experts: torch.Tensor | None = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     turn_rewards: list[float] | None = None
+    turn_ends: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -240,6 +244,13 @@ def check_groups(groups: Any, num_prompts: int, group_size: int, name: str) -> N
                 if not math.isclose(sum(t.turn_rewards), t.reward, rel_tol=1e-9, abs_tol=1e-9):
                     raise ValueError(f"{where}: reward {t.reward} is not the sum of its "
                                      f"turn_rewards {t.turn_rewards}")
+            if t.turn_ends is not None:
+                ends = t.turn_ends
+                if t.turn_rewards is None or len(ends) != len(t.turn_rewards):
+                    raise ValueError(f"{where}: turn_ends {ends} without one turn reward each")
+                if any(not 0 <= a <= b <= n for a, b in zip([0, *ends], ends)):
+                    raise ValueError(f"{where}: turn_ends {ends} are not ascending positions in "
+                                     f"its {n} response tokens")
 
 
 def run_rollout(name: str, ctx: RolloutContext,
