@@ -403,6 +403,8 @@ class _Environments:
             if o.status != OK:
                 log_failure(o, what, self.records[i], self.name, self.timeout)
                 self.failed.add(i)
+                if o.status == ENV_ERROR and what != "close":  # its call is over: no thread
+                    close_loop(self.loops, i)  # runs the loop of an environment dropped
         return [o for o in outcomes if o is not None]
 
     def _everywhere(self, fn):

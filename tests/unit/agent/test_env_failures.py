@@ -115,8 +115,19 @@ class ReturnsCoroutine:
         return answer()
 
 
-def test_async_environments_run_and_score(tokenizer, scorer):
+class AsyncBroken(Environment):
+    async def reset(self, record):
+        await asyncio.sleep(0)
+
+    async def step(self, turn):
+        raise KeyError("no such board")
+
+
+def test_async_environments_run_and_score(tokenizer, scorer, monkeypatch):
     closed.clear()
+    loops = []
+    new_loop = asyncio.new_event_loop
+    monkeypatch.setattr(asyncio, "new_event_loop", lambda: loops.append(new_loop()) or loops[-1])
     records = [PromptRecord(f"guess:{i}", "Guess:", "arithmetic", "0", {"secret": 2})
                for i in range(2)]
     config = AgentConfig(agent_environment=f"{HERE}:AsyncGuess", agent_max_turns=3)
@@ -126,9 +137,17 @@ def test_async_environments_run_and_score(tokenizer, scorer):
         assert t.metadata["end"] == "answer" and t.metadata["counts"]["agent/turns"] == 2
         assert t.turn_rewards == [0.25, 1.0] and t.reward == 1.25
     assert sorted(closed) == ["guess:0", "guess:0", "guess:1", "guess:1"]
+    assert len(loops) == 4 and all(loop.is_closed() for loop in loops)  # one an episode
     groups, _, _ = _run(tokenizer, scorer, lambda _, __: "1<eos>", records[:1],
                         AgentConfig(agent_environment=f"{HERE}:ReturnsCoroutine"))
     assert [t.reward for t in groups[0]] == [1.0, 1.0]
+    # an async step that raises fails its episode; its loop is closed all the same
+    loops.clear()
+    groups, _, _ = _run(tokenizer, scorer, lambda _, __: "1<eos>", records[:1],
+                        AgentConfig(agent_environment=f"{HERE}:AsyncBroken",
+                                    agent_max_env_failures=1.0))
+    assert [t.metadata["end"] for t in groups[0]] == ["env_error"] * 2
+    assert len(loops) == 2 and all(loop.is_closed() for loop in loops)
 
 
 def test_an_async_step_past_the_timeout_fails_its_episode(tokenizer, scorer,
