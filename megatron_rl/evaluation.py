@@ -308,7 +308,9 @@ def evaluate_checkpoint(a: argparse.Namespace, cfg: TrainConfig) -> tuple[list[d
                                         stop_token_ids=codec.stop_ids, seed=seed)
                 ctx = RolloutContext(engine, params, a.samples, codec, scorer, cfg, step,
                                      evaluation=True)
-                kept: list | None = [] if a.rollouts_dir else None
+                # one writer: the local engine's ranks all hold every trajectory
+                writes = a.rollouts_dir and dist_rank() == (engine.client_rank or 0)
+                kept: list | None = [] if writes else None
                 results.append(evaluate_engine(ctx, records, cfg.rollout.rollout_function,
                                                counts=counts, kept=kept))
                 if kept is not None:
