@@ -1,4 +1,5 @@
-"""The typed contract between rollout and training: one RL batch of sampled responses.
+"""The typed contract between rollout and training: the trajectory a rollout function returns
+(`Trajectory`) and the RL batch of sampled responses it becomes (`RolloutBatch`, `pack_rollouts`).
 
 Glossary (used everywhere): `rollout_logprobs` (from the engine), `old_logprobs` (behaviour
 policy, recomputed by the trainer), `ref_logprobs` (reference policy), `logprobs` (current
@@ -17,13 +18,73 @@ per-token tensors are [B, L-1] and position t scores token t+1 given tokens[:, :
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from megatron_rl.models.routing import fill_routes
 from megatron_rl.parallel import to_device
-from megatron_rl.rollout.functions import Trajectory
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.base import Completion
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One sampled sequence and its reward: what a rollout function returns
+    (rollout/functions.py) and pack_rollouts makes a row of.
+
+    prompt_ids: the prompt's P tokens (never trained on).
+    response_ids: the T tokens after the prompt: the policy's and, in a multi-turn rollout,
+        the environment's between them.
+    response_mask: T values, 1 where the policy sampled the token (trained on, its loss_mask),
+        0 where it came from elsewhere.
+    rollout_logprobs: T values, log pi_rollout(token | prefix) from the engine where the mask is
+        1 (ignored where it is 0: write 0).
+    finish_reason: how it ended: "stop" or "length" (counted as truncated), or the rollout
+        function's own reason.
+    reward: the scalar reward of the whole trajectory: with turn_rewards, their sum.
+    reward_error: why the reward is 0 when the scorer counts a cause (rewards.types.REASONS:
+        timeout, error, too_long, no_answer), logged as reward_errors/<reason>; None otherwise.
+    routed_experts: the engine's experts for every token it forwarded, [P + T - 1, M, k]
+        (Completion.routed_experts), for routing replay; None without a record.
+    metadata: anything else the rollout function keeps; not used in training. Its "counts"
+        ({name: number}, e.g. the agent loop's agent/turns) are averaged over the batch's
+        trajectories and logged as rollout/<name>.
+    turn_rewards: a multi-turn trajectory's reward for each policy turn, in order (the agent
+        loop's: each environment step's reward, the verifier's on the last turn where the
+        environment gave none there); None for a single-turn one. `reward` is their sum (the
+        return the advantage is taken of, docs/results.md "Per-turn rewards" derives why the
+        KL placements stay unbiased with it); check_groups refuses another reward.
+    turn_ends: with turn_rewards, where each policy turn ends in response_ids (one past its
+        last token), in order: --turn-credit to-go credits a token with the rewards of its turn
+        and the later ones (None: every turn reward at the last token, as the sum rule).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: str
+    reward: float
+    reward_error: str | None = None
+    routed_experts: torch.Tensor | None = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    turn_rewards: list[float] | None = None
+    turn_ends: list[int] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """prompt_ids + response_ids."""
+        return [*self.prompt_ids, *self.response_ids]
+
+    @classmethod
+    def single_turn(cls, prompt_ids: list[int], completion: Completion, reward: float,
+                    reward_error: str | None = None) -> "Trajectory":
+        """The trajectory of one engine completion of `prompt_ids`: all of it the policy's."""
+        return cls(prompt_ids, completion.token_ids, [1] * len(completion.token_ids),
+                   completion.rollout_logprobs, completion.finish_reason, reward, reward_error,
+                   completion.routed_experts)
 
 
 def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:

@@ -82,15 +82,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from megatron_rl.agent import schedule
-from megatron_rl.agent.env import OK, CallOutcome, StepResult, ToolsEnvironment
 from megatron_rl.agent.env import ERROR as ENV_ERROR
-from megatron_rl.agent.env import TIMEOUT as ENV_TIMEOUT
+from megatron_rl.agent.env import OK, CallOutcome, StepResult, ToolsEnvironment
 from megatron_rl.agent.env import (check_failures, close_loop, failure_text, log_failure,
                                    messages, resolve, resolve_environment, run_calls)
+from megatron_rl.agent.env import TIMEOUT as ENV_TIMEOUT
 from megatron_rl.agent.settings import AgentConfig, tool_registry
 from megatron_rl.agent.tools import OUTCOMES, ToolExecutor, ToolRegistry, truncate_text
+from megatron_rl.batch import Trajectory
 from megatron_rl.parallel import model_parallel_source
-from megatron_rl.rollout.functions import Trajectory
 from megatron_rl.rollout.needs import declare_needs
 
 if TYPE_CHECKING:

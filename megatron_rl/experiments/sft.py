@@ -15,10 +15,9 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from megatron_rl.batch import next_token_targets, pack_rollouts
+from megatron_rl.batch import Trajectory, next_token_targets, pack_rollouts
 from megatron_rl.parallel import all_reduce, data_parallel_group, device
 from megatron_rl.progress import progress as progress_display
-from megatron_rl.rollout.functions import Trajectory
 
 
 def sft(policy, pairs: Sequence[tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]],

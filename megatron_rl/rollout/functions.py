@@ -1,4 +1,4 @@
-"""Rollout functions: what turns prompts into scored trajectories, and the trajectory itself.
+"""Rollout functions: what turns prompts into scored trajectories (batch.Trajectory).
 
 The signature every rollout function has:
 
@@ -14,7 +14,7 @@ The signature every rollout function has:
     returns  for each record, in order, ctx.group_size Trajectory: the group its advantage
              baseline is taken from, each scored (`reward` set)
 
-A Trajectory is the token sequence the trainer trains on: `prompt_ids`, then `response_ids`,
+A Trajectory (batch.py) is the token sequence the trainer trains on: `prompt_ids`, then `response_ids`,
 in which `response_mask` marks the tokens the policy sampled (1: trained on, with the engine's
 log-prob in `rollout_logprobs`) and the tokens that came from elsewhere (0: a tool's output, an
 environment's message, a user turn; context only, never trained on). The built-in
@@ -40,74 +40,16 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
+from megatron_rl.batch import Trajectory
 from megatron_rl.imports import import_callable
 from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megatron_rl.rollout.needs import declare_needs
 
 if TYPE_CHECKING:
-    import torch
-
     from megatron_rl.config import TrainConfig
     from megatron_rl.data.prompts import PromptRecord
     from megatron_rl.rewards import RewardScorer
     from megatron_rl.runtime import Codec
-
-
-@dataclasses.dataclass
-class Trajectory:
-    """One sampled sequence and its reward: what batch.pack_rollouts makes a row of.
-
-    prompt_ids: the prompt's P tokens (never trained on).
-    response_ids: the T tokens after the prompt: the policy's and, in a multi-turn rollout,
-        the environment's between them.
-    response_mask: T values, 1 where the policy sampled the token (trained on, its loss_mask),
-        0 where it came from elsewhere.
-    rollout_logprobs: T values, log pi_rollout(token | prefix) from the engine where the mask is
-        1 (ignored where it is 0: write 0).
-    finish_reason: how it ended: "stop" or "length" (counted as truncated), or the rollout
-        function's own reason.
-    reward: the scalar reward of the whole trajectory: with turn_rewards, their sum.
-    reward_error: why the reward is 0 when the scorer counts a cause (rewards.types.REASONS:
-        timeout, error, too_long, no_answer), logged as reward_errors/<reason>; None otherwise.
-    routed_experts: the engine's experts for every token it forwarded, [P + T - 1, M, k]
-        (Completion.routed_experts), for routing replay; None without a record.
-    metadata: anything else the rollout function keeps; not used in training. Its "counts"
-        ({name: number}, e.g. the agent loop's agent/turns) are averaged over the batch's
-        trajectories and logged as rollout/<name>.
-    turn_rewards: a multi-turn trajectory's reward for each policy turn, in order (the agent
-        loop's: each environment step's reward, the verifier's on the last turn where the
-        environment gave none there); None for a single-turn one. `reward` is their sum (the
-        return the advantage is taken of, docs/results.md "Per-turn rewards" derives why the
-        KL placements stay unbiased with it); check_groups refuses another reward.
-    turn_ends: with turn_rewards, where each policy turn ends in response_ids (one past its
-        last token), in order: --turn-credit to-go credits a token with the rewards of its turn
-        and the later ones (None: every turn reward at the last token, as the sum rule).
-    """
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    rollout_logprobs: list[float]
-    finish_reason: str
-    reward: float
-    reward_error: str | None = None
-    routed_experts: torch.Tensor | None = None
-    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
-    turn_rewards: list[float] | None = None
-    turn_ends: list[int] | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        """prompt_ids + response_ids."""
-        return [*self.prompt_ids, *self.response_ids]
-
-    @classmethod
-    def single_turn(cls, prompt_ids: list[int], completion: Completion, reward: float,
-                    reward_error: str | None = None) -> "Trajectory":
-        """The trajectory of one engine completion of `prompt_ids`: all of it the policy's."""
-        return cls(prompt_ids, completion.token_ids, [1] * len(completion.token_ids),
-                   completion.rollout_logprobs, completion.finish_reason, reward, reward_error,
-                   completion.routed_experts)
 
 
 @dataclasses.dataclass(frozen=True)

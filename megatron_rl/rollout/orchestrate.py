@@ -51,12 +51,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import metrics as global_metrics
-from megatron_rl.batch import RolloutBatch, pack_rollouts
+from megatron_rl.batch import RolloutBatch, Trajectory, pack_rollouts
 from megatron_rl.packing import rank_groups
 from megatron_rl.parallel import all_reduce, data_parallel_group, device, dist_rank
 from megatron_rl.rewards.types import REASONS
 from megatron_rl.rollout.base import on_client
-from megatron_rl.rollout.functions import RolloutContext, Trajectory, run_rollout, trajectory_counts
+from megatron_rl.rollout.functions import RolloutContext, run_rollout, trajectory_counts
 from megatron_rl.rollout.threads import BackgroundThreads
 from megatron_rl.rollout.trajectory_log import write_rollouts
 from megatron_rl.update import behaviour_logprobs

@@ -46,8 +46,8 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
+    from megatron_rl.batch import Trajectory
     from megatron_rl.data.prompts import PromptRecord
-    from megatron_rl.rollout.functions import Trajectory
     from megatron_rl.runtime import Codec, Run
 
 ROLLOUTS_DIR = "rollouts"

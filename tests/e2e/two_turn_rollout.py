@@ -6,7 +6,7 @@ over. Its rewards are fixed (even trajectories of a group 1, odd ones 0 with rew
 trained on."""
 import dataclasses
 
-from megatron_rl.rollout.functions import Trajectory
+from megatron_rl.batch import Trajectory
 
 ENVIRONMENT = [5, 6, 7]  # the environment's answer between the turns: 3 tokens, never trained on
 

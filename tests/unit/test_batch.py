@@ -5,9 +5,9 @@ rollout), whose positions are context only."""
 import pytest
 import torch
 
-from megatron_rl.batch import pack_rollouts
+from megatron_rl.batch import Trajectory, pack_rollouts
 from megatron_rl.rollout.base import Completion
-from megatron_rl.rollout.functions import Trajectory, single_turn_groups
+from megatron_rl.rollout.functions import single_turn_groups
 
 PROMPT = [1, 2, 3]
 # two policy turns ([10, 11] and [12, 13]) around an environment message ([20, 21, 22]); the

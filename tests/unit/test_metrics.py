@@ -105,8 +105,7 @@ def test_batch_metrics_count_policy_and_environment_tokens_apart():
     the policy's turns): response/policy_tokens_mean counts the tokens the policy sampled,
     response/env_tokens_mean the others, response/length_mean both; a single-turn batch (no
     policy_tokens given) has no environment tokens."""
-    from megatron_rl.batch import pack_rollouts
-    from megatron_rl.rollout.functions import Trajectory
+    from megatron_rl.batch import Trajectory, pack_rollouts
 
     def episode(mask, reward):
         return Trajectory([1, 2], list(range(3, 3 + len(mask))), mask,

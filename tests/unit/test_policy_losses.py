@@ -350,9 +350,8 @@ def test_accepted_combinations():
 def test_the_update_shapes_the_batch_it_trains_on():
     """update.overlong_batch: the batch's truncated rows masked, the punishment in its rewards,
     the fractions logged; the rollout's batch itself is kept (its metrics are the task's)."""
-    from megatron_rl.batch import pack_rollouts
+    from megatron_rl.batch import Trajectory, pack_rollouts
     from megatron_rl.rollout.base import Completion
-    from megatron_rl.rollout.functions import Trajectory
     from megatron_rl.update import overlong_batch
 
     def traj(n, reason, reward):

@@ -11,10 +11,10 @@ from test_env import _encode, _run
 
 from megatron_rl.agent.env import Environment, StepResult
 from megatron_rl.agent.settings import AgentConfig
-from megatron_rl.batch import pack_rollouts
+from megatron_rl.batch import Trajectory, pack_rollouts
 from megatron_rl.data.prompts import PromptRecord
 from megatron_rl.loss import LossConfig, build_advantages, turn_rewards_to_go
-from megatron_rl.rollout.functions import Trajectory, check_groups
+from megatron_rl.rollout.functions import check_groups
 
 HERE = __name__
 

@@ -4,10 +4,10 @@ its flags, and the advantages of a group without task-reward spread kept for its
 import pytest
 import torch
 
+from megatron_rl.batch import Trajectory
 from megatron_rl.config import parse_config
 from megatron_rl.kl import KLConfig
 from megatron_rl.loss import LossConfig, build_advantages
-from megatron_rl.rollout.functions import Trajectory
 from megatron_rl.rollout.orchestrate import has_spread, refill_size, select_groups
 
 BASE = ["--hf-checkpoint", "m", "--train-data", "d.jsonl"]

@@ -3,8 +3,9 @@ name that is neither, or does not import, is refused naming the flag; what a rol
 returns is checked before it is trained on, the error naming the flag."""
 import pytest
 
+from megatron_rl.batch import Trajectory
 from megatron_rl.rollout.base import Completion
-from megatron_rl.rollout.functions import (ROLLOUT_FUNCTIONS, Trajectory, check_groups,
+from megatron_rl.rollout.functions import (ROLLOUT_FUNCTIONS, check_groups,
                                            resolve_rollout_function, single_turn)
 
 
@@ -13,7 +14,7 @@ def test_built_in_and_import_path_name_the_same_function():
     assert resolve_rollout_function("single-turn") is single_turn
     assert resolve_rollout_function("megatron_rl.rollout.functions:single_turn") is single_turn
     # an attribute path after the module
-    assert (resolve_rollout_function("megatron_rl.rollout.functions:Trajectory.single_turn")
+    assert (resolve_rollout_function("megatron_rl.batch:Trajectory.single_turn")
             == Trajectory.single_turn)
 
 

@@ -14,11 +14,11 @@ import types
 import pytest
 from transformers import AutoTokenizer
 
+from megatron_rl.batch import Trajectory
 from megatron_rl.data.prompts import PromptRecord
 from megatron_rl.errors import UserError
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
 from megatron_rl.rollout import trajectory_log as tl
-from megatron_rl.rollout.functions import Trajectory
 from megatron_rl.runtime import Codec
 
 
