@@ -56,7 +56,7 @@ from megatron_rl.parallel import dist_barrier, dist_rank, run_on_rank, use_cuda
 LATEST = "latest"
 MANIFEST = "manifest.json"
 REFERENCE = "reference"  # the subdirectory of a step holding its reference policy
-TRAIN_CONFIG = "train_config.json"  # the run's configuration (config.to_flat_dict) at that step
+TRAIN_CONFIG = "train_config.json"  # the run's configuration (flags.to_flat_dict) at that step
 # the files every dist_checkpointing (torch_dist) checkpoint holds, whatever its layout
 _REQUIRED = (".metadata", "metadata.json")
 _ITER = re.compile(r"iter_(\d{7})")

@@ -1,7 +1,7 @@
 """A run's configuration across its starts: what a resume may change, and the record of each start.
 
 Every run checkpoint holds the configuration its run was saved with (checkpoint.TRAIN_CONFIG, the
-flat form of config.to_flat_dict). A resume (a checkpoint under --save, or a run checkpoint given
+flat form of flags.to_flat_dict). A resume (a checkpoint under --save, or a run checkpoint given
 with --load) compares its own configuration with that one before any model is built
 (`check_resume`), setting by setting:
 
@@ -39,8 +39,9 @@ import warnings
 from typing import Any
 
 from megatron_rl.agent.settings import AgentConfig
-from megatron_rl.config import TrainConfig, flag_fields, to_flat_dict
+from megatron_rl.config import TrainConfig
 from megatron_rl.errors import ConfigError
+from megatron_rl.flags import flag_fields, flag_name, to_flat_dict
 
 CONFIG = "config.json"
 HISTORY = "config_history.jsonl"
@@ -311,7 +312,7 @@ def config_differences(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     `old` that no setting reads are left out."""
     defaults = flat_config(TrainConfig())
     out = {}
-    for name in flag_fields():
+    for name in flag_fields(TrainConfig):
         a, b = old.get(name, defaults.get(name)), new.get(name, defaults.get(name))
         if a != b:
             out[name] = (a, b)
@@ -333,13 +334,9 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def describe(name: str, old: Any, new: Any) -> str:
     """`--flag-name: <old> -> <new>`."""
-    return f"{_flag(name)}: {_show(old)} -> {_show(new)}"
+    return f"{flag_name(name)}: {_show(old)} -> {_show(new)}"
 
 
 def saved_config(ckpt: str) -> dict | None:

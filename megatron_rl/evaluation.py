@@ -174,18 +174,20 @@ NOT_IN_EVAL = ("rollout_release_memory",)
 
 
 def eval_settings() -> set[str]:
-    """The flat names (config.flag_fields) of the TrainConfig settings `megatron-rl eval`
+    """The flat names (flags.flag_fields) of the TrainConfig settings `megatron-rl eval`
     declares, with train's help, choices, defaults and checks."""
-    from megatron_rl.config import flag_fields
+    from megatron_rl.config import TrainConfig
+    from megatron_rl.flags import flag_fields
 
-    return {name for name, (path, _) in flag_fields().items()
+    return {name for name, (path, _) in flag_fields(TrainConfig).items()
             if name not in NOT_IN_EVAL and (path[0] in EVAL_GROUPS or name in EVAL_SETTINGS)}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """`megatron-rl eval`'s flags: its own (the data, k, seeds, the checkpoint, the output) and
     the training settings that apply (eval_settings), as `megatron-rl train` declares them."""
-    from megatron_rl.config import TrainConfig, add_flags
+    from megatron_rl.config import TrainConfig
+    from megatron_rl.flags import add_flags
 
     p = argparse.ArgumentParser(prog="megatron-rl eval", description=main.__doc__)
     own = p.add_argument_group("eval")
@@ -227,7 +229,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, TrainConfig]:
     with training, defaults for the rest), checked as `megatron-rl train` checks them (every
     number finite and in its bounds, choices, each group's rules) before anything is loaded:
     a refused flag raises ConfigError naming it."""
-    from megatron_rl.config import TrainConfig, from_flags
+    from megatron_rl.config import TrainConfig
+    from megatron_rl.flags import from_flags
 
     a = build_parser().parse_args(argv)
     cfg = from_flags(TrainConfig, a, training=False)  # --eval-data: cfg.data.eval_data

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import checkpoint, config_changes
-from megatron_rl.config import TrainConfig, to_flat_dict
+from megatron_rl.config import TrainConfig
 from megatron_rl.errors import ConfigError
+from megatron_rl.flags import to_flat_dict
 from megatron_rl.metrics_log import MetricsLogger
 from megatron_rl.rollout.base import RolloutEngine, SamplingParams
 

@@ -24,6 +24,7 @@ from megatron_rl.agent.env import BUILT_IN, resolve_environment
 from megatron_rl.agent.parsing import TOOL_CALL_FORMATS
 from megatron_rl.agent.sandbox import SandboxLimits
 from megatron_rl.agent.tools import Tool, ToolRegistry
+from megatron_rl.flags import flag_name
 from megatron_rl.imports import check_arguments, import_object
 
 TOOLS = ("calculator", "python")
@@ -130,7 +131,7 @@ class AgentConfig:
     def changed_flags(self) -> list[str]:
         """The flags of the fields set to other than their defaults, in declaration order."""
         default = AgentConfig()
-        return [_flag(f.name) for f in dataclasses.fields(self)
+        return [flag_name(f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != getattr(default, f.name)]
 
     def unread_fields(self) -> list[str]:
@@ -145,7 +146,7 @@ class AgentConfig:
     def unread_flags(self) -> list[str]:
         """The flags set to other than their defaults that the agent loop does not read with
         this --agent-environment and --agent-tools."""
-        unread = {_flag(name) for name in self.unread_fields()}
+        unread = {flag_name(name) for name in self.unread_fields()}
         return [flag for flag in self.changed_flags() if flag in unread]
 
     def validate(self) -> None:
@@ -180,10 +181,6 @@ class AgentConfig:
         if self.agent_environment not in BUILT_IN:  # a bad path or setting fails here
             check_arguments(resolve_environment(self.agent_environment), self.agent_env_args,
                             "--agent-env-args", f"--agent-environment {self.agent_environment}")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def resolve_tool(name: str, args: dict[str, Any] | None = None) -> Any:

@@ -66,7 +66,8 @@ def test_server_devices_are_checked():
 
 def test_grouped_config_keeps_flat_flags():
     """Each flag lands in its group once; --help groups them; YAML keys are the flag names."""
-    from megatron_rl.config import flag_fields, to_flat_dict
+    from megatron_rl.config import TrainConfig
+    from megatron_rl.flags import flag_fields, to_flat_dict
 
     cfg = parse_config(BASE + ["--kl-estimator", "k3", "--loss-aggregation", "seq-mean-token-mean",
                                "--sequence-parallel", "--tensor-model-parallel-size", "2",
@@ -77,7 +78,7 @@ def test_grouped_config_keeps_flat_flags():
     assert cfg.optimizer.lr_decay_iters == 20  # optimizer steps: train iters x minibatches
     assert cfg.model.options.recompute_granularity == "selective"
     flat = to_flat_dict(cfg)
-    assert set(flat) == set(flag_fields()) and flat["kl_estimator"] == "k3"
+    assert set(flat) == set(flag_fields(TrainConfig)) and flat["kl_estimator"] == "k3"
 
 
 def test_release_memory_is_checked():
@@ -99,11 +100,12 @@ def test_every_flag_has_help_beyond_its_default():
     declared once, with the field."""
     import re
 
-    from megatron_rl.config import build_parser, flag_fields
+    from megatron_rl.config import TrainConfig, build_parser
+    from megatron_rl.flags import flag_fields
 
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
-    assert set(flags) == set(flag_fields())
+    assert set(flags) == set(flag_fields(TrainConfig))
     for name, action in flags.items():
         text = re.sub(r"\s*\(?default: [^()]*\)?$", "", action.help or "")
         assert len(text.split()) >= 3, f"--{name.replace('_', '-')}: no help ({action.help!r})"
@@ -135,7 +137,7 @@ def test_declared_minimums_and_layout_checks():
 def test_config_file_keys_no_setting_reads_are_ignored(tmp_path):
     """A run's config.json may hold a key of a setting that was never read: it loads (with a
     warning) to the same configuration; other unknown keys are errors."""
-    from megatron_rl.config import to_flat_dict
+    from megatron_rl.flags import to_flat_dict
 
     old = tmp_path / "config.yaml"
     old.write_text("log_interval: 1\nkl_coef: 0.1\n")
@@ -213,7 +215,7 @@ def test_a_runs_config_json_is_usable_as_config(tmp_path):
     the same configuration: JSON writes 1e-08, which PyYAML reads as a string."""
     import json
 
-    from megatron_rl.config import to_flat_dict
+    from megatron_rl.flags import to_flat_dict
 
     cfg = parse_config(BASE + ["--lr", "3e-5", "--clip-high", "inf", "--save", str(tmp_path)])
     path = tmp_path / "config.json"
@@ -245,9 +247,10 @@ def _float_flags() -> dict[str, dict]:
     """{flag: its field's metadata} for every float setting of `megatron-rl train`."""
     import typing
 
-    from megatron_rl.config import TrainConfig, _flag, _walk
+    from megatron_rl.config import TrainConfig
+    from megatron_rl.flags import flag_name, walk
 
-    return {_flag(name): meta for name, _, kind, meta in _walk(TrainConfig)
+    return {flag_name(name): meta for name, _, kind, meta in walk(TrainConfig)
             if float in (kind, *typing.get_args(kind))}
 
 

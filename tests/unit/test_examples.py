@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from megatron_rl.config import flag_fields, parse_config, to_flat_dict
+from megatron_rl.config import TrainConfig, parse_config
+from megatron_rl.flags import flag_fields, to_flat_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "examples", "*.yaml")))
@@ -47,7 +48,7 @@ def test_recipe_keys_are_fields_and_values_typed(path):
 
     with open(path) as f:
         loaded = yaml.safe_load(f)
-    fields = flag_fields()
+    fields = flag_fields(TrainConfig)
     for key, value in loaded.items():
         assert key in fields, f"{path}: unknown key {key!r}"
         kind = fields[key][1]
