@@ -119,6 +119,10 @@ class SamplingParams:
     # mixture-of-experts models: also return each token's chosen experts (Completion's
     # routed_experts), for routing replay in training
     return_routed_experts: bool = False
+    # the episode this call continues, then the group it belongs to (most specific first): a
+    # ServerPool sends the call to the server that served the first of these keys it remembers
+    # (rollout/multi.py, "Routing"); no effect on the samples, nor on a single engine
+    route_keys: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
