@@ -28,6 +28,13 @@ seed makes the same requests with the same seeds, whatever order the threads run
 whose samples are a function of (seed, prompt, weights) then gives the same episodes. The two
 schedules draw different samples (different calls), the same in distribution.
 
+Routing. The concurrent schedule names each request's episode (SamplingParams.route_keys): a
+group's first turn its group, every later request its episode and then its group, under a tag
+unique to the rollout in this process. A server pool sends a request back to the server that
+served its episode (or its group's first turn), where the context's KV is in the prefix cache
+(rollout/multi.py, "Routing"); the keys change no sample. The turn-synchronous schedule's calls
+hold every episode and name none.
+
 Order: the episodes are the caller's list, prompt-major (group g's episodes are g * n ...
 g * n + n - 1) in both schedules; the schedule fills them in place.
 """
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import itertools
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from megatron_rl.rollout.base import SEED_STRIDE
@@ -45,6 +53,7 @@ if TYPE_CHECKING:
 
 TURN_STRIDE = SEED_STRIDE ** 2  # seed step from one turn to the next: past any prompt's
 EPISODE_STRIDE = 10_007    # seed step from one episode to the next (concurrent schedule)
+_ROLLOUTS = itertools.count()  # numbers the concurrent schedule's rollouts: their route keys
 
 
 class Episode(Protocol):
@@ -91,6 +100,11 @@ def episode_seed(params: SamplingParams, turn: int, index: int) -> SamplingParam
                                + EPISODE_STRIDE * index)
 
 
+def routed(params: SamplingParams, keys: tuple[str, ...]) -> SamplingParams:
+    """`params` naming the request's episode and group (SamplingParams.route_keys)."""
+    return dataclasses.replace(params, route_keys=keys)
+
+
 def turn_synchronous(turns: EpisodeTurns, episodes: Sequence[Episode],
                      prompts: list[list[int]] | None, n: int, params: SamplingParams,
                      max_turns: int) -> None:
@@ -118,14 +132,23 @@ def concurrent(turns: EpisodeTurns, episodes: Sequence[Episode],
     """Each episode advances on its own on `workers` threads (see the module docstring):
     `episodes` and `prompts` as in turn_synchronous. The first error of any turn is raised at
     once: the turns not started are cancelled, those in flight end on their daemon threads (a
-    request stuck on a server holds nothing)."""
+    request stuck on a server holds nothing). Each request names its episode and group (module
+    docstring, "Routing")."""
+    tag = f"rollout{next(_ROLLOUTS)}"
+
+    def keys(i: int) -> tuple[str, ...]:
+        """Episode i's route keys: itself, then its group (whose first turn was served first)."""
+        own = (f"{tag}/episode{i}",)
+        return own if prompts is None else own + (f"{tag}/group{i // n}",)
 
     def first_turn(g: int) -> list[Completion]:
         assert prompts is not None
-        return turns.generate([prompts[g]], n, episode_seed(params, 0, g * n))
+        return turns.generate([prompts[g]], n, routed(episode_seed(params, 0, g * n),
+                                                      (f"{tag}/group{g}",)))
 
     def own_first_turn(i: int) -> Completion:
-        return turns.generate([turns.context(episodes[i])], 1, episode_seed(params, 0, i))[0]
+        return turns.generate([turns.context(episodes[i])], 1,
+                              routed(episode_seed(params, 0, i), keys(i)))[0]
 
     def advance(i: int, completion: Completion, turn: int) -> Completion | None:
         """Episode i's policy turn `turn` and its environment's answer, then the completion of
@@ -135,7 +158,8 @@ def concurrent(turns: EpisodeTurns, episodes: Sequence[Episode],
             turns.environment_turn([e], turn)
         if e.end is not None or turn + 1 >= max_turns:
             return None
-        return turns.generate([turns.context(e)], 1, episode_seed(params, turn + 1, i))[0]
+        return turns.generate([turns.context(e)], 1,
+                              routed(episode_seed(params, turn + 1, i), keys(i)))[0]
 
     threads = BackgroundThreads(max(1, min(workers, len(episodes))), name="agent-episodes")
     # future -> (turn, index): turn -1 a group's first turn (index: the group), -2 an episode's

@@ -21,6 +21,30 @@ engines seed each prompt of a call: every prompt is sampled with the seed it wou
 call to a lone engine, so the samples depend neither on the number of live servers nor on how
 the call was chunked.
 
+Routing (`routing`, --rollout-routing). A multi-turn episode sends its whole context again at
+every turn; a server with prefix caching prefills only the new tokens when the context's KV is
+still in its cache, which it is only on the server that served the episode's previous turn.
+"least-loaded" sends every chunk to the server with the fewest requests in flight, so with k
+servers about 1/k of an episode's turns land where its prefix is. "sticky" (the default) sends
+a call that names its episode (SamplingParams.route_keys: the episode, then its group, most
+specific first; the agent loop's concurrent schedule names them, agent/schedule.py) back to the
+server that served the first of its keys the pool remembers, unless that server has more than
+`sticky_slack` requests in flight over the least-loaded usable one:
+
+    server = home(key)   if inflight(home) - min_s inflight(s) <= sticky_slack
+             least-loaded otherwise (and when no key is remembered, or its server is not usable)
+
+and remembers the call's first key -> the server it went to. So an episode's later turns go
+where its previous turn went, and its first own turn where its group's first turn (one request
+with n samples: the prompt's KV) went; a turn that moves for load stays on its new server. The
+memory is an LRU of the `route_memory` most recent keys; a server taken out of the rotation is
+forgotten by its keys (their next calls go to the least-loaded server). A keyed call is one
+episode's (or one group's) and is sent whole to one server, one chunk; calls without keys (a
+single-turn batch, an evaluation) are chunked over the servers as above. Routing never changes
+the samples: every prompt keeps its seed (prompt_seed) on whichever server and in whichever
+chunk it is drawn. `stats()` counts the keyed calls sent back to a remembered server
+(`rollout/routed_back`) and those moved off it for load (`rollout/routed_moved`).
+
 Failures. A managed server that dies is restarted by its ManagedServer and the request retried
 (managed_server.py, at most `max_restarts` times). A request that still fails with a server failure
 (ServerError, a transport error, HTTP 5xx; an attached URL's first failure) takes that server
@@ -57,7 +81,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Sequence
 
 from megatron_rl.rollout.base import Completion, SamplingParams, prompt_seed
@@ -95,6 +119,9 @@ def is_server_failure(exc: BaseException) -> bool:
     return isinstance(exc, (ServerError, *TRANSPORT_ERRORS))
 
 
+ROUTINGS = ("sticky", "least-loaded")  # --rollout-routing (module docstring, "Routing")
+
+
 class _SitOut(Exception):
     """Internal: the member may not serve this chunk (out of the rotation, or needs a resync)."""
 
@@ -127,9 +154,20 @@ class ServerPool:
     concurrent_generate = True  # calls in flight at once are spread over the servers
 
     def __init__(self, engines: Sequence, policy=None, start: bool = True, max_rejoins: int = 3,
-                 reboot_managed: bool = True, requests_per_server: int = 64):
+                 reboot_managed: bool = True, requests_per_server: int = 64,
+                 routing: str = "sticky", sticky_slack: int = 4, route_memory: int = 1 << 16):
         if not engines:
             raise ValueError("ServerPool needs at least one engine")
+        if routing not in ROUTINGS:
+            raise ValueError(f"--rollout-routing {routing!r}: one of {', '.join(ROUTINGS)}")
+        if sticky_slack < 0:
+            raise ValueError(f"--rollout-sticky-slack {sticky_slack}: must be >= 0")
+        self.routing, self.sticky_slack, self.route_memory = routing, sticky_slack, route_memory
+        # route key -> the member that served its last call, least recently used first (under
+        # _cond)
+        self._routes: OrderedDict[str, _Member] = OrderedDict()
+        self.num_routed_back = 0   # keyed calls sent to their remembered server
+        self.num_routed_moved = 0  # keyed calls whose remembered server was over the slack
         self.policy = policy
         self.rank = dist_rank()
         self.max_rejoins = max_rejoins
@@ -201,6 +239,8 @@ class ServerPool:
             member.live = False
             member.last_error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
             left = len(self.live_members())
+            for key in [k for k, m in self._routes.items() if m is member]:
+                del self._routes[key]  # its episodes go to the least-loaded server next
         if self.rank == 0:  # the client (every rank learns of a failed boot, one logs it)
             log.warning("rollout: %s failed and is out of the rotation (%d of %d servers left): "
                         "%s", self.name(member), left, len(self.members),
@@ -317,7 +357,16 @@ class ServerPool:
                 "rollout/servers_live": float(len(self.live_members())),
                 "rollout/servers_total": float(len(self.members)),
                 "rollout/server_restarts": float(restarts),
-                "rollout/server_rejoins": float(self.num_rejoined)}
+                "rollout/server_rejoins": float(self.num_rejoined),
+                "rollout/routed_back": float(self.num_routed_back),
+                "rollout/routed_moved": float(self.num_routed_moved)}
+
+    def route_of(self, key: str) -> int | None:
+        """The index of the server the pool would send `key`'s next call back to (the one that
+        served its last call), or None when the key is not remembered."""
+        with self._cond:
+            member = self._routes.get(key)
+            return None if member is None else member.index
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
@@ -340,18 +389,23 @@ class ServerPool:
 
     def _generate(self, prompts: list[list[int]], n: int,
                   params: SamplingParams) -> list[list[Completion]]:
-        chunks = split_chunks(len(prompts), max(1, len(self._usable())))
+        keys = params.route_keys if self.routing == "sticky" else ()
+        if keys:  # one episode's (or group's) call: whole, to one server
+            chunks = [(0, len(prompts))]
+        else:
+            chunks = split_chunks(len(prompts), max(1, len(self._usable())))
         results: list[list[list[Completion]] | None] = [None] * len(chunks)
         inflight: dict[cf.Future, tuple[int, _Member]] = {}
 
         def dispatch(ci: int) -> _Member | None:
-            """Chunk ci to the usable server with the fewest requests in flight (that server;
-            None when no server is usable)."""
+            """Chunk ci to the usable server with the fewest requests in flight, or a keyed
+            call to its remembered server (_route; that server; None when no server is
+            usable)."""
             with self._cond:
                 usable = self._usable()
                 if not usable:
                     return None
-                member = min(usable, key=lambda m: (self._inflight[m.index], m.index))
+                member = self._route(usable, keys)
                 self._inflight[member.index] += 1
             start, end = chunks[ci]
             chunk_params = dataclasses.replace(params, seed=prompt_seed(params.seed, start))
@@ -401,6 +455,32 @@ class ServerPool:
         if error is not None:
             raise error
         return [row for chunk in results for row in chunk]
+
+    def _route(self, usable: list[_Member], keys: tuple[str, ...]) -> _Member:
+        """Under _cond: the server for a call with route `keys` (module docstring, "Routing"):
+        the remembered server of the first key it remembers among the usable ones, unless it has
+        more than sticky_slack requests in flight over the least-loaded one; else the
+        least-loaded (the lower index on a tie). Remembers keys[0] -> the server chosen."""
+        least = min(usable, key=lambda m: (self._inflight[m.index], m.index))
+        if not keys:
+            return least
+        member = least
+        usable_ids = {id(m) for m in usable}
+        for key in keys:
+            home = self._routes.get(key)
+            if home is None or id(home) not in usable_ids:
+                continue  # not remembered, or its server may not serve now: the next key
+            if self._inflight[home.index] - self._inflight[least.index] <= self.sticky_slack:
+                member = home
+                self.num_routed_back += 1
+            else:
+                self.num_routed_moved += 1
+            break
+        self._routes[keys[0]] = member
+        self._routes.move_to_end(keys[0])
+        while len(self._routes) > self.route_memory:
+            self._routes.popitem(last=False)
+        return member
 
     def _generate_on(self, member: _Member, prompts, n: int, params: SamplingParams):
         """In the member's thread: one chunk on one server, checked."""
