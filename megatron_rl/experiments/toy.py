@@ -92,6 +92,17 @@ the shift |E_c - E|^2 that the truncation causes; and the KL inside the advantag
 trainer's --rollout-correction (correction.py's weights pi_old/mu on the surrogate, float32 as it
 computes them). Which weights are unbiased, and the bias of the others: megatron_rl/kl.py's
 docstring, "Three distributions". Without --rollout this study is not run.
+Mixed versions (`--versions A B`, `--switch`, `versions_study`; exact columns only). A partial
+rollout that outlived a weight update: each sample's tokens before the switch come from the older
+version A, after it from the newer B (`switch_branches`: a fixed point S, S uniform and independent
+of the tokens, or after the K-th token 1), so the sampler is q(y) = prod_t mu_{v(t)}(y_t | y_<t)
+(averaged over the switch). Every (sequence, switch outcome) is one sample of weight q; its
+rollout_logprobs hold each token's own version's log-prob ("own") or the newer version's at every
+token ("last", one mu for the whole sequence); pi_old = A_old as above. Columns: the KL with no
+correction, token-is against each token's own version, seq-is against pi_old, against each
+token's own version, and against B alone; the KL inside the advantage under --rollout-correction
+on the own record; K1 in the reward at each fixed S. Derivation and table: docs/results.md,
+"Mixed versions". Without --versions this study is not run.
 Trajectories (`--env-tokens LAYOUT`, `trajectory_study`; exact columns only). T binary tokens
 interleave the policy's with environment tokens (a tool's output) drawn from a fixed kernel
 E(x_t = 1 | h_t) = sigmoid(e0 + e1 c_{t-1}) (`--env`), c_{t-1} from every earlier token, the
@@ -472,7 +483,8 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
                         pg_correction: RolloutCorrectionConfig | None = None,
                         loss_mask: torch.Tensor | None = None,
                         old_logprobs: torch.Tensor | None = None,
-                        loss: LossConfig | None = None) -> torch.Tensor:
+                        loss: LossConfig | None = None,
+                        rollout_logprobs: torch.Tensor | None = None) -> torch.Tensor:
     """Gradient [K, 2] (d/da, d/db) of the configuration's loss per parameter copy of `policy`.
 
     y [K, N, T] (or [1, N, T]): the sequences; old_policy: the sampling policy when off-policy
@@ -494,6 +506,9 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
     sapo temperatures and aggregation; its KL and advantage estimator are replaced by kl_cfg and
     "reinforce"); None: ppo-clip with clipping off, aggregated "seq-mean-token-sum". Not for
     the `exact` estimator, which runs with the None loss only.
+    rollout_logprobs [K or 1, N, T]: the trainer's rollout_logprobs, in place of
+    rollout_policy(y) (the versions study: each token's log-prob under the version that
+    sampled it, or under the one version a wrong record would hold).
     """
     if loss is None:
         loss = LossConfig(clip_low=1.0, clip_high=math.inf, aggregation="seq-mean-token-sum")
@@ -508,7 +523,10 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
             old = old_logprobs.expand_as(logprobs)
         else:
             old = (old_policy(y) if old_policy is not None else logprobs).expand_as(logprobs)
-        rollout = rollout_policy(y).expand_as(logprobs) if rollout_policy is not None else None
+        if rollout_logprobs is not None:
+            rollout = rollout_logprobs.expand_as(logprobs)
+        else:
+            rollout = rollout_policy(y).expand_as(logprobs) if rollout_policy is not None else None
 
     def flat(x):
         return x.reshape(num_copies * num_seqs, seq_len)
@@ -521,7 +539,7 @@ def estimator_gradients(policy: BinaryARPolicy, ref_policy: BinaryARPolicy, y: t
     is_weights = None
     if pg_correction is not None and pg_correction.enabled:
         if rollout_lp is None:
-            raise ValueError("a rollout correction needs rollout_policy (mu)")
+            raise ValueError("a rollout correction needs rollout_policy or rollout_logprobs (mu)")
         is_weights = rollout_correction_weights(flat(old), rollout_lp, mask, pg_correction)[0]
     if isinstance(kl_cfg, ExactKL):
         kl = bernoulli_kl(policy.logits(y), ref_logits)
@@ -649,6 +667,8 @@ class ToySetup:
     variance_settings: tuple = VARIANCE_SETTINGS
     rollout: tuple | None = None  # mu's (a, b): adds the three-distribution study when set
     is_truncation: float = 2.0  # c of its truncated weights, min(w, c)
+    versions: tuple | None = None  # ((a, b) older, (a, b) newer): adds the versions study when set
+    switch: str = "random"  # its switch law, a `switch_branches` rule
     env_tokens: str | None = None  # an ENV_LAYOUTS entry: adds the trajectory study when set
     env: tuple | None = None  # the environment kernel's (e0, e1); None: DEFAULT_ENV[model]
     policy_losses: tuple | None = None  # POLICY_LOSS_NAMES entries: adds the policy-loss study
@@ -791,6 +811,173 @@ def three_distribution_study(theta, ref, old, rollout, seq_len: int, model: str 
     return {"rollout": list(rollout), "old": list(old), "is_truncation": truncation,
             "sequence_weights": sequence_weight_moments(theta, old, rollout, seq_len, model),
             "rows": rows}
+
+
+# ---------------------------------------------------------------- versions: one sample, several weight versions
+
+# What a sample carries as its rollout_logprobs: each token's log-prob under the version that
+# sampled it ("own"), or the newer version's at every token ("last": one mu for the whole
+# sequence, what a record rescored after the weight update, or weights built from one version
+# tag, would hold).
+VERSION_RECORDS = ("own", "last")
+# Columns of the versions study: (the KL's off-policy correction, its proposal, the record).
+VERSION_COLUMNS = (("none", "behaviour", "own"), ("token-is", "rollout", "own"),
+                   ("seq-is", "behaviour", "own"), ("seq-is", "rollout", "own"),
+                   ("seq-is", "rollout", "last"))
+VERSION_COLUMN_NAMES = {("none", "behaviour", "own"): "none",
+                        ("token-is", "rollout", "own"): "token-is / mu_t",
+                        ("seq-is", "behaviour", "own"): "seq-is / pi_old",
+                        ("seq-is", "rollout", "own"): "seq-is / mu_t",
+                        ("seq-is", "rollout", "last"): "seq-is / mu_B (one mu)"}
+SWITCH_HELP = ("S: tokens 1..S from the older version, S+1..T from the newer (0 <= S <= T); "
+               "random: S uniform on 0..T, drawn independently of the tokens (a weight update "
+               "at a random time); ones:K: the older version until the K-th token 1, the newer "
+               "after it (a switch at a point the tokens decide, e.g. a turn boundary)")
+
+
+def switch_branches(y: torch.Tensor, switch: str) -> list:
+    """The switch law of `--switch` on the sequences y [N, T]: a list of (prob [N], older [N, T]),
+    one entry per switch outcome, prob = P(outcome | y) and older = 1 at the tokens the older
+    version sampled. Every rule here is predictable: whether token t comes from the older
+    version depends on y_<t (and on randomness independent of the tokens), never on y_>=t.
+
+    S (an integer, 0..T): tokens t <= S (1-based) from the older version. random: each S in
+    0..T with probability 1/(T+1). ones:K: the older version while fewer than K ones precede
+    the token, so the update lands right after the K-th one (never, with fewer than K).
+    """
+    num_seqs, seq_len = y.shape
+    pos = torch.arange(seq_len)
+    one = torch.ones(num_seqs, dtype=DTYPE)
+
+    def first(s: int) -> torch.Tensor:
+        return (pos < s).to(DTYPE).expand(num_seqs, seq_len)
+
+    kind, _, arg = switch.partition(":")
+    if switch == "random":
+        return [(one / (seq_len + 1), first(s)) for s in range(seq_len + 1)]
+    if kind == "ones" and arg.isdigit() and int(arg) >= 1:
+        return [(one, ((torch.cumsum(y, -1) - y) < int(arg)).to(DTYPE))]
+    if switch.isdigit() and int(switch) <= seq_len:
+        return [(one, first(int(switch)))]
+    raise ValueError(f"--switch {switch!r}: valid: an integer S in [0, --seq-len {seq_len}], "
+                     "'random', or 'ones:K' with K >= 1")
+
+
+def mixed_version_logprobs(older, newer, y: torch.Tensor, older_mask: torch.Tensor,
+                           model: str = "count") -> tuple:
+    """(own, last) per-token log-probs [..., T] of sequences y whose tokens at older_mask 1 the
+    older version sampled and the rest the newer: own_t = log mu_{v(t)}(y_t | y_<t), the
+    record of each token's sampler; last_t = log mu_newer(y_t | y_<t) at every token."""
+    with torch.no_grad():
+        lp_older = BinaryARPolicy(*older, model=model)(y)
+        lp_newer = BinaryARPolicy(*newer, model=model)(y)
+    return older_mask * lp_older + (1 - older_mask) * lp_newer, lp_newer
+
+
+def _version_samples(older, newer, seq_len: int, switch: str, model: str):
+    """Every (sequence, switch outcome) pair as one sample: (y [M, 1, T], q [M] its probability
+    under the mixed sampler, own [M, 1, T], last [M, 1, T] log-probs as in
+    `mixed_version_logprobs`). M = 2^T x the number of switch outcomes; sum q = 1."""
+    y = all_sequences(seq_len)[0]
+    branches = switch_branches(y, switch)
+    ys = torch.cat([y for _ in branches])[:, None, :]
+    older_mask = torch.cat([mask for _, mask in branches])[:, None, :]
+    prob = torch.cat([p for p, _ in branches])
+    own, last = mixed_version_logprobs(older, newer, ys, older_mask, model)
+    return ys, prob * own.sum(-1).exp().reshape(-1), own, last
+
+
+def mixed_version_moments(theta, ref, old, older, newer, seq_len: int,
+                          kl_cfg: KLConfig | ExactKL, switch: str = "random",
+                          model: str = "count", record: str = "own",
+                          pg_correction: RolloutCorrectionConfig | None = None):
+    """(E_q[grad] [2], per-sample variance) over every (sequence, switch outcome), exactly.
+
+    The sampler q of a mixed-version sample: token t from mu_{v(t)}, the older version's
+    parameters `older` before the switch and the newer's `newer` after it (`switch_branches`),
+    q(y, v) = P(v | y) prod_t mu_{v(t)}(y_t | y_<t). Each sample's gradient runs through the
+    production loss (`estimator_gradients`) with rollout_logprobs = the record (`record`:
+    "own", each token's sampler; "last", the newer version at every token) and the PPO ratio
+    against pi_old = old (the trainer's recompute; None: pi_old := the record, as
+    --old-logprobs rollout gives). pg_correction: the trainer's --rollout-correction on the
+    record. E = sum q g, variance = sum q |g - E|^2, as `exact_gradient_moments`.
+    """
+    if record not in VERSION_RECORDS:
+        raise ValueError(f"unknown record {record!r}; valid: {list(VERSION_RECORDS)}")
+    ys, weights, own, last = _version_samples(older, newer, seq_len, switch, model)
+    recorded = own if record == "own" else last
+    policy = BinaryARPolicy(*theta, num_copies=ys.shape[0], model=model)
+    old_policy = BinaryARPolicy(*old, model=model) if old is not None else None
+    grads = estimator_gradients(policy, BinaryARPolicy(*ref, model=model), ys, kl_cfg, old_policy,
+                                pg_correction=pg_correction,
+                                old_logprobs=recorded if old is None else None,
+                                rollout_logprobs=recorded)
+    mean = weights @ grads
+    variance = (weights * (grads - mean).square().sum(-1)).sum().item()
+    return mean, variance
+
+
+def version_weight_moments(theta, old, older, newer, seq_len: int, switch: str,
+                           model: str = "count") -> dict:
+    """Under the mixed sampler q, by enumeration: for each record (own, last) the mean and second
+    moment of the sequence weight W = pi_theta(y) / exp(sum_t record_t) (own: pi_theta/q, mean
+    1, second moment 1 + chi^2(pi_theta || q)) and the mean per-token |log pi_old - record_t|
+    (the trainer's rollout_corr/log_ratio_abs_mean); KL(q || pi_old) over sequences."""
+    ys, q, own, last = _version_samples(older, newer, seq_len, switch, model)
+    with torch.no_grad():
+        lp_theta, lp_old = (BinaryARPolicy(*params, model=model)(ys) for params in (theta, old))
+    out = {}
+    for record, lp in (("own", own), ("last", last)):
+        w = (lp_theta.sum(-1) - lp.sum(-1)).exp().reshape(-1)
+        out[record] = {"mean": (q @ w).item(), "second_moment": (q @ w.square()).item(),
+                       "log_ratio_abs": (q @ (lp_old - lp).abs().mean(-1).reshape(-1)).item()}
+    out["kl_q_old"] = (q @ (own.sum(-1) - lp_old.sum(-1)).reshape(-1)).item()
+    return out
+
+
+# Rows of the by-switch-point table: K1 in the reward (the placement the trainer defaults to).
+SWITCH_SWEEP_CONFIG = "k1/reward"
+
+
+def versions_study(theta, ref, old, older, newer, seq_len: int, model: str = "count",
+                   switch: str = "random", truncation: float = 2.0) -> dict:
+    """Exact bias^2 vs g* and per-sample variance on mixed-version samples (`mixed_version_moments`):
+    every three_distribution_configs() row under each VERSION_COLUMNS entry; the PG_CONFIGS (KL
+    inside the advantage) under each pg_corrections() setting on each token's own record; and,
+    for each fixed switch point S = 0..T, K1 in the reward under seq-is with the own record
+    and with the last, beside the weights' moments (`version_weight_moments`)."""
+    g_star = true_gradient(theta, ref, seq_len, model)
+
+    def moments(kl_cfg, record="own", pg=None, at=switch):
+        mean, variance = mixed_version_moments(theta, ref, old, older, newer, seq_len, kl_cfg, at,
+                                               model, record, pg)
+        sq_bias = (mean - g_star).square().sum().item()
+        return {"exact_grad": mean.tolist(), "exact_sq_bias": sq_bias, "variance": variance,
+                "biased": sq_bias > UNBIASED_TOL}
+
+    rows = []
+    for name in three_distribution_configs():
+        for correction, proposal, record in VERSION_COLUMNS:
+            rows.append({"table": "kl", "config": name, "correction": correction,
+                         "proposal": proposal, "record": record, "pg_correction": "none",
+                         **moments(three_distribution_kl(name, correction, proposal), record)})
+    for name in PG_CONFIGS:
+        for label, pg in pg_corrections(truncation).items():
+            rows.append({"table": "pg", "config": name, "correction": "none",
+                         "proposal": "behaviour", "record": "own", "pg_correction": label,
+                         **moments(three_distribution_kl(name, "none", "behaviour"), pg=pg)})
+    by_switch = []
+    for s in range(seq_len + 1):
+        entry = {"switch": s, "weights": version_weight_moments(theta, old, older, newer, seq_len,
+                                                                str(s), model)}
+        for record in VERSION_RECORDS:
+            kl = three_distribution_kl(SWITCH_SWEEP_CONFIG, "seq-is", "rollout")
+            entry[record] = moments(kl, record, at=str(s))
+        by_switch.append(entry)
+    return {"older": list(older), "newer": list(newer), "old": list(old), "switch": switch,
+            "is_truncation": truncation,
+            "weights": version_weight_moments(theta, old, older, newer, seq_len, switch, model),
+            "rows": rows, "by_switch": by_switch}
 
 
 # ---------------------------------------------------------------- trajectories: environment tokens
@@ -1356,6 +1543,10 @@ def run_study(setup: ToySetup) -> dict:
                {"three_distribution": three_distribution_study(setup.theta, setup.ref, setup.old,
                                                                setup.rollout, t, model,
                                                                setup.is_truncation)})
+    if setup.versions is not None:
+        older, newer = setup.versions
+        studies["versions"] = versions_study(setup.theta, setup.ref, setup.old, older, newer, t,
+                                             model, setup.switch, setup.is_truncation)
     if setup.env_tokens is not None:
         env = setup.env if setup.env is not None else DEFAULT_ENV[model]
         studies["trajectory"] = trajectory_study(setup.theta, setup.ref, setup.old, env, t, model,
@@ -1499,6 +1690,104 @@ def _three_distribution_reading(three: dict) -> list:
         lines[0] += (f" The same configurations with seq-is weights against pi_old: bias^2 "
                      f"{lo:.3g}-{hi:.3g}.")
     pg = [r for r in three["rows"] if r["table"] == "pg" and r["pg_correction"] != "none"]
+    if pg:
+        lines[0] += (f" No policy-gradient rollout correction makes a KL inside the advantage "
+                     f"unbiased: bias^2 {min(r['exact_sq_bias'] for r in pg):.3g}-"
+                     f"{max(r['exact_sq_bias'] for r in pg):.3g}."
+                     if all(r["biased"] for r in pg) else
+                     " Some policy-gradient rollout corrections left the KL inside the advantage "
+                     "unbiased here.")
+    return lines
+
+
+def _switch_words(switch: str, seq_len: int) -> str:
+    if switch == "random":
+        return f"the switch point S uniform on 0..{seq_len}, independent of the tokens"
+    if switch.startswith("ones:"):
+        return f"the switch right after the {switch.partition(':')[2]}-th token 1 (none before it)"
+    return f"the switch after token S = {switch}"
+
+
+def versions_markdown(result: dict) -> list:
+    """Lines of the versions study's tables (run_study with versions), then what they show."""
+    study = result["versions"]
+    setup = result["setup"]
+    rows = study["rows"]
+    wt = study["weights"]
+    kl_rows = {(r["config"], r["correction"], r["proposal"], r["record"]): r
+               for r in rows if r["table"] == "kl"}
+    names = list(dict.fromkeys(r["config"] for r in rows if r["table"] == "kl"))
+    columns = [VERSION_COLUMN_NAMES[c] for c in VERSION_COLUMNS]
+    lines = [
+        "", f"Mixed versions: each sample's tokens before the switch from the older version "
+        f"A = {study['older']}, after it from the newer B = {study['newer']}, "
+        f"{_switch_words(study['switch'], setup['seq_len'])}; the PPO ratio's denominator "
+        f"pi_old = {study['old']} (the trainer's recompute), A_theta = {setup['theta']}; the "
+        "same g* as above. Columns: the KL's off-policy correction, what its weights divide by "
+        "(pi_old; mu_t = each token's own version, the rollout_logprobs the engine records; "
+        "mu_B = the newer version at every token, one mu for the whole sequence). Cells: bias^2 "
+        "= |E_q[grad] - g*|^2 / per-sample variance under the mixed sampler q, exact "
+        "(enumeration of every sequence and switch outcome, float64), no baseline; bias^2 in "
+        f"bold: below {UNBIASED_TOL:g}. KL(q || pi_old) = {wt['kl_q_old']:.4f} nats per "
+        f"sequence; under q the sequence weight A_theta/prod_t mu_t has mean "
+        f"{wt['own']['mean']:.4f} and second moment {wt['own']['second_moment']:.3g}, "
+        f"A_theta/prod_t mu_B mean {wt['last']['mean']:.4f} and second moment "
+        f"{wt['last']['second_moment']:.3g}; mean |log pi_old - rollout_logprob| per token "
+        f"{wt['own']['log_ratio_abs']:.4f} with each token's own record, "
+        f"{wt['last']['log_ratio_abs']:.4f} with mu_B's.", "",
+        "| config | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(_cell(kl_rows[(name, *c)])
+                                                 for c in VERSION_COLUMNS) + " |")
+    pg = {(r["config"], r["pg_correction"]): r for r in rows if r["table"] == "pg"}
+    if pg:
+        labels = list(dict.fromkeys(label for _, label in pg))
+        lines += ["", "KL inside the advantage (correction none) under the policy-gradient rollout "
+                  "correction on each token's own record (--rollout-correction: weights "
+                  "pi_old/mu_t, float32 as in the trainer): bias^2 / variance:", "",
+                  "| config | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        for name in dict.fromkeys(n for n, _ in pg):
+            lines.append(f"| {name} | " + " | ".join(_cell(pg[name, label]) for label in labels) + " |")
+    by_switch = study["by_switch"]
+    if by_switch:
+        lines += ["", f"By switch point S (fixed; S = 0: every token from B, S = T: every token "
+                  f"from A, the single-mu study with mu = B or A), {SWITCH_SWEEP_CONFIG} under "
+                  "seq-is against each token's own record and against mu_B; the sequence "
+                  "weight's second moment under q (own record: 1 + chi^2(A_theta || q)) and the "
+                  "one-mu weight's mean (1 when unbiased); mean |log pi_old - rollout_logprob| "
+                  "per token with either record:", "",
+                  "| S | seq-is / mu_t | seq-is / mu_B | E_q[W^2], mu_t | E_q[W], mu_B | "
+                  "abs log ratio, mu_t / mu_B |", "|---|---|---|---|---|---|"]
+        for entry in by_switch:
+            w = entry["weights"]
+            lines.append(f"| {entry['switch']} | {_cell(entry['own'])} | {_cell(entry['last'])} | "
+                         f"{w['own']['second_moment']:.3g} | {w['last']['mean']:.4f} | "
+                         f"{w['own']['log_ratio_abs']:.4f} / {w['last']['log_ratio_abs']:.4f} |")
+    lines += [""] + _versions_reading(study)
+    return lines
+
+
+def _versions_reading(study: dict) -> list:
+    """Sentences stating which columns are unbiased here, computed from the numbers."""
+    kl_rows = [r for r in study["rows"] if r["table"] == "kl"]
+    unbiased = [r for r in kl_rows if not r["biased"]]
+    found = ", ".join(f"{r['config']} ({VERSION_COLUMN_NAMES[r['correction'], r['proposal'], r['record']]})"
+                      for r in unbiased) or "none"
+    lines = [f"What it shows: unbiased here (bias^2 <= {UNBIASED_TOL:g}): {found}."]
+    one_mu = [r for r in kl_rows if r["record"] == "last"
+              and any(u["config"] == r["config"] for u in unbiased)]
+    if one_mu:
+        lines[0] += (f" The same configurations with one mu (mu_B) for the whole sequence: bias^2 "
+                     f"{min(r['exact_sq_bias'] for r in one_mu):.3g}-"
+                     f"{max(r['exact_sq_bias'] for r in one_mu):.3g}.")
+    token = [r for r in kl_rows if r["correction"] == "token-is"]
+    if token and all(r["biased"] for r in token):
+        lines[0] += (f" Token-level weights against each token's own mu leave every row biased "
+                     f"(bias^2 {min(r['exact_sq_bias'] for r in token):.3g}-"
+                     f"{max(r['exact_sq_bias'] for r in token):.3g}).")
+    pg = [r for r in study["rows"] if r["table"] == "pg" and r["pg_correction"] != "none"]
     if pg:
         lines[0] += (f" No policy-gradient rollout correction makes a KL inside the advantage "
                      f"unbiased: bias^2 {min(r['exact_sq_bias'] for r in pg):.3g}-"
@@ -1793,6 +2082,8 @@ def markdown_table(result: dict) -> str:
         lines += [""] + _variance_reading(result)
     if "three_distribution" in result:
         lines += three_distribution_markdown(result)
+    if "versions" in result:
+        lines += versions_markdown(result)
     if "trajectory" in result:
         lines += trajectory_markdown(result)
     if "policy_loss" in result:
@@ -1872,9 +2163,21 @@ def main(argv=None) -> int:
         "three-distribution study, samples from mu, the PPO ratio against --old, the KL's "
         "importance weights against pi_old (behaviour) or mu (rollout), and the policy-gradient "
         "rollout corrections (default: unset, no such study)"))
+    parser.add_argument("--versions", type=float, nargs=4, metavar=("A_A", "A_B", "B_A", "B_B"),
+                        help=(
+        "parameters (a, b) of an older weight version A, then of a newer B, parameterised as "
+        "--old: adds the versions study, samples whose tokens before the --switch point came "
+        "from A and after it from B (a partial rollout that outlived a weight update), the PPO "
+        "ratio against --old (the trainer's recompute), the KL's importance weights against "
+        "pi_old, each token's own version, or B alone, and the policy-gradient rollout "
+        "corrections on each token's own version (default: unset, no such study)"))
+    parser.add_argument("--switch", default=ToySetup.switch, help=(
+        f"with --versions: where a sample's tokens change version: {SWITCH_HELP} "
+        "(default: %(default)s)"))
     parser.add_argument("--is-truncation", type=float, default=ToySetup.is_truncation, help=(
-        "with --rollout: c of the truncated variants, min(w, c), of the KL's seq-is weights and "
-        "of the tis policy-gradient correction (default: %(default)s)"))
+        "with --rollout: c of the truncated variants, min(w, c), of the KL's seq-is weights; "
+        "with --rollout or --versions: c of the tis policy-gradient correction "
+        "(default: %(default)s)"))
     parser.add_argument("--env-tokens", choices=ENV_LAYOUTS, help=(
         "adds the trajectory study: environment tokens (a tool's output, drawn from a fixed "
         "kernel, --env) between the policy's, which the policy conditions on but did not sample; "
@@ -1929,6 +2232,12 @@ def main(argv=None) -> int:
                      f"got {args.seq_len}")
     if not args.is_truncation > 0:
         parser.error(f"--is-truncation must be > 0, got {args.is_truncation}")
+    if args.switch != ToySetup.switch and args.versions is None:
+        parser.error(f"--switch {args.switch} needs --versions (the study it parameterises)")
+    try:
+        switch_branches(torch.zeros(1, args.seq_len, dtype=DTYPE), args.switch)
+    except ValueError as err:
+        parser.error(str(err))
     if args.env is not None and args.env_tokens is None:
         parser.error(f"--env {args.env[0]:g} {args.env[1]:g} needs --env-tokens (the trajectory "
                      "study it parameterises)")
@@ -1950,7 +2259,10 @@ def main(argv=None) -> int:
     setup = ToySetup(seq_len=args.seq_len, theta=theta, ref=ref, old=old, model=args.model,
                      num_trials=args.num_trials, num_samples=args.num_samples, seed=args.seed,
                      rollout=tuple(args.rollout) if args.rollout is not None else None,
-                     is_truncation=args.is_truncation, env_tokens=args.env_tokens,
+                     is_truncation=args.is_truncation,
+                     versions=((tuple(args.versions[:2]), tuple(args.versions[2:]))
+                               if args.versions is not None else None),
+                     switch=args.switch, env_tokens=args.env_tokens,
                      env=tuple(args.env) if args.env is not None else None,
                      policy_losses=losses, loss_aggregation=args.loss_aggregation,
                      stop_after=args.stop_after_ones)
