@@ -7,7 +7,7 @@ policy, with grad), `loss_mask` (1 on the response tokens the policy sampled), `
 
 Placement: `pack_rollouts` builds the batch on the host from the rollout function's
 trajectories (rollout/functions.py); `RolloutBatch.to(device)` moves every tensor to the
-trainer's device in one place (rollout/orchestrate.py, right after packing). From there on,
+trainer's device in one place (rollout_queue.py, right after packing). From there on,
 everything that meets the model stays on the device.
 
 Shapes: B sequences = num_prompts * group_size, grouped contiguously (the samples of one prompt

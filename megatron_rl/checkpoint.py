@@ -692,7 +692,7 @@ def save_run(root: str, step: int, policy, data_state: dict, engine_version: int
              reference=None, config: dict | None = None, ahead: bytes | None = None) -> None:
     """Collective: checkpoint `step` of a run under `root`: the policy with its optimizer, per
     rank the RNG states, the data position, the rollout engine's weight version and the
-    batches generated ahead (`ahead`, extra["ahead"]: rollout.orchestrate.RolloutQueue.
+    batches generated ahead (`ahead`, extra["ahead"]: rollout_queue.RolloutQueue.
     saved_state), the run's flat configuration `config` (what a resume compares its own with),
     and the reference when given (it differs from the initial weights after a reset,
     --ref-reset-interval), all published together (save_checkpoint)."""

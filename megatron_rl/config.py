@@ -313,7 +313,7 @@ class AlgorithmConfig:
         "advantage is 0 under rloo, grpo and dr_grpo) does not count towards the batch, and "
         "more prompts of the data, in data order, are generated (same --group-size) until "
         "--num-prompts-per-step groups with spread are in hand; the data position advances "
-        "over exactly the prompts the batch consumed (rollout/orchestrate.py "
+        "over exactly the prompts the batch consumed (dynamic_sampling.py "
         "sample_informative; docs/results.md \"Dynamic sampling\")"))
     dynamic_sampling_max_rounds: int = _opt(4, min=0, help=(
         "--dynamic-sampling: generation rounds after the first, at most, per RL step; when "

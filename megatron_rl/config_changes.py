@@ -161,7 +161,7 @@ def _rules_of_this_resume(old: dict, new: dict, ckpt: str, from_load: bool) -> d
             rules[name] = (RESAMPLES, "under pipeline parallelism without --sequence-packing a "
                                       "--dynamic-sampling-keep-kl batch holds a multiple of the "
                                       "groups that fill whole microbatches "
-                                      "(orchestrate._batch_unit), so it may keep other groups "
+                                      "(rollout_queue._batch_unit), so it may keep other groups "
                                       "without reward spread")
     if old.get("filter_overlong_prompts") and new.get("filter_overlong_prompts"):
         before, after = _context_limit(old, ckpt), _context_limit(new, ckpt)
@@ -221,7 +221,7 @@ def _keeps_filtered_groups(flat: dict) -> bool:
 
 
 def _microbatch_unit(flat: dict) -> int:
-    """The factor orchestrate._batch_unit takes from the microbatches of the flat configuration
+    """The factor rollout_queue._batch_unit takes from the microbatches of the flat configuration
     `flat`: groups per whole microbatch under pipeline parallelism without packing, else 1."""
     mbs = flat.get("micro_batch_size", 1)
     if flat.get("pipeline_model_parallel_size", 1) > 1 and not flat.get("sequence_packing"):

@@ -77,7 +77,7 @@ class Run:
     start_step: the step the run starts (or resumes) at; saves_reference: whether each checkpoint
     holds the reference (it is not the initial weights: --ref-reset-interval, or a reference
     resumed from a checkpoint); ahead: the batches the resumed checkpoint saved ahead
-    (rollout.orchestrate.RolloutQueue.saved_state), taken by the run's RolloutQueue."""
+    (rollout_queue.RolloutQueue.saved_state), taken by the run's RolloutQueue."""
 
     cfg: TrainConfig
     policy: Policy

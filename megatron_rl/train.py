@@ -2,7 +2,7 @@
 
 The loop, top-down, one RL step at a time:
 
-    rollout (rollout.orchestrate: prompts -> the rollout function, --rollout-function:
+    rollout (rollout_queue: prompts -> the rollout function, --rollout-function:
              generation and rewards -> this rank's batch and its behaviour log-probs; up to
              --async-level steps ahead)
     -> update (update.train_on_batch: reference log-probs -> advantages, with the KL in the
@@ -26,7 +26,7 @@ from megatron_rl.errors import run_command
 from megatron_rl.evaluation import evaluate
 from megatron_rl.metrics_log import check_log_files
 from megatron_rl.parallel import data_parallel_sum
-from megatron_rl.rollout.orchestrate import RolloutQueue
+from megatron_rl.rollout_queue import RolloutQueue
 from megatron_rl.run_lock import RunLock
 from megatron_rl.runtime import Run, setup_run
 from megatron_rl.stopping import (EXIT_RESUMABLE, StoppedEarly, StopRequests,

@@ -7,7 +7,7 @@ gradient is exactly zero, so the policy first takes --warmup-steps RL steps of t
 (K1 in the reward, beta --warmup-beta; default 40 steps at 0.05, which leaves a KL of about
 0.1 nats/token, the regime of the sweep's runs). The weights are then frozen, and the trainer's
 own code draws R independent rollout batches of the demo's shape
-(32 prompts x 5 samples, `rollout.orchestrate.generate_batch` with a different step seed each), sets the task
+(32 prompts x 5 samples, `rollout_queue.generate_batch` with a different step seed each), sets the task
 rewards to zero, and for every KL configuration runs `update.train_on_batch` (one minibatch,
 so on-policy: the behaviour policy is the current one) with the optimizer step replaced by a
 capture of the gradient (the DDP `main_grad` buffers, before clipping): the gradient of the KL
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     from megatron_rl.config import parse_config
     from megatron_rl.kl import KLConfig
     from megatron_rl.runtime import setup_run
-    from megatron_rl.rollout.orchestrate import generate_batch
+    from megatron_rl.rollout_queue import generate_batch
     from megatron_rl.update import train_on_batch
 
     t0 = time.time()

@@ -24,7 +24,7 @@ log-probs), the environment's answer (mask 0, log-prob 0), and so on, and scores
 
 Chosen by --rollout-function: a name of ROLLOUT_FUNCTIONS, or the `module:function` import path
 of a function with this signature (`resolve_rollout_function`). Where it runs
-(rollout/orchestrate.py): with the in-process engine on every rank, each data-parallel replica
+(rollout_queue.py): with the in-process engine on every rank, each data-parallel replica
 its share of the prompts -- generate is collective over the replica's model-parallel group, so
 every rank of a group makes the same generate calls with the same prompts; with an engine that
 has a client rank (the process engine, servers) on that rank alone, for the whole batch, and

@@ -35,8 +35,8 @@ def _fresh(run):
 
 def test_the_batch_holds_the_first_groups_with_spread_and_the_data_moves_past_them(
         tiny_char_model, arithmetic_jsonl, tmp_path):
-    from megatron_rl.rollout.orchestrate import (_local_round, generate_batch,
-                                                 sample_informative)
+    from megatron_rl.dynamic_sampling import sample_informative
+    from megatron_rl.rollout_queue import _local_round, batch_settings, generate_batch
 
     run = _run(tiny_char_model, arithmetic_jsonl, tmp_path, ["--no-dynamic-sampling-keep-kl"])
     try:
@@ -44,7 +44,9 @@ def test_the_batch_holds_the_first_groups_with_spread_and_the_data_moves_past_th
         with_spread = [i for i, t in enumerate(order) if spread_of(t)]
         # step 0: refilled until 4 groups with spread; exactly those, in data order; the data
         # position right after the 4th (the round's surplus goes back to the data)
-        s = sample_informative(run, run.train_data, 0, _local_round(run, 0))
+        settings = batch_settings(run)
+        assert settings.dynamic is not None
+        s = sample_informative(settings.dynamic, run.train_data, _local_round(run, settings, 0))
         assert [g[0].prompt_ids for g in s.groups] == _prompts(
             run, [order[i] for i in with_spread[:4]])
         assert all(len(g) == 2 and g[0].reward != g[1].reward for g in s.groups)
@@ -83,7 +85,7 @@ def test_keep_kl_trains_on_every_prompt_drawn_until_the_target(tiny_char_model,
                                                                arithmetic_jsonl, tmp_path):
     """With a KL term (K1 in the reward, the default) the groups without spread stay in the
     batch: the batch is the shortest prefix of the data with 4 groups with spread."""
-    from megatron_rl.rollout.orchestrate import generate_batch
+    from megatron_rl.rollout_queue import generate_batch
 
     run = _run(tiny_char_model, arithmetic_jsonl, tmp_path)
     try:
@@ -103,7 +105,7 @@ def test_async_resume_continues_with_the_first_prompt_no_finished_batch_consumed
     thread. The data position a checkpoint would save while the next batch is in flight is the
     one after the finished batches' prompts; a queue resumed from it generates the same next
     batch as the run that went on."""
-    from megatron_rl.rollout.orchestrate import RolloutQueue
+    from megatron_rl.rollout_queue import RolloutQueue
 
     run = _run(tiny_char_model, arithmetic_jsonl, tmp_path,
                ["--rollout-engine", "process", "--async-level", "1",

@@ -191,7 +191,7 @@ def test_a_resume_with_another_lr_is_refused_or_applied_and_recorded(tiny_char_m
 def test_nonfinite_update_is_skipped_and_logged(tiny_char_model, arithmetic_jsonl, tmp_path):
     from megatron_rl.config import parse_config
     from megatron_rl.runtime import setup_run
-    from megatron_rl.rollout.orchestrate import generate_batch
+    from megatron_rl.rollout_queue import generate_batch
     from megatron_rl.update import train_on_batch
 
     cfg = parse_config(train_args(tiny_char_model, arithmetic_jsonl, str(tmp_path / "run"), 1))

@@ -2,7 +2,7 @@
 - the library never imports the research code in megatron_rl.experiments (imports point from
   experiments to the library only); the CLI reaches `megatron-rl toy` through an entry point;
 - nothing in the library imports the training loop (megatron_rl.train is the top: it uses the
-  rollout layer, rollout/orchestrate.py, and the update, update.py, not the other way round);
+  rollout layer, rollout_queue.py, and the update, update.py, not the other way round);
 - a private name (`_x`) is used only inside its own subpackage (a top-level module's: only
   inside that module), in the package (experiments included) and the tools;
 - the RL maths (kl, advantages, loss, policy_losses, correction, and imports, the import-path
@@ -163,10 +163,10 @@ def test_private_names_stay_inside_their_package():
 
 
 @pytest.mark.parametrize("source, module, allowed", [
-    ("from megatron_rl.rollout.orchestrate import _deal_groups", "megatron_rl.train", False),
+    ("from megatron_rl.rollout_queue import _deal_groups", "megatron_rl.train", False),
     ("from megatron_rl import train\ntrain._microbatch", "tools.bench", False),
     ("import megatron_rl.update as u\nu._x", "megatron_rl.experiments.check", False),
-    ("from megatron_rl.rollout.orchestrate import _deal_groups", "megatron_rl.rollout.multi", True),
+    ("from megatron_rl.rollout.functions import _x", "megatron_rl.rollout.multi", True),
     ("from megatron_rl.ops.logprob_kl import _exact_backend", "megatron_rl.ops.lm_head", True),
     ("from megatron_rl import _C", "megatron_rl.ops.logprob_kl", True),
 ])

@@ -88,15 +88,13 @@ def _minibatches_over_ranks(num_groups, tokens, dp_size, packing, num_minibatche
     update.train_on_batch cuts a rank's rows."""
     from types import SimpleNamespace
 
-    from megatron_rl.rollout.orchestrate import _deal_groups
+    from megatron_rl.rollout_queue import _deal_groups
 
     groups = [[SimpleNamespace(group=g, prompt_ids=[0] * 3, response_ids=[0] * tokens[g])]
               for g in range(num_groups)]
-    cfg = SimpleNamespace(algorithm=SimpleNamespace(sequence_packing=packing,
-                                                    ppo_minibatches=num_minibatches))
     minibatches = [set() for _ in range(num_minibatches)]
     for rank in range(dp_size):
-        mine = _deal_groups(SimpleNamespace(cfg=cfg, dp_size=dp_size, dp_rank=rank), groups)
+        mine = _deal_groups(groups, dp_size, rank, num_minibatches, packing)
         per_mb = len(mine) // num_minibatches
         for k in range(num_minibatches):
             minibatches[k] |= {g[0].group for g in mine[k * per_mb:(k + 1) * per_mb]}

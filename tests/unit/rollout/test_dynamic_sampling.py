@@ -1,4 +1,4 @@
-"""--dynamic-sampling's choice of the batch (rollout.orchestrate.select_groups, refill_size),
+"""--dynamic-sampling's choice of the batch (dynamic_sampling.select_groups, refill_size),
 its flags, and the advantages of a group without task-reward spread kept for its KL terms
 (--dynamic-sampling-keep-kl). The rounds on a real engine: tests/e2e/test_dynamic_sampling.py."""
 import pytest
@@ -8,7 +8,7 @@ from megatron_rl.batch import Trajectory
 from megatron_rl.config import parse_config
 from megatron_rl.kl import KLConfig
 from megatron_rl.loss import LossConfig, build_advantages
-from megatron_rl.rollout.orchestrate import has_spread, refill_size, select_groups
+from megatron_rl.dynamic_sampling import has_spread, refill_size, select_groups
 
 BASE = ["--hf-checkpoint", "m", "--train-data", "d.jsonl"]
 T, F = True, False

@@ -15,18 +15,17 @@ With --save-rollouts N the whole batch of every Nth step is written as JSONL onc
 exist, under the step it is trained at (a batch generated ahead under --async-level too):
 rollout/trajectory_log.py.
 
-With --dynamic-sampling the rollout function runs in rounds (`sample_informative`): the groups
-whose task rewards are all equal do not count towards the batch, and further prompts, next in
-data order, are generated until --num-prompts-per-step groups with spread are in hand
-(`select_groups` decides which groups of those drawn make the batch, and how many prompts it
-consumed). Whoever rolls the batch out takes its prompts then: every rank in step with the
+With --dynamic-sampling the rollout function runs in rounds (dynamic_sampling.py:
+`sample_informative`) until --num-prompts-per-step groups with reward spread are in hand.
+Whoever rolls the batch out takes its prompts then: every rank in step with the
 in-process engine, else the client rank, under --async-level in one background thread that
 takes the batches' prompts in step order from a data cursor of its own, so that the data
 position after each batch is known when it is finished and a resume continues with the first
 prompt no finished batch consumed.
 
 `RolloutQueue` is what the training loop uses: each step's batch, generated up to --async-level
-steps ahead. `generate_batch(run, step)` builds one step's batch at once (tools, tests).
+steps ahead. `generate_batch(run, step)` builds one step's batch at once (tools, tests). The
+settings these read are taken from the run's configuration once (`BatchSettings`).
 
 A checkpoint saved with batches generated ahead (a SIGTERM stop, a periodic save) keeps them
 (`RolloutQueue.saved_state`: their trajectories, or the in-process engine's finished batches,
@@ -44,14 +43,19 @@ import copy
 import dataclasses
 import io
 import math
+import pickle
+import types
 import warnings
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl import metrics as global_metrics
 from megatron_rl.batch import RolloutBatch, Trajectory, pack_rollouts
+from megatron_rl.config_changes import RESUME_FREE, config_differences, flat_config
+from megatron_rl.dynamic_sampling import (ROUND_SEED_STRIDE, DynamicSampling, Sampled,
+                                          sample_informative)
 from megatron_rl.packing import rank_groups
 from megatron_rl.parallel import all_reduce, data_parallel_group, device, dist_rank
 from megatron_rl.rewards.types import REASONS
@@ -62,8 +66,52 @@ from megatron_rl.rollout.trajectory_log import write_rollouts
 from megatron_rl.update import behaviour_logprobs
 
 if TYPE_CHECKING:
+    from megatron_rl.config import TrainConfig
     from megatron_rl.data.prompts import PromptDataset
     from megatron_rl.runtime import Run
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSettings:
+    """The settings a step's batch is made with, taken from the run's configuration once
+    (`of`): seed (--seed: each step's sampling seed derives from it), train_iters,
+    num_prompts_per_step, group_size, async_level, overlaps (an engine with weights of its
+    own generating in the background: TrainConfig.overlaps_rollout), sequence_packing (the
+    groups dealt by token count), ppo_minibatches, rollout_function (--rollout-function),
+    release_memory (--rollout-release-memory) and dynamic (the rule of --dynamic-sampling's
+    rounds; None without it)."""
+    seed: int
+    train_iters: int
+    num_prompts_per_step: int
+    group_size: int
+    async_level: int
+    overlaps: bool
+    sequence_packing: bool
+    ppo_minibatches: int
+    rollout_function: str
+    release_memory: bool
+    dynamic: DynamicSampling | None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, dp_size: int, client_rank: int | None) -> BatchSettings:
+        """The settings of `cfg` on `dp_size` data-parallel ranks, with an engine whose client
+        rank is `client_rank` (None: the in-process engine, every replica rolls out its share)."""
+        algo = cfg.algorithm
+        dynamic = None
+        if algo.dynamic_sampling:
+            keep = algo.keeps_filtered_groups()
+            dynamic = DynamicSampling(
+                algo.num_prompts_per_step, keep, _batch_unit(cfg, dp_size) if keep else 1,
+                dp_size if client_rank is None else 1, algo.dynamic_sampling_max_rounds)
+        return cls(cfg.seed, cfg.train_iters, algo.num_prompts_per_step, algo.group_size,
+                   algo.async_level, cfg.overlaps_rollout(), algo.sequence_packing,
+                   algo.ppo_minibatches, cfg.rollout.rollout_function,
+                   cfg.rollout.rollout_release_memory, dynamic)
+
+
+def batch_settings(run: Run) -> BatchSettings:
+    """`run`'s BatchSettings."""
+    return BatchSettings.of(run.cfg, run.dp_size, run.engine.client_rank)
 
 
 @dataclasses.dataclass
@@ -83,7 +131,8 @@ class Rollout:
     done: tuple | None = None     # (RolloutBatch, metrics)
 
 
-def start_rollout(run: Run, step: int, threads: BackgroundThreads | None = None,
+def start_rollout(run: Run, s: BatchSettings, step: int,
+                  threads: BackgroundThreads | None = None,
                   cursor: PromptDataset | None = None) -> Rollout:
     """Take `step`'s prompts and start their rollout. Rolled out once per batch: with an engine
     without a client rank (the in-process one), each data-parallel replica's model-parallel
@@ -92,28 +141,28 @@ def start_rollout(run: Run, step: int, threads: BackgroundThreads | None = None,
     that generation overlaps training. With --dynamic-sampling the rollout takes the prompts
     itself (sample_informative); in `threads` (one of them: the batches in step order) from
     `cursor`, the background's copy of the data."""
-    dynamic = run.cfg.algorithm.dynamic_sampling
+    dynamic = s.dynamic is not None
     background = threads is not None and dynamic
     data_state = None if background else run.train_data.state_dict()
-    records = [] if dynamic else run.train_data.next_batch(run.cfg.algorithm.num_prompts_per_step)
+    records = [] if dynamic else run.train_data.next_batch(s.num_prompts_per_step)
     r = Rollout(step, data_state, run.engine.weight_version, records)
     if threads is not None:
         if dist_rank() == run.engine.client_rank:
             if background:
                 assert cursor is not None, "background dynamic sampling takes from a cursor"
-                r.future = threads.submit(_sample_on_client, run, cursor, step)
+                r.future = threads.submit(_sample_on_client, run, s, cursor, step)
             else:
-                r.future = threads.submit(_rollout, run, records, _seed(run, step), step)
+                r.future = threads.submit(_rollout, run, s, records, _seed(s, step), step)
     else:
-        r.done = _build_batch(run, r)
+        r.done = _build_batch(run, s, r)
     return r
 
 
-def finish_rollout(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
+def finish_rollout(run: Run, s: BatchSettings, r: Rollout) -> tuple[RolloutBatch, dict]:
     """The step's batch and its metrics (waits for a background generation): the rollout's
     (reward errors, the engine's counters, the recompute's mismatch), its staleness (updates
     between the generating weights and this step's) and the batch's rewards and lengths."""
-    batch, metrics = r.done if r.done is not None else _build_batch(run, r)
+    batch, metrics = r.done if r.done is not None else _build_batch(run, s, r)
     metrics["rollout/staleness"] = float(r.step - r.version)
     metrics.update(global_metrics.batch_metrics(batch.rewards, batch.response_lengths,
                                                 batch.finish_reasons, data_parallel_group(),
@@ -123,7 +172,8 @@ def finish_rollout(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
 
 def generate_batch(run: Run, step: int) -> tuple[RolloutBatch, dict]:
     """`step`'s batch and metrics on this rank, rolled out here and now (tools, tests)."""
-    return finish_rollout(run, start_rollout(run, step))
+    s = batch_settings(run)
+    return finish_rollout(run, s, start_rollout(run, s, step))
 
 
 class RolloutQueue:
@@ -135,13 +185,13 @@ class RolloutQueue:
 
     def __init__(self, run: Run):
         self.run = run
-        algo = run.cfg.algorithm
+        self.settings = s = batch_settings(run)
         # --dynamic-sampling: one thread, so that the batches take their prompts in step order
-        workers = 1 if algo.dynamic_sampling else max(algo.async_level, 1)
-        self.threads = BackgroundThreads(workers) if run.cfg.overlaps_rollout() else None
+        workers = 1 if s.dynamic is not None else max(s.async_level, 1)
+        self.threads = BackgroundThreads(workers) if s.overlaps else None
         # the background's data position (its thread alone moves it): --dynamic-sampling
         self.cursor = (copy.copy(run.train_data)
-                       if self.threads is not None and algo.dynamic_sampling else None)
+                       if self.threads is not None and s.dynamic is not None else None)
         self.pending: collections.deque[Rollout] = collections.deque()  # started ahead
         saved, run.ahead = run.ahead, None
         if saved is not None:
@@ -149,14 +199,13 @@ class RolloutQueue:
 
     def take(self, step: int) -> tuple[RolloutBatch, dict]:
         """`step`'s batch and metrics (finish_rollout), the later ones started ahead."""
-        cfg = self.run.cfg
-        while (len(self.pending) <= cfg.algorithm.async_level
-               and step + len(self.pending) < cfg.train_iters):
-            self.pending.append(start_rollout(self.run, step + len(self.pending), self.threads,
-                                              self.cursor))
+        s = self.settings
+        while len(self.pending) <= s.async_level and step + len(self.pending) < s.train_iters:
+            self.pending.append(start_rollout(self.run, s, step + len(self.pending),
+                                              self.threads, self.cursor))
         current = self.pending.popleft()
         assert current.step == step, (current.step, step)
-        return finish_rollout(self.run, current)
+        return finish_rollout(self.run, s, current)
 
     def finish_generations(self) -> None:
         """Wait, on every rank, until the background generations started ahead are done (the
@@ -188,8 +237,6 @@ class RolloutQueue:
         hold: a resume that cannot read them generates them again."""
         if not self.pending:
             return None
-        from megatron_rl.config_changes import flat_config
-
         run = self.run
         state = {
             "format": AHEAD_FORMAT, "config": flat_config(run.cfg), "world_size": _world_size(),
@@ -209,8 +256,9 @@ class RolloutQueue:
         run = self.run
         state: dict = {}
         try:
-            state = torch.load(io.BytesIO(saved), map_location=device(), weights_only=False)
-            problem = _ahead_problem(run, state)
+            state = torch.load(io.BytesIO(saved), map_location=device(), weights_only=False,
+                               pickle_module=_SAVED_PICKLE)
+            problem = _ahead_problem(run, self.settings, state)
         except Exception as e:  # noqa: BLE001 -- saved by another version: generated again
             problem = f"they cannot be read ({type(e).__name__}: {e})"
         if all_reduce([float(problem is not None)], op=dist.ReduceOp.MAX).item():
@@ -242,8 +290,9 @@ class RolloutQueue:
             self.threads.shutdown(wait=wait, cancel_futures=not wait)
 
 
-def _seed(run: Run, step: int) -> int:
-    return run.cfg.seed + 7919 * step
+def _seed(s: BatchSettings, step: int) -> int:
+    """The sampling seed of `step`'s batch (of its first round under --dynamic-sampling)."""
+    return s.seed + 7919 * step
 
 
 AHEAD_FORMAT = 1  # the layout of RolloutQueue.saved_state
@@ -259,16 +308,12 @@ _DEALING = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
 
 def ahead_free() -> set[str]:
     """The settings (flat names) a resume may change and still train on the saved batches."""
-    from megatron_rl.config_changes import RESUME_FREE
-
     return set(RESUME_FREE) - set(_DEALING)
 
 
-def _ahead_problem(run: Run, state: dict) -> str | None:
+def _ahead_problem(run: Run, s: BatchSettings, state: dict) -> str | None:
     """Why the batches `state` saved ahead (RolloutQueue.saved_state) are not the ones `run`
     would train on, or None when they are."""
-    from megatron_rl.config_changes import config_differences, flat_config
-
     if state.get("format") != AHEAD_FORMAT:
         return f"saved in another format ({state.get('format')!r})"
     if state["world_size"] != _world_size():
@@ -276,8 +321,8 @@ def _ahead_problem(run: Run, state: dict) -> str | None:
     steps = [r["step"] for r in state["rollouts"]]
     if steps[0] != run.start_step:
         return f"they start at step {steps[0] + 1}, the resumed run at {run.start_step + 1}"
-    if steps[-1] >= run.cfg.train_iters:
-        return f"--train-iters {run.cfg.train_iters} ends before step {steps[-1] + 1}"
+    if steps[-1] >= s.train_iters:
+        return f"--train-iters {s.train_iters} ends before step {steps[-1] + 1}"
     changed = {k: v for k, v in config_differences(state["config"], flat_config(run.cfg)).items()
                if k not in ahead_free()}
     if changed:
@@ -286,37 +331,54 @@ def _ahead_problem(run: Run, state: dict) -> str | None:
     return None
 
 
+# Classes the batches saved ahead hold (pickled by module and name) that checkpoints written
+# before they moved name by their former modules: {(former module, name): module now}.
+_MOVED = {("megatron_rl.rollout.orchestrate", "Sampled"): "megatron_rl.dynamic_sampling",
+          ("megatron_rl.rollout.functions", "Trajectory"): "megatron_rl.batch"}
+
+
+class _SavedUnpickler(pickle.Unpickler):
+    """Unpickles batches saved ahead, a class found where it lives now (_MOVED)."""
+
+    def find_class(self, module: str, name: str):
+        return super().find_class(_MOVED.get((module, name), module), name)
+
+
+_SAVED_PICKLE = types.SimpleNamespace(__name__="pickle", Unpickler=_SavedUnpickler,
+                                      load=pickle.load)  # torch.load's pickle_module
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
+def _build_batch(run: Run, s: BatchSettings, r: Rollout) -> tuple[RolloutBatch, dict]:
     """This rank's RolloutBatch of `r` on the device, its behaviour log-probs filled, and the
     rollout's metrics (reward errors, the engine's counters, the recompute's). Collective over
     all ranks."""
-    cfg, algo, engine = run.cfg, run.cfg.algorithm, run.engine
+    engine = run.engine
     sampled: Sampled | None = None
-    if engine.client_rank is None and algo.dynamic_sampling:
-        sampled = sample_informative(run, run.train_data, r.step, _local_round(run, r.step))
+    if engine.client_rank is None and s.dynamic is not None:
+        sampled = sample_informative(s.dynamic, run.train_data, _local_round(run, s, r.step))
         write_rollouts(run, r.step + 1, "train", sampled.records, sampled.groups)
-        groups = _deal_groups(run, sampled.groups)
+        groups = _my_groups(run, s, sampled.groups)
         engine_stats: dict = {}
     elif engine.client_rank is None:
         mine = r.records[run.dp_rank::run.dp_size]
-        groups = _rollout(run, mine, _seed(run, r.step) + run.dp_rank, r.step)
+        groups = _rollout(run, s, mine, _seed(s, r.step) + run.dp_rank, r.step)
         write_rollouts(run, r.step + 1, "train", mine, groups, shared=True)
-        if algo.sequence_packing and run.dp_size > 1:  # re-deal the groups by token count
-            groups = _deal_groups(run, [g for part in _gather_dp(groups) for g in part])
+        if s.sequence_packing and run.dp_size > 1:  # re-deal the groups by token count
+            groups = _my_groups(run, s, [g for part in _gather_dp(groups) for g in part])
         engine_stats = {}
     else:
         def generate():
             if r.future is not None:
                 out = r.future.result()
-            elif algo.dynamic_sampling:
-                out = _sample_on_client(run, run.train_data, r.step)
+            elif s.dynamic is not None:
+                out = _sample_on_client(run, s, run.train_data, r.step)
             else:
-                out = _rollout(run, r.records, _seed(run, r.step), r.step)
-            if cfg.rollout.rollout_release_memory:  # generated: the GPUs are the trainer's now
+                out = _rollout(run, s, r.records, _seed(s, r.step), r.step)
+            if s.release_memory:  # generated: the GPUs are the trainer's now
                 engine.release_memory()
             return out, engine.stats()
 
@@ -330,7 +392,7 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
             run.train_data.load_state_dict(sampled.data_state)
         if len(records) == len(out):
             write_rollouts(run, r.step + 1, "train", records, out, writer=engine.client_rank or 0)
-        groups = _deal_groups(run, out)
+        groups = _my_groups(run, s, out)
     # the one host -> device boundary: from here on the batch lives where the model does
     batch = pack_rollouts(groups, run.codec.pad_id).to(device())
     metrics = global_metrics.count_metrics(_reward_errors(groups), "reward_errors/",
@@ -344,184 +406,41 @@ def _build_batch(run: Run, r: Rollout) -> tuple[RolloutBatch, dict]:
         if sampled.shortfall and dist_rank() == 0:
             warnings.warn(f"step {r.step}: {sampled.shortfall}", stacklevel=1)
     # behaviour policy = the weights that generated the batch (see --old-logprobs)
-    metrics.update(behaviour_logprobs(run.policy, cfg, batch))
+    metrics.update(behaviour_logprobs(run.policy, run.cfg, batch))
     return batch, metrics
 
 
-def _rollout(run: Run, records: list, seed: int, step: int) -> list[list[Trajectory]]:
+def _rollout(run: Run, s: BatchSettings, records: list, seed: int,
+             step: int) -> list[list[Trajectory]]:
     """--rollout-function's groups of trajectories for `records`, sampled with `seed`."""
-    ctx = RolloutContext(run.engine, run.sampling_params(seed=seed), run.cfg.algorithm.group_size,
+    ctx = RolloutContext(run.engine, run.sampling_params(seed=seed), s.group_size,
                          run.codec, run.scorer, run.cfg, step)
-    return run_rollout(run.cfg.rollout.rollout_function, ctx, records)
+    return run_rollout(s.rollout_function, ctx, records)
 
 
-# -- dynamic sampling (--dynamic-sampling) ------------------------------------------------------
-
-ROUND_SEED_STRIDE = 104729  # a refill round's sampling seed: the step's + round x this (a prime)
-MAX_ROUND_BATCHES = 4       # a refill round draws at most this many batches' prompts
-
-
-def has_spread(group: Sequence[Trajectory]) -> bool:
-    """Whether the group's task rewards are not all equal: the groups whose task advantage is
-    not identically 0 under a group baseline (rloo, grpo, dr_grpo)."""
-    rewards = [t.reward for t in group]
-    return max(rewards) > min(rewards)
-
-
-@dataclasses.dataclass
-class Selection:
-    """The batch chosen from the groups drawn so far, in data order: the first `consumed`
-    prompts are used up (the data position advances over them; those drawn after them go back
-    to the data), `kept` the indices of the groups that make the batch (ascending), `found` the
-    groups with spread among the consumed."""
-    consumed: int
-    kept: list[int]
-    found: int
-
-
-def select_groups(spread: Sequence[bool], target: int, unit: int = 1,
-                  keep_filtered: bool = False, last_round: bool = False) -> Selection | None:
-    """The batch from the groups drawn so far, in data order, whose spread flags are `spread`:
-    the shortest prefix holding `target` groups with spread, and
-
-    - keep_filtered False (DAPO's filter): its groups with spread, exactly `target`;
-    - keep_filtered True: all its groups, the prefix also a multiple of `unit` (groups that
-      split over the data-parallel ranks and PPO minibatches): >= `target` with spread.
-
-    The prefix ends where a sequential draw would stop, whatever came after it in the round,
-    so the batch is that of drawing prompts one by one until the rule holds (a stopping time:
-    docs/results.md "Dynamic sampling"). None when no prefix holds it yet; on the `last_round`
-    (--dynamic-sampling-max-rounds spent) the batch is what there is: all groups with spread
-    topped up with the first groups without spread to `target` groups (keep_filtered: the
-    longest prefix that is a multiple of `unit`, all its groups). `target` is a multiple of
-    `unit`, and at least `target` groups were drawn."""
-    assert target % unit == 0 and len(spread) >= target, (target, unit, len(spread))
-    found = 0
-    for m, ok in enumerate(spread):
-        found += ok
-        if found >= target and (not keep_filtered or (m + 1) % unit == 0):
-            kept = (list(range(m + 1)) if keep_filtered
-                    else [i for i in range(m + 1) if spread[i]])
-            return Selection(m + 1, kept, found)
-    if not last_round:
-        return None
-    if keep_filtered:
-        consumed = len(spread) - len(spread) % unit
-        return Selection(consumed, list(range(consumed)), sum(spread[:consumed]))
-    with_spread = [i for i, ok in enumerate(spread) if ok]
-    without = [i for i, ok in enumerate(spread) if not ok][:target - len(with_spread)]
-    kept = sorted(with_spread + without)
-    return Selection(kept[-1] + 1, kept, len(with_spread))
-
-
-def refill_size(spread: Sequence[bool], target: int, unit: int = 1,
-                keep_filtered: bool = False) -> int:
-    """Prompts the next round draws when select_groups found no batch in the groups drawn so
-    far: those expected to complete it at the share of groups with spread seen so far in the
-    step (the whole `target` when none had spread; at most MAX_ROUND_BATCHES x `target`), or,
-    keep_filtered with `target` found, the groups up to the next multiple of `unit`."""
-    n, found = len(spread), sum(spread)
-    if found >= target:  # keep_filtered: only the prefix's length is not yet a multiple of unit
-        return unit - n % unit
-    if found == 0:
-        return target
-    return min(math.ceil((target - found) * n / found), MAX_ROUND_BATCHES * target)
-
-
-@dataclasses.dataclass
-class Sampled:
-    """A batch of --dynamic-sampling: its groups in data order, the data position after the
-    prompts it consumed, its rollout/* metrics, the warning when the rounds ran out before
-    the batch had --num-prompts-per-step groups with spread ("" otherwise), and the prompt
-    records of its groups (for --save-rollouts)."""
-    groups: list[list[Trajectory]]
-    data_state: dict
-    stats: dict[str, float]
-    shortfall: str = ""
-    records: list = dataclasses.field(default_factory=list)  # the groups' prompt records
-
-
-def sample_informative(run: Run, data: PromptDataset, step: int,
-                       rollout: Callable[[list, int], list[list[Trajectory]]]) -> Sampled:
-    """`step`'s batch by dynamic sampling: rounds of prompts taken from `data` in order, each
-    rolled out by `rollout(records, round)` (its groups, in the records' order), until
-    select_groups finds the batch or --dynamic-sampling-max-rounds refill rounds are spent.
-    `data` is left after the prompts the batch consumed: prompts drawn past them (a round's
-    surplus) are taken again by the next batch, with its own sampling seed.
-
-    Metrics (the whole batch's, every rank the same): rollout/dynamic_sampling_rounds
-    (generation rounds, 1 = no refill), rollout/generated_prompts (all rounds' prompts),
-    rollout/consumed_prompts (the data position's advance), rollout/filtered_groups (consumed
-    groups without spread), rollout/batch_groups (the groups trained on) and
-    rollout/consumed_reward_mean (the task reward over all consumed groups: the policy's
-    success rate, which the batch's own reward/mean overstates or understates)."""
-    algo = run.cfg.algorithm
-    target, keep = algo.num_prompts_per_step, algo.keeps_filtered_groups()
-    unit = _batch_unit(run) if keep else 1
-    granularity = run.dp_size if run.engine.client_rank is None else 1
-    groups: list[list[Trajectory]] = []
-    records: list = []
-    spread: list[bool] = []
-    starts: list[tuple[int, dict]] = []  # each round's first group and data position before it
-    size, selection, rounds = target, None, 0
-    while selection is None:
-        starts.append((len(groups), data.state_dict()))
-        drawn = data.next_batch(size)
-        new = rollout(drawn, rounds)
-        assert len(new) == size, (len(new), size)
-        groups += new
-        records += drawn
-        spread += [has_spread(g) for g in new]
-        rounds += 1
-        selection = select_groups(spread, target, unit, keep,
-                                  last_round=rounds > algo.dynamic_sampling_max_rounds)
-        size = -(-refill_size(spread, target, unit, keep) // granularity) * granularity
-    if selection.consumed < len(groups):  # the surplus goes back: the position after the batch
-        first, state = max((s for s in starts if s[0] <= selection.consumed), key=lambda s: s[0])
-        data.load_state_dict(state)
-        data.next_batch(selection.consumed - first)
-    consumed = groups[:selection.consumed]
-    rewards = [t.reward for g in consumed for t in g]
-    stats = {"rollout/dynamic_sampling_rounds": float(rounds),
-             "rollout/generated_prompts": float(len(groups)),
-             "rollout/consumed_prompts": float(selection.consumed),
-             "rollout/filtered_groups": float(selection.consumed - selection.found),
-             "rollout/batch_groups": float(len(selection.kept)),
-             "rollout/consumed_reward_mean": sum(rewards) / len(rewards)}
-    shortfall = ""
-    if selection.found < target:
-        shortfall = (f"dynamic sampling found {selection.found} groups with reward spread of "
-                     f"the {target} wanted (--num-prompts-per-step) in {rounds} rounds "
-                     f"(--dynamic-sampling-max-rounds {algo.dynamic_sampling_max_rounds}, "
-                     f"{len(groups)} prompts generated); training on {len(selection.kept)} "
-                     "groups, " + ("all those consumed" if keep else
-                                   f"{target - selection.found} of them without spread"))
-    return Sampled([groups[i] for i in selection.kept], data.state_dict(), stats, shortfall,
-                   [records[i] for i in selection.kept])
-
-
-def _batch_unit(run: Run) -> int:
+def _batch_unit(cfg: TrainConfig, dp_size: int) -> int:
     """Groups a batch of variable size (--dynamic-sampling-keep-kl) is a multiple of: each
     data-parallel rank and PPO minibatch the same share, and under pipeline parallelism without
     packing minibatches of whole microbatches (TrainConfig.check_layout's rules)."""
-    cfg, algo = run.cfg, run.cfg.algorithm
-    unit = run.dp_size * algo.ppo_minibatches
+    algo = cfg.algorithm
+    unit = dp_size * algo.ppo_minibatches
     if cfg.parallel.pipeline_model_parallel_size > 1 and not algo.sequence_packing:
         unit *= algo.micro_batch_size // math.gcd(algo.micro_batch_size, algo.group_size)
     return unit
 
 
-def _round_seed(run: Run, step: int, round_: int) -> int:
+def _round_seed(s: BatchSettings, step: int, round_: int) -> int:
     """The sampling seed of a dynamic-sampling round: round 0 has the step's own."""
-    return _seed(run, step) + ROUND_SEED_STRIDE * round_
+    return _seed(s, step) + ROUND_SEED_STRIDE * round_
 
 
-def _local_round(run: Run, step: int) -> Callable[[list, int], list[list[Trajectory]]]:
+def _local_round(run: Run, s: BatchSettings,
+                 step: int) -> Callable[[list, int], list[list[Trajectory]]]:
     """A round of the in-process engine: each data-parallel replica rolls out its share of the
     records (every dp_size-th), and every rank gets all groups back in the records' order."""
     def rollout(records: list, round_: int) -> list[list[Trajectory]]:
-        mine = _rollout(run, records[run.dp_rank::run.dp_size],
-                        _round_seed(run, step, round_) + run.dp_rank, step)
+        mine = _rollout(run, s, records[run.dp_rank::run.dp_size],
+                        _round_seed(s, step, round_) + run.dp_rank, step)
         if run.dp_size == 1:
             return mine
         parts = _gather_dp(mine)
@@ -529,10 +448,11 @@ def _local_round(run: Run, step: int) -> Callable[[list, int], list[list[Traject
     return rollout
 
 
-def _sample_on_client(run: Run, data: PromptDataset, step: int) -> Sampled:
+def _sample_on_client(run: Run, s: BatchSettings, data: PromptDataset, step: int) -> Sampled:
     """sample_informative on the engine's client rank, for the whole batch."""
-    return sample_informative(run, data, step, lambda records, round_: _rollout(
-        run, records, _round_seed(run, step, round_), step))
+    assert s.dynamic is not None, "sampled under --dynamic-sampling"
+    return sample_informative(s.dynamic, data, lambda records, round_: _rollout(
+        run, s, records, _round_seed(s, step, round_), step))
 
 
 def _reward_errors(groups: list[list[Trajectory]]) -> dict[str, int]:
@@ -543,16 +463,22 @@ def _reward_errors(groups: list[list[Trajectory]]) -> dict[str, int]:
     return {**dict.fromkeys(REASONS, 0), **counts, "total": sum(len(g) for g in groups)}
 
 
-def _deal_groups(run: Run, groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
-    """This data-parallel rank's groups of the whole batch, minibatch by minibatch
+def _deal_groups(groups: list[list[Trajectory]], dp_size: int, dp_rank: int,
+                 ppo_minibatches: int, sequence_packing: bool) -> list[list[Trajectory]]:
+    """Data-parallel rank `dp_rank`'s groups of the whole batch, minibatch by minibatch
     (packing.rank_groups: PPO minibatch k is the k-th block of groups at any layout): with
     --sequence-packing dealt by token count, so that no rank trains on a long tail the others
     wait for; else every dp_size-th group (without packing the in-process engine rolls out
     just these: every dp_size-th record)."""
     tokens = [sum(len(t.prompt_ids) + len(t.response_ids) for t in g) for g in groups]
-    mine = rank_groups(tokens, run.dp_size, run.dp_rank, run.cfg.algorithm.ppo_minibatches,
-                       balance=run.cfg.algorithm.sequence_packing)
+    mine = rank_groups(tokens, dp_size, dp_rank, ppo_minibatches, balance=sequence_packing)
     return [groups[i] for i in mine]
+
+
+def _my_groups(run: Run, s: BatchSettings,
+               groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+    """This rank's groups of the whole batch (_deal_groups)."""
+    return _deal_groups(groups, run.dp_size, run.dp_rank, s.ppo_minibatches, s.sequence_packing)
 
 
 def _gather_dp(obj) -> list:
