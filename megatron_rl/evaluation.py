@@ -89,9 +89,10 @@ def evaluate(run: Run, step: int) -> dict:
     if run.eval_data is None:
         return {}
     cfg, engine, rollout = run.cfg, run.engine, run.cfg.rollout.rollout_function
-    ctx = lambda seed: RolloutContext(engine, run.sampling_params(seed=seed),  # noqa: E731
-                                      cfg.eval.eval_samples, run.codec, run.scorer, cfg,
-                                      step - 1, evaluation=True)  # from 0: RolloutContext.step
+    ctx = lambda seed: RolloutContext(  # noqa: E731
+        engine, run.sampling_params(seed=seed), cfg.eval.eval_samples, run.codec, run.scorer,
+        step - 1, evaluation=True, agent=cfg.agent,  # from 0: RolloutContext.step
+        args=cfg.rollout.rollout_function_args)
     counts: Counter = Counter()
     # (records, groups) chunks, written with --save-rollouts
     kept = [] if saves_rollouts(cfg.logging.save_rollouts, step, "eval") else None
@@ -309,8 +310,9 @@ def evaluate_checkpoint(a: argparse.Namespace, cfg: TrainConfig) -> tuple[list[d
                                         top_p=cfg.rollout.top_p,
                                         max_new_tokens=cfg.rollout.max_new_tokens,
                                         stop_token_ids=codec.stop_ids, seed=seed)
-                ctx = RolloutContext(engine, params, a.samples, codec, scorer, cfg, step,
-                                     evaluation=True)
+                ctx = RolloutContext(engine, params, a.samples, codec, scorer, step,
+                                     evaluation=True, agent=cfg.agent,
+                                     args=cfg.rollout.rollout_function_args)
                 # one writer: the local engine's ranks all hold every trajectory
                 writes = a.rollouts_dir and dist_rank() == (engine.client_rank or 0)
                 kept: list | None = [] if writes else None

@@ -46,7 +46,7 @@ import math
 import pickle
 import types
 import warnings
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,7 @@ from megatron_rl.rollout.trajectory_log import write_rollouts
 from megatron_rl.update import behaviour_logprobs
 
 if TYPE_CHECKING:
+    from megatron_rl.agent.settings import AgentConfig
     from megatron_rl.config import TrainConfig
     from megatron_rl.data.prompts import PromptDataset
     from megatron_rl.runtime import Run
@@ -77,7 +78,8 @@ class BatchSettings:
     (`of`): seed (--seed: each step's sampling seed derives from it), train_iters,
     num_prompts_per_step, group_size, async_level, overlaps (an engine with weights of its
     own generating in the background: TrainConfig.overlaps_rollout), sequence_packing (the
-    groups dealt by token count), ppo_minibatches, rollout_function (--rollout-function),
+    groups dealt by token count), ppo_minibatches, rollout_function (--rollout-function) and
+    what it reads (rollout_function_args, agent: RolloutContext's args and agent),
     release_memory (--rollout-release-memory) and dynamic (the rule of --dynamic-sampling's
     rounds; None without it)."""
     seed: int
@@ -89,6 +91,8 @@ class BatchSettings:
     sequence_packing: bool
     ppo_minibatches: int
     rollout_function: str
+    rollout_function_args: dict[str, Any]
+    agent: AgentConfig
     release_memory: bool
     dynamic: DynamicSampling | None
 
@@ -106,6 +110,7 @@ class BatchSettings:
         return cls(cfg.seed, cfg.train_iters, algo.num_prompts_per_step, algo.group_size,
                    algo.async_level, cfg.overlaps_rollout(), algo.sequence_packing,
                    algo.ppo_minibatches, cfg.rollout.rollout_function,
+                   cfg.rollout.rollout_function_args, cfg.agent,
                    cfg.rollout.rollout_release_memory, dynamic)
 
 
@@ -413,8 +418,8 @@ def _build_batch(run: Run, s: BatchSettings, r: Rollout) -> tuple[RolloutBatch, 
 def _rollout(run: Run, s: BatchSettings, records: list, seed: int,
              step: int) -> list[list[Trajectory]]:
     """--rollout-function's groups of trajectories for `records`, sampled with `seed`."""
-    ctx = RolloutContext(run.engine, run.sampling_params(seed=seed), s.group_size,
-                         run.codec, run.scorer, run.cfg, step)
+    ctx = RolloutContext(run.engine, run.sampling_params(seed=seed), s.group_size, run.codec,
+                         run.scorer, step, agent=s.agent, args=s.rollout_function_args)
     return run_rollout(s.rollout_function, ctx, records)
 
 

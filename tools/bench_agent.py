@@ -86,8 +86,7 @@ def rollout(engine, codec, scorer, records, group_size: int, a, registry, concur
     config = AgentConfig(agent_tools=[], agent_max_turns=a.turns, agent_max_tokens=1000,
                          agent_concurrency=concurrency, agent_tool_workers=64)
     params = SamplingParams(max_new_tokens=8, seed=a.seed, stop_token_ids=codec.stop_ids)
-    cfg = type("Cfg", (), {"agent": config})()
-    ctx = RolloutContext(engine, params, group_size, codec, scorer, config=cfg)  # type: ignore
+    ctx = RolloutContext(engine, params, group_size, codec, scorer, agent=config)  # type: ignore
     t0 = time.perf_counter()
     groups = agent_rollout(ctx, records, registry)
     return groups, time.perf_counter() - t0

@@ -318,8 +318,9 @@ def held_out_scores(cfg, name: str) -> list[float]:
     scores = []
     for start in range(0, len(records), 16):
         ctx = RolloutContext(run.engine, run.sampling_params(prompt_seed(cfg.seed + 104729, start)),
-                             cfg.eval.eval_samples, run.codec, run.scorer, cfg, run.start_step,
-                             evaluation=True)
+                             cfg.eval.eval_samples, run.codec, run.scorer, run.start_step,
+                             evaluation=True, agent=cfg.agent,
+                             args=cfg.rollout.rollout_function_args)
         for group in run_rollout(cfg.rollout.rollout_function, ctx, records[start:start + 16]):
             scores.append(sum(t.reward >= 1.0 for t in group) / len(group))
     run.close()

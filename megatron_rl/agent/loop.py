@@ -293,7 +293,7 @@ def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord],
     """The rollout function "agent": ctx.group_size episodes per record (see the module
     docstring), each a scored Trajectory. `registry`: the built-in environment's tools
     (default: --agent-tools')."""
-    config = getattr(ctx.config, "agent", None) or AgentConfig()
+    config = ctx.agent or AgentConfig()
     tokenizer = ctx.codec.tokenizer
     fmt = ChatFormat(tokenizer, end_ids=ctx.codec.stop_ids)
     with_tools = config.agent_environment == "tools"

@@ -9,8 +9,8 @@ The signature every rollout function has:
     ctx      what a rollout works with (RolloutContext): the engine (RolloutEngine.generate:
              token ids in, Completions out), this call's sampling params (its seed included),
              the group size, the tokenizer's codec (encode, decode; codec.tokenizer for a chat
-             template), the reward scorer, the run's configuration, the step, and whether it
-             is an evaluation
+             template), the reward scorer, the step, whether it is an evaluation, the agent
+             settings and the function's own settings (--rollout-function-args)
     returns  for each record, in order, ctx.group_size Trajectory: the group its advantage
              baseline is taken from, each scored (`reward` set)
 
@@ -46,7 +46,7 @@ from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megatron_rl.rollout.needs import declare_needs
 
 if TYPE_CHECKING:
-    from megatron_rl.config import TrainConfig
+    from megatron_rl.agent.settings import AgentConfig
     from megatron_rl.data.prompts import PromptRecord
     from megatron_rl.rewards import RewardScorer
     from megatron_rl.runtime import Codec
@@ -62,14 +62,16 @@ class RolloutContext:
     group_size: trajectories per prompt (--group-size; --eval-samples in evaluation).
     codec: text <-> token ids with the run's tokenizer (runtime.Codec).
     scorer: the rewards (rewards.RewardScorer.score: a Scored per response).
-    config: the run's configuration (`megatron-rl eval`: its flags' settings, the defaults
-        for the rest).
     step: the RL step the rollout belongs to, from 0: step s's training batch and the
         evaluation after step s's update both have s (metrics.jsonl and the checkpoints number
         that step s + 1); `megatron-rl eval` has its weights' periodic evaluation's (a --load
         checkpoint of step N: N - 1; 0 for weights no RL step made).
     evaluation: True when the rollout is for an evaluation (periodic or `megatron-rl eval`),
         not for training.
+    agent: the agent settings (the --agent-* flags, agent.settings.AgentConfig), for a
+        function that reads them (RolloutNeeds.agent_settings); None: their defaults.
+    args: the rollout function's own settings, --rollout-function-args ({} when not given);
+        the context holds its own copy.
     """
 
     engine: RolloutEngine
@@ -77,14 +79,13 @@ class RolloutContext:
     group_size: int
     codec: Codec
     scorer: RewardScorer
-    config: TrainConfig | None = None
     step: int = 0
     evaluation: bool = False
+    agent: AgentConfig | None = None
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    @property
-    def args(self) -> dict[str, Any]:
-        """The rollout function's settings: --rollout-function-args ({} without a config)."""
-        return dict(self.config.rollout.rollout_function_args) if self.config is not None else {}
+    def __post_init__(self):
+        object.__setattr__(self, "args", dict(self.args))  # the run's settings stay as given
 
 
 RolloutFunction = Callable[[RolloutContext, Sequence["PromptRecord"]], list[list[Trajectory]]]

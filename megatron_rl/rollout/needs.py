@@ -30,7 +30,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class RolloutNeeds:
     """What a rollout function needs of the run.
 
-    agent_settings: it reads the agent settings (ctx.config.agent: the --agent-* flags,
+    agent_settings: it reads the agent settings (ctx.agent: the --agent-* flags,
         --tool-call-format); without it those flags set to other than their defaults are
         refused, as nothing would read them.
     episode_context: a trajectory is an episode of several generate calls, up to

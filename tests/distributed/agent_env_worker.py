@@ -67,7 +67,7 @@ def main() -> None:
                              agent_max_env_failures=max_failures)
         ctx = RolloutContext(Engine(tok), SamplingParams(max_new_tokens=20, seed=1,
                                                          stop_token_ids=codec.stop_ids),
-                             2, codec, scorer, config=type("C", (), {"agent": config})())
+                             2, codec, scorer, agent=config)
         return agent_rollout(ctx, records)
 
     with RewardScorer(num_workers=1) as scorer:

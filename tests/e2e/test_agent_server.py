@@ -32,7 +32,7 @@ def test_concurrent_episodes_on_vllm_are_reproducible_at_a_fixed_seed(tmp_path, 
                                  agent_concurrency=concurrency)
             params = SamplingParams(max_new_tokens=24, seed=5, stop_token_ids=codec.stop_ids)
             ctx = RolloutContext(engine, params, 2, codec, scorer,
-                                 config=type("Cfg", (), {"agent": config})())  # type: ignore
+                                 agent=config)
             groups = agent_rollout(ctx, RECORDS)
             check_groups(groups, len(RECORDS), 2, "agent")
             runs.append(groups)

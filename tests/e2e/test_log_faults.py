@@ -30,7 +30,8 @@ def test_logs_made_unwritable_mid_run_leave_the_run_finishing_and_saving(
 
     def start(iters):
         args = train_args(tiny_char_model, arithmetic_jsonl, save, iters,
-                          ["--rollout-function", "log_fault_rollout:breaking_logs"])
+                          ["--rollout-function", "log_fault_rollout:breaking_logs",
+                           "--rollout-function-args", json.dumps({"save": save})])
         return subprocess.run(train_cmd(*args), env=env, capture_output=True, text=True,
                               timeout=600)
 

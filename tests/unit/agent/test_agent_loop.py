@@ -78,10 +78,9 @@ def _run(tokenizer, scorer, policy, config=None, *, group_size=2, prompts=("Q: 1
     config = config or AgentConfig()
     codec = Codec.from_tokenizer(tokenizer, chat_template=False)
     engine = ScriptedEngine(tokenizer, policy, positions=config.agent_max_tokens)
-    cfg = type("Cfg", (), {"agent": config})()
     ctx = RolloutContext(engine, SamplingParams(max_new_tokens=max_new_tokens, seed=5,
                                                 stop_token_ids=codec.stop_ids),
-                         group_size, codec, scorer, config=cfg)  # type: ignore[arg-type]
+                         group_size, codec, scorer, agent=config)
     records = [PromptRecord(f"r{i}", p, "arithmetic", "408") for i, p in enumerate(prompts)]
     return agent_rollout(ctx, records), engine, codec
 

@@ -87,8 +87,7 @@ def _run(setup, engine, tool, *, concurrency=64, temperature=1.0, seed=11, max_t
                          agent_concurrency=concurrency, agent_tool_workers=8)
     params = SamplingParams(temperature=temperature, max_new_tokens=8, seed=seed,
                             stop_token_ids=codec.stop_ids)
-    cfg = type("Cfg", (), {"agent": config})()
-    ctx = RolloutContext(engine, params, 2, codec, scorer, config=cfg)  # type: ignore[arg-type]
+    ctx = RolloutContext(engine, params, 2, codec, scorer, agent=config)
     return agent_rollout(ctx, RECORDS, tool.registry())
 
 

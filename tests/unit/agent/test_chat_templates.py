@@ -75,10 +75,9 @@ def _episode(tok, scorer, policy, config: AgentConfig, prompt: str):
     """One episode of `policy` on `prompt`: its trajectory and the scripted engine."""
     codec = Codec.from_tokenizer(tok, chat_template=True)
     engine = ScriptedEngine(tok, policy)
-    cfg = type("Cfg", (), {"agent": config})()
     ctx = RolloutContext(engine, SamplingParams(max_new_tokens=200, seed=5,
                                                 stop_token_ids=codec.stop_ids),
-                         1, codec, scorer, config=cfg)  # type: ignore[arg-type]
+                         1, codec, scorer, agent=config)
     (t,), = agent_rollout(ctx, [PromptRecord("r", prompt, "arithmetic", "408")])
     return t, engine
 

@@ -82,10 +82,9 @@ def hung_threads_released():
 def _run(tokenizer, scorer, policy, records, config, *, group_size=2, template=False):
     codec = Codec.from_tokenizer(tokenizer, chat_template=template)
     engine = ScriptedEngine(tokenizer, policy, positions=config.agent_max_tokens)
-    cfg = type("Cfg", (), {"agent": config})()
     ctx = RolloutContext(engine, SamplingParams(max_new_tokens=50, seed=5,
                                                 stop_token_ids=codec.stop_ids),
-                         group_size, codec, scorer, config=cfg)  # type: ignore[arg-type]
+                         group_size, codec, scorer, agent=config)
     groups = agent_rollout(ctx, records)
     check_groups(groups, len(records), group_size, "agent")
     return groups, engine, codec

@@ -87,7 +87,8 @@ def _ctx(tokenizer, scorer, cfg, policy, group_size=1):
     engine = ScriptedEngine(tokenizer, policy, positions=cfg.agent.agent_max_tokens)
     return RolloutContext(engine, SamplingParams(max_new_tokens=200, seed=5,
                                                  stop_token_ids=codec.stop_ids),
-                          group_size, codec, scorer, config=cfg)
+                          group_size, codec, scorer, agent=cfg.agent,
+                          args=cfg.rollout.rollout_function_args)
 
 
 def _yaml(tmp_path, text):
