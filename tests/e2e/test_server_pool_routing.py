@@ -102,7 +102,7 @@ def rollout(setup):
                          agent_concurrency=len(RECORDS) * GROUP, agent_tool_workers=8)
     params = SamplingParams(max_new_tokens=8, seed=13, stop_token_ids=codec.stop_ids)
     ctx = RolloutContext(pool, params, GROUP, codec, scorer,
-                         config=type("Cfg", (), {"agent": config})())  # type: ignore[arg-type]
+                         agent=config)  # type: ignore[arg-type]
     registry = ToolRegistry([Tool("sleep", "sleeps", {"type": "object", "properties": {}},
                                   lambda: (time.sleep(0.05), "slept")[1])])
     groups = agent_rollout(ctx, RECORDS, registry)
