@@ -64,8 +64,8 @@ def prepare_data(out: str, train_size: int, eval_size: int, task: dict | None = 
                  ) -> tuple[str, str]:
     """basic_arithmetic problems of `task` (reasoning-gym's settings; default TASK) in
     <out>/data: train.jsonl and a held-out eval.jsonl, disjoint."""
-    from megatron_rl.data.prepare import HELD_OUT_SEED, normalize_problem, remove_overlap
-    from megatron_rl.data.records import write_jsonl
+    from megatron_rl.data.prepare import HELD_OUT_SEED, remove_overlap
+    from megatron_rl.data.records import normalize_problem, write_jsonl
     from megatron_rl.data.sources import generate_arithmetic
 
     data = os.path.join(out, "data")

@@ -121,8 +121,7 @@ def prepare_tiny(out: str) -> dict:
         _run([sys.executable, "-c", code], os.path.join(out, "base_build.log"))
         log(f"base model: {time.time() - t0:.0f} s")
     if not os.path.exists(ood):
-        from megatron_rl.data.prepare import normalize_problem
-        from megatron_rl.data.records import read_examples, write_jsonl
+        from megatron_rl.data.records import normalize_problem, read_examples, write_jsonl
         from megatron_rl.data.sources import generate_arithmetic
 
         train = {normalize_problem(e.prompt) for e in read_examples(os.path.join(data, "train.jsonl"))}

