@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from megatron_rl.models.routing import fill_routes
 from megatron_rl.parallel import to_device
 
 if TYPE_CHECKING:
@@ -162,6 +161,19 @@ class RolloutBatch:
                             else self.routed_experts[idx_t.to(self.routed_experts.device)],
                             None if self.in_baseline is None else self.in_baseline[idx_t],
                             None if self.token_rewards is None else self.token_rewards[idx_t])
+
+
+def fill_routes(per_sequence: list[torch.Tensor | None], length: int, num_layers: int,
+                topk: int) -> torch.Tensor:
+    """[B, length, M, k] int16 routes of a batch from each sequence's [n_i, M, k] record (None:
+    no record): row i holds its record from position 0, experts 0..k-1 elsewhere."""
+    out = torch.arange(topk, dtype=torch.int16).expand(len(per_sequence), length, num_layers,
+                                                      topk).clone()
+    for i, r in enumerate(per_sequence):
+        if r is not None:
+            n = min(r.shape[0], length)
+            out[i, :n] = r[:n].to(torch.int16)
+    return out
 
 
 def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,

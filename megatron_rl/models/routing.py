@@ -14,8 +14,8 @@ Format. One sequence's routes are an integer tensor [n, M, k]: n = the tokens th
 forwarded (prompt + response minus the last sampled token, which is never fed back), M = the
 model's mixture-of-experts layers in order (dense layers have none), k = experts per token,
 global expert ids. `Completion.routed_experts` carries it from the engine; RolloutBatch holds
-[B, L, M, k] (positions without a record, padding included, get experts 0..k-1: they score nothing
-the loss reads, but every position must route somewhere).
+[B, L, M, k] (batch.fill_routes: positions without a record, padding included, get experts
+0..k-1: they score nothing the loss reads, but every position must route somewhere).
 
 Mechanism. megatron-core's TopKRouter holds a `RouterReplay` (moe_enable_routing_replay, set
 on every MoE model megatron_rl builds); with no action set it routes as usual. `recording` sets
@@ -158,19 +158,6 @@ def gather_recorded(recorded: list[torch.Tensor], batch: int, tp_group=None, tp_
         stacked = torch.cat(parts)
     s = stacked.shape[0] // batch
     return stacked.reshape(s, batch, *stacked.shape[1:]).transpose(0, 1)
-
-
-def fill_routes(per_sequence: list[torch.Tensor | None], length: int, num_layers: int,
-                topk: int) -> torch.Tensor:
-    """[B, length, M, k] int16 routes of a batch from each sequence's [n_i, M, k] record (None:
-    no record): row i holds its record from position 0, experts 0..k-1 elsewhere."""
-    out = torch.arange(topk, dtype=torch.int16).expand(len(per_sequence), length, num_layers,
-                                                      topk).clone()
-    for i, r in enumerate(per_sequence):
-        if r is not None:
-            n = min(r.shape[0], length)
-            out[i, :n] = r[:n].to(torch.int16)
-    return out
 
 
 def disagreement(own: torch.Tensor, engine: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
