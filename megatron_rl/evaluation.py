@@ -30,7 +30,8 @@ from megatron_rl.rollout.trajectory_log import saves_rollouts, write_rollouts
 
 if TYPE_CHECKING:
     from megatron_rl.config import TrainConfig
-    from megatron_rl.runtime import Codec, Run
+    from megatron_rl.data.prompts import Codec
+    from megatron_rl.runtime import Run
 
 
 def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
@@ -99,7 +100,7 @@ def evaluate(run: Run, step: int) -> dict:
 
     def save(shared: bool = False, writer: int = 0) -> None:
         if kept is not None:
-            write_rollouts(run, step, "eval", [r for recs, _ in kept for r in recs],
+            write_rollouts(run.rollout_log(), step, "eval", [r for recs, _ in kept for r in recs],
                            [g for _, groups in kept for g in groups], shared=shared,
                            writer=writer)
 
@@ -266,12 +267,12 @@ def evaluate_checkpoint(a: argparse.Namespace, cfg: TrainConfig) -> tuple[list[d
     context before building the model; builds the engine as training does (rollout.factory)
     and stops it (servers, the process engine's child) however the evaluation ends.
     Collective."""
-    from megatron_rl.data.prompts import load_tokenizer
+    from megatron_rl.data.prompts import Codec, load_tokenizer
     from megatron_rl.models import ModelArgs
     from megatron_rl.models.policy import Policy
     from megatron_rl.parallel import run_on_rank
     from megatron_rl.rollout.factory import build_engine
-    from megatron_rl.runtime import Codec, check_context, prompt_builder, prompt_data
+    from megatron_rl.runtime import check_context, prompt_builder, prompt_data
 
     hf = cfg.model.hf_checkpoint
     args = ModelArgs.from_pretrained(hf)

@@ -365,13 +365,13 @@ def _build_batch(run: Run, s: BatchSettings, r: Rollout) -> tuple[RolloutBatch, 
     sampled: Sampled | None = None
     if engine.client_rank is None and s.dynamic is not None:
         sampled = sample_informative(s.dynamic, run.train_data, _local_round(run, s, r.step))
-        write_rollouts(run, r.step + 1, "train", sampled.records, sampled.groups)
+        write_rollouts(run.rollout_log(), r.step + 1, "train", sampled.records, sampled.groups)
         groups = _my_groups(run, s, sampled.groups)
         engine_stats: dict = {}
     elif engine.client_rank is None:
         mine = r.records[run.dp_rank::run.dp_size]
         groups = _rollout(run, s, mine, _seed(s, r.step) + run.dp_rank, r.step)
-        write_rollouts(run, r.step + 1, "train", mine, groups, shared=True)
+        write_rollouts(run.rollout_log(), r.step + 1, "train", mine, groups, shared=True)
         if s.sequence_packing and run.dp_size > 1:  # re-deal the groups by token count
             groups = _my_groups(run, s, [g for part in _gather_dp(groups) for g in part])
         engine_stats = {}
@@ -396,7 +396,8 @@ def _build_batch(run: Run, s: BatchSettings, r: Rollout) -> tuple[RolloutBatch, 
             # every rank's data position: after the prompts the client's rounds consumed
             run.train_data.load_state_dict(sampled.data_state)
         if len(records) == len(out):
-            write_rollouts(run, r.step + 1, "train", records, out, writer=engine.client_rank or 0)
+            write_rollouts(run.rollout_log(), r.step + 1, "train", records, out,
+                           writer=engine.client_rank or 0)
         groups = _my_groups(run, s, out)
     # the one host -> device boundary: from here on the batch lives where the model does
     batch = pack_rollouts(groups, run.codec.pad_id).to(device())

@@ -1,5 +1,5 @@
 """What a training run works with, and building it: `Run` holds the policy, the reference, the
-rollout engine, the tokenizer's codec, the data, the scorer and the logger; `setup_run(cfg)`
+rollout engine, the tokenizer's codec (data.prompts.Codec), the data, the scorer and the logger; `setup_run(cfg)`
 builds them (resuming from the newest checkpoint under --save, or --load, when there is one).
 The training loop (train.py) receives a Run and calls the collaborators themselves.
 """
@@ -7,68 +7,25 @@ The training loop (train.py) receives a Run and calls the collaborators themselv
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl import checkpoint, config_changes
 from megatron_rl.config import TrainConfig
+from megatron_rl.data.prompts import Codec
 from megatron_rl.errors import ConfigError
 from megatron_rl.flags import to_flat_dict
 from megatron_rl.metrics_log import MetricsLogger
 from megatron_rl.rollout.base import RolloutEngine, SamplingParams
+from megatron_rl.rollout.trajectory_log import RolloutLog
 
 if TYPE_CHECKING:
     from megatron_rl.data.prompts import PromptBuilder, PromptDataset
     from megatron_rl.models.policy import Policy
     from megatron_rl.rewards import RewardScorer
-
-
-@dataclasses.dataclass
-class Codec:
-    """Text <-> token ids with the run's tokenizer, and the ids generation needs: `pad_id` (for
-    padded batches) and `stop_ids` (where sampling stops, on every engine)."""
-
-    tokenizer: Any
-    add_special_tokens: bool
-    pad_id: int
-    stop_ids: tuple[int, ...]
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer, chat_template: bool, checkpoint: str | None = None
-                       ) -> "Codec":
-        """A chat-templated prompt already holds the special tokens it needs. The stop ids are
-        the tokenizer's EOS and, where the `checkpoint` directory (default: the one the
-        tokenizer was loaded from) has a generation_config.json, each id of its eos_token_id,
-        as transformers' generate stops: Llama 3.1's lists <|eom_id|>, which ends a tool-call
-        turn, beside <|eot_id|>, its tokenizer's only EOS."""
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        stop = _ids(tokenizer.eos_token_id)
-        directory = checkpoint if checkpoint is not None else getattr(tokenizer, "name_or_path", "")
-        path = os.path.join(directory, "generation_config.json") if directory else ""
-        if path and os.path.isfile(path):
-            with open(path) as f:
-                stop |= _ids(json.load(f).get("eos_token_id"))
-        return cls(tokenizer, add_special_tokens=not chat_template, pad_id=pad,
-                   stop_ids=tuple(sorted(stop)))
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"]
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """encode() of each of `texts`, in one call of the tokenizer."""
-        return self.tokenizer(texts, add_special_tokens=self.add_special_tokens)["input_ids"]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _ids(value: int | list[int] | None) -> set[int]:
-    """An eos_token_id setting (one id, a list, or none) as a set of ids."""
-    return {value} if isinstance(value, int) else set(value or [])
 
 
 @dataclasses.dataclass
@@ -101,6 +58,11 @@ class Run:
                               max_new_tokens=r.max_new_tokens, stop_token_ids=self.codec.stop_ids,
                               seed=seed,
                               return_routed_experts=self.cfg.algorithm.routing_replay)
+
+    def rollout_log(self) -> RolloutLog:
+        """Where and at which steps this rank writes the run's trajectories (--save-rollouts)."""
+        return RolloutLog(self.cfg.logging.save_rollouts, self.cfg.checkpoint.save, self.codec,
+                          self.dp_rank, self.dp_size)
 
     def save(self, step: int, data_state: dict | None = None, ahead: bytes | None = None) -> None:
         """Checkpoint `step` (collective); `data_state`: the data position to resume from

@@ -190,7 +190,7 @@ def main() -> int:
     from megatron_rl.data.prompts import PromptRecord, load_tokenizer
     from megatron_rl.experiments.tiny_model import make_tool_caller_model
     from megatron_rl.rewards import RewardScorer
-    from megatron_rl.runtime import Codec
+    from megatron_rl.data.prompts import Codec
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     work = a.work or tempfile.mkdtemp(prefix="bench_agent_")

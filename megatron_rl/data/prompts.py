@@ -4,6 +4,7 @@ A prompt is the task instruction around the raw problem (``\\boxed{}`` for math,
 tags for Countdown, a single letter for MMLU), then either the tokenizer's chat template
 (``transformers.AutoTokenizer`` loaded from a local directory holding tokenizer.json /
 tokenizer_config.json) or a plain template string with ``{prompt}`` (for base models).
+``Codec`` is the tokenizer as rollouts use it: text <-> token ids, the pad and stop ids.
 
 ``PromptDataset`` walks the rows in a seed-determined order per epoch in which each row's place
 depends on its content alone; its position (the epoch, and the last row taken) is all the state
@@ -16,6 +17,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -69,6 +71,50 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@dataclass
+class Codec:
+    """Text <-> token ids with the run's tokenizer, and the ids generation needs: `pad_id` (for
+    padded batches) and `stop_ids` (where sampling stops, on every engine)."""
+
+    tokenizer: Any
+    add_special_tokens: bool
+    pad_id: int
+    stop_ids: tuple[int, ...]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, chat_template: bool, checkpoint: str | None = None
+                       ) -> "Codec":
+        """A chat-templated prompt already holds the special tokens it needs. The stop ids are
+        the tokenizer's EOS and, where the `checkpoint` directory (default: the one the
+        tokenizer was loaded from) has a generation_config.json, each id of its eos_token_id,
+        as transformers' generate stops: Llama 3.1's lists <|eom_id|>, which ends a tool-call
+        turn, beside <|eot_id|>, its tokenizer's only EOS."""
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        stop = _ids(tokenizer.eos_token_id)
+        directory = checkpoint if checkpoint is not None else getattr(tokenizer, "name_or_path", "")
+        path = os.path.join(directory, "generation_config.json") if directory else ""
+        if path and os.path.isfile(path):
+            with open(path) as f:
+                stop |= _ids(json.load(f).get("eos_token_id"))
+        return cls(tokenizer, add_special_tokens=not chat_template, pad_id=pad,
+                   stop_ids=tuple(sorted(stop)))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each of `texts`, in one call of the tokenizer."""
+        return self.tokenizer(texts, add_special_tokens=self.add_special_tokens)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _ids(value: int | list[int] | None) -> set[int]:
+    """An eos_token_id setting (one id, a list, or none) as a set of ids."""
+    return {value} if isinstance(value, int) else set(value or [])
 
 
 @dataclass

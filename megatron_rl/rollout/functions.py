@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from megatron_rl.agent.settings import AgentConfig
     from megatron_rl.data.prompts import PromptRecord
     from megatron_rl.rewards import RewardScorer
-    from megatron_rl.runtime import Codec
+    from megatron_rl.data.prompts import Codec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ class RolloutContext:
     params: this call's sampling settings (--temperature, --top-p, --max-new-tokens, the stop
         ids, the seed of this step and rank; routed experts asked for under --routing-replay).
     group_size: trajectories per prompt (--group-size; --eval-samples in evaluation).
-    codec: text <-> token ids with the run's tokenizer (runtime.Codec).
+    codec: text <-> token ids with the run's tokenizer (data.prompts.Codec).
     scorer: the rewards (rewards.RewardScorer.score: a Scored per response).
     step: the RL step the rollout belongs to, from 0: step s's training batch and the
         evaluation after step s's update both have s (metrics.jsonl and the checkpoints number

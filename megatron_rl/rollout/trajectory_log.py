@@ -37,6 +37,7 @@ naming the file and the error, and the run goes on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -47,8 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from megatron_rl.batch import Trajectory
-    from megatron_rl.data.prompts import PromptRecord
-    from megatron_rl.runtime import Codec, Run
+    from megatron_rl.data.prompts import Codec, PromptRecord
 
 ROLLOUTS_DIR = "rollouts"
 KINDS = ("train", "eval")
@@ -165,32 +165,44 @@ def write_rows(path: str, rows: Sequence[dict]) -> bool:
         return False
 
 
-def write_rollouts(run: Run, step: int, kind: str, records: Sequence[PromptRecord],
+@dataclasses.dataclass(frozen=True)
+class RolloutLog:
+    """Where a run writes its trajectories, and which steps: `every` (--save-rollouts; 0:
+    none) under the run directory `save` (--save), with the run's `codec` (the special
+    tokens a row keeps) and this rank's data-parallel position (`dp_rank` of `dp_size`)."""
+    every: int
+    save: str
+    codec: Codec
+    dp_rank: int = 0
+    dp_size: int = 1
+
+
+def write_rollouts(log: RolloutLog, step: int, kind: str, records: Sequence[PromptRecord],
                    groups: Sequence[Sequence[Trajectory]], *, shared: bool = False,
                    writer: int = 0) -> None:
-    """Write `step`'s trajectories of `kind` under the run's --save when --save-rollouts says
-    so (saves_rollouts). `groups` are the rollout function's for `records`: the whole batch,
+    """Write `step`'s trajectories of `kind` under log.save when log.every says so
+    (saves_rollouts). `groups` are the rollout function's for `records`: the whole batch,
     written by global rank `writer` (the others return at once); or, `shared`, this
     data-parallel rank's share (records dp_rank, dp_rank + dp_size, ...), gathered to global
     rank 0 in the batch's order -- collective over the data-parallel group then, so every
     rank calls it with the same `step` and `kind`."""
-    if not saves_rollouts(run.cfg.logging.save_rollouts, step, kind):
+    if not saves_rollouts(log.every, step, kind):
         return
     from megatron_rl.parallel import dist_rank
 
-    shared = shared and run.dp_size > 1
+    shared = shared and log.dp_size > 1
     if not shared and dist_rank() != writer:
         return
-    group_ids = ([run.dp_rank + run.dp_size * j for j in range(len(groups))] if shared
+    group_ids = ([log.dp_rank + log.dp_size * j for j in range(len(groups))] if shared
                  else None)
-    rows = trajectory_rows(groups, records, kept_special_tokens(run.codec), step=step, kind=kind,
+    rows = trajectory_rows(groups, records, kept_special_tokens(log.codec), step=step, kind=kind,
                            group_ids=group_ids)
     if shared:
         rows = sorted((r for part in _gather_dp(rows) for r in part),
                       key=lambda r: (r["group"], r["index"]))
         if dist_rank() != 0:
             return
-    write_rows(rollouts_path(run.cfg.checkpoint.save, step, kind), rows)
+    write_rows(rollouts_path(log.save, step, kind), rows)
 
 
 def _gather_dp(obj) -> list:

@@ -13,13 +13,12 @@ from transformers import AutoTokenizer
 from megatron_rl.agent.env import Environment, EnvironmentFailed, StepResult
 from megatron_rl.agent.loop import agent_rollout
 from megatron_rl.agent.settings import AgentConfig
-from megatron_rl.data.prompts import PromptRecord
+from megatron_rl.data.prompts import Codec, PromptRecord
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
 from megatron_rl.parallel import ParallelConfig, init_distributed
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.base import Completion, SamplingParams
 from megatron_rl.rollout.functions import RolloutContext
-from megatron_rl.runtime import Codec
 
 MADE: list[int] = []
 

@@ -26,7 +26,8 @@ def _jsonl(path, lengths):
 def _load(tmp_path, tokenizer_dir, train, *flags, evals=None, positions=64):
     from megatron_rl.config import parse_config
     from megatron_rl.data.prompts import load_tokenizer
-    from megatron_rl.runtime import Codec, load_data
+    from megatron_rl.data.prompts import Codec
+    from megatron_rl.runtime import load_data
 
     cfg = parse_config(["--hf-checkpoint", tokenizer_dir, "--train-data", train,
                         *(["--eval-data", evals] if evals else []), "--save",

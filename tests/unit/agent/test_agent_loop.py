@@ -13,11 +13,10 @@ from transformers import AutoTokenizer
 
 from megatron_rl.agent.loop import ChatFormat, agent_rollout
 from megatron_rl.agent.settings import AgentConfig
-from megatron_rl.data.prompts import PromptRecord
+from megatron_rl.data.prompts import Codec, PromptRecord
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
 from megatron_rl.rollout.base import SEED_STRIDE, Completion, SamplingParams
 from megatron_rl.rollout.functions import RolloutContext, resolve_rollout_function
-from megatron_rl.runtime import Codec
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
 # the Qwen2.5 template's tool messages and headers, on the character tokenizer

@@ -17,12 +17,11 @@ import torch
 from megatron_rl.agent.loop import agent_rollout
 from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.agent.tools import Tool, ToolRegistry
-from megatron_rl.data.prompts import PromptRecord, load_tokenizer
+from megatron_rl.data.prompts import Codec, PromptRecord, load_tokenizer
 from megatron_rl.experiments.tiny_model import make_tool_caller_model
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.functions import RolloutContext
-from megatron_rl.runtime import Codec
 
 pytest.importorskip("megatron.core")
 

@@ -19,11 +19,10 @@ from test_agent_loop import ScriptedEngine
 from megatron_rl.agent.env import Environment, StepResult
 from megatron_rl.agent.loop import agent_rollout
 from megatron_rl.agent.settings import AgentConfig, tool_registry
-from megatron_rl.data.prompts import PromptRecord, load_tokenizer
+from megatron_rl.data.prompts import Codec, PromptRecord, load_tokenizer
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.functions import RolloutContext
-from megatron_rl.runtime import Codec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HERE = __name__

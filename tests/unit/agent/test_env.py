@@ -18,11 +18,10 @@ from transformers import AutoTokenizer
 from megatron_rl.agent.env import ABANDONED, Environment, StepResult
 from megatron_rl.agent.loop import ChatFormat, agent_rollout
 from megatron_rl.agent.settings import AgentConfig
-from megatron_rl.data.prompts import PromptRecord
+from megatron_rl.data.prompts import Codec, PromptRecord
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.functions import RolloutContext, check_groups
-from megatron_rl.runtime import Codec
 
 HERE = __name__
 

@@ -24,12 +24,11 @@ from megatron_rl.agent.settings import tool_registry
 from megatron_rl.agent.tools import Tool, ToolCall, execute_tool_call
 from megatron_rl.checkpoint import TRAIN_CONFIG
 from megatron_rl.config import parse_config
-from megatron_rl.data.prompts import PromptRecord
+from megatron_rl.data.prompts import Codec, PromptRecord
 from megatron_rl.data.records import DataFormatError, TaskExample, write_jsonl
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.functions import RolloutContext, check_groups, run_rollout, single_turn
-from megatron_rl.runtime import Codec
 
 HERE = __name__
 BASE = ["--hf-checkpoint", "m", "--train-data", "d.jsonl"]

@@ -9,17 +9,15 @@ import os
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 from transformers import AutoTokenizer
 
 from megatron_rl.batch import Trajectory
-from megatron_rl.data.prompts import PromptRecord
+from megatron_rl.data.prompts import Codec, PromptRecord
 from megatron_rl.errors import UserError
 from megatron_rl.experiments.tiny_model import make_char_tokenizer
 from megatron_rl.rollout import trajectory_log as tl
-from megatron_rl.runtime import Codec
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +101,9 @@ def test_saves_every_nth_step_and_every_evaluation():
                                                               "eval_step_000004.jsonl")
 
 
-def _fake_run(codec, save, every=1):
-    """The parts of a Run that write_rollouts reads, on one rank."""
-    cfg = types.SimpleNamespace(logging=types.SimpleNamespace(save_rollouts=every),
-                                checkpoint=types.SimpleNamespace(save=save))
-    return types.SimpleNamespace(cfg=cfg, codec=codec, dp_rank=0, dp_size=1)
+def _log(codec, save, every=1):
+    """Where write_rollouts writes, on one rank."""
+    return tl.RolloutLog(every, save, codec)
 
 
 def test_a_failed_write_warns_and_training_goes_on(codec, tmp_path):
@@ -116,9 +112,9 @@ def test_a_failed_write_warns_and_training_goes_on(codec, tmp_path):
     save = tmp_path / "run"
     save.mkdir()
     (save / "rollouts").write_text("not a directory")
-    run = _fake_run(codec, str(save))
+    log = _log(codec, str(save))
     with pytest.warns(UserWarning, match=r"step_000002\.jsonl: writing 1 trajectories failed"):
-        tl.write_rollouts(run, 2, "train", [_record(0)], [[_episode(codec, ["5<eos>"])]])
+        tl.write_rollouts(log, 2, "train", [_record(0)], [[_episode(codec, ["5<eos>"])]])
     assert sorted(os.listdir(save)) == ["rollouts"]
     path = save / "ok.jsonl"
     assert tl.write_rows(str(path), [{"a": 1}]) and sorted(os.listdir(save)) == ["ok.jsonl", "rollouts"]
@@ -129,9 +125,9 @@ def test_a_64_trajectory_step_is_written_in_milliseconds(codec, tmp_path):
     tokenizer): rows built and written in well under a second (printed: the measurement)."""
     turns = ["x" * 400, "y" * 200, "z" * 400]
     groups = [[_episode(codec, turns) for _ in range(4)] for _ in range(16)]
-    run = _fake_run(codec, str(tmp_path))
+    log = _log(codec, str(tmp_path))
     start = time.perf_counter()
-    tl.write_rollouts(run, 1, "train", [_record(i) for i in range(16)], groups)
+    tl.write_rollouts(log, 1, "train", [_record(i) for i in range(16)], groups)
     seconds = time.perf_counter() - start
     path = tl.rollouts_path(str(tmp_path), 1, "train")
     print(f"64 trajectories x 1000 tokens: {seconds * 1000:.1f} ms, "
@@ -144,10 +140,10 @@ def _write_file(codec, save):
     groups = [[_episode(codec, ["<tool_call>1</tool_call>", "\n<r>2</r>\n", "2<eos>"],
                         metadata={"end": "answer"}),
                _episode(codec, ["3"], reward=0.0, reward_error="no_answer", finish="length")]]
-    run = _fake_run(codec, save, every=2)
-    tl.write_rollouts(run, 1, "train", [_record(3)], groups)  # not a saved step
-    tl.write_rollouts(run, 2, "train", [_record(3)], groups)
-    tl.write_rollouts(run, 2, "eval", [_record(3)], groups)
+    log = _log(codec, save, every=2)
+    tl.write_rollouts(log, 1, "train", [_record(3)], groups)  # not a saved step
+    tl.write_rollouts(log, 2, "train", [_record(3)], groups)
+    tl.write_rollouts(log, 2, "eval", [_record(3)], groups)
     return tl.rollouts_path(save, 2, "train")
 
 
