@@ -21,14 +21,13 @@ import pytest
 from megatron_rl.agent.loop import agent_rollout
 from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.agent.tools import Tool, ToolRegistry
-from megatron_rl.data.prompts import PromptRecord, load_tokenizer
+from megatron_rl.data.prompts import Codec, PromptRecord, load_tokenizer
 from megatron_rl.rewards import RewardScorer
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.functions import RolloutContext, check_groups
 from megatron_rl.rollout.multi import ServerPool
 from megatron_rl.rollout.net import http_json
 from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
-from megatron_rl.runtime import Codec
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.extended]
 
