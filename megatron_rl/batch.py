@@ -18,14 +18,11 @@ per-token tensors are [B, L-1] and position t scores token t+1 given tokens[:, :
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from megatron_rl.parallel import to_device
-
-if TYPE_CHECKING:
-    from megatron_rl.rollout.base import Completion
 
 
 @dataclasses.dataclass
@@ -76,14 +73,6 @@ class Trajectory:
     def tokens(self) -> list[int]:
         """prompt_ids + response_ids."""
         return [*self.prompt_ids, *self.response_ids]
-
-    @classmethod
-    def single_turn(cls, prompt_ids: list[int], completion: Completion, reward: float,
-                    reward_error: str | None = None) -> "Trajectory":
-        """The trajectory of one engine completion of `prompt_ids`: all of it the policy's."""
-        return cls(prompt_ids, completion.token_ids, [1] * len(completion.token_ids),
-                   completion.rollout_logprobs, completion.finish_reason, reward, reward_error,
-                   completion.routed_experts)
 
 
 def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:

@@ -107,16 +107,24 @@ def single_turn(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[li
                               [s.reason for s in scored])
 
 
+def single_turn_trajectory(prompt_ids: list[int], completion: Completion, reward: float,
+                           reward_error: str | None = None) -> Trajectory:
+    """The trajectory of one engine completion of `prompt_ids`: all of it the policy's."""
+    return Trajectory(prompt_ids, completion.token_ids, [1] * len(completion.token_ids),
+                      completion.rollout_logprobs, completion.finish_reason, reward, reward_error,
+                      completion.routed_experts)
+
+
 def single_turn_groups(prompt_ids: Sequence[list[int]], groups: Sequence[Sequence[Completion]],
                        rewards: Sequence[float], reward_errors: Sequence[str | None] | None = None
                        ) -> list[list[Trajectory]]:
-    """Each prompt's completions as single-turn trajectories (Trajectory.single_turn), with the
+    """Each prompt's completions as single-turn trajectories (single_turn_trajectory), with the
     flat rewards (and reward errors) of all completions in order."""
     out, b = [], 0
     for p, group in zip(prompt_ids, groups):
         out.append([])
         for c in group:
-            out[-1].append(Trajectory.single_turn(p, c, rewards[b],
+            out[-1].append(single_turn_trajectory(p, c, rewards[b],
                                                   reward_errors[b] if reward_errors else None))
             b += 1
     if b != len(rewards):

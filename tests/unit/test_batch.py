@@ -7,7 +7,7 @@ import torch
 
 from megatron_rl.batch import Trajectory, pack_rollouts
 from megatron_rl.rollout.base import Completion
-from megatron_rl.rollout.functions import single_turn_groups
+from megatron_rl.rollout.functions import single_turn_groups, single_turn_trajectory
 
 PROMPT = [1, 2, 3]
 # two policy turns ([10, 11] and [12, 13]) around an environment message ([20, 21, 22]); the
@@ -26,7 +26,7 @@ def _policy_tokens(batch, row):
 
 
 def test_two_policy_spans_with_environment_tokens_between():
-    one_turn = Trajectory.single_turn(PROMPT, Completion([30, 31], [-0.5, -0.6], "length"), 0.0)
+    one_turn = single_turn_trajectory(PROMPT, Completion([30, 31], [-0.5, -0.6], "length"), 0.0)
     batch = pack_rollouts([[TURNS, one_turn]], pad_token_id=0)
     assert batch.tokens[0, :10].tolist() == PROMPT + TURNS.response_ids
     assert batch.prompt_lengths == [3, 3] and batch.response_lengths == [7, 2]

@@ -350,12 +350,13 @@ def test_accepted_combinations():
 def test_the_update_shapes_the_batch_it_trains_on():
     """update.overlong_batch: the batch's truncated rows masked, the punishment in its rewards,
     the fractions logged; the rollout's batch itself is kept (its metrics are the task's)."""
-    from megatron_rl.batch import Trajectory, pack_rollouts
+    from megatron_rl.batch import pack_rollouts
     from megatron_rl.rollout.base import Completion
+    from megatron_rl.rollout.functions import single_turn_trajectory
     from megatron_rl.update import overlong_batch
 
     def traj(n, reason, reward):
-        return Trajectory.single_turn([1, 2], Completion(list(range(3, 3 + n)), [-0.5] * n,
+        return single_turn_trajectory([1, 2], Completion(list(range(3, 3 + n)), [-0.5] * n,
                                                          reason), reward)
 
     batch = pack_rollouts([[traj(3, "stop", 1.0), traj(8, "length", 0.0)],

@@ -3,10 +3,11 @@ name that is neither, or does not import, is refused naming the flag; what a rol
 returns is checked before it is trained on, the error naming the flag."""
 import pytest
 
-from megatron_rl.batch import Trajectory
+from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.rollout.base import Completion
 from megatron_rl.rollout.functions import (ROLLOUT_FUNCTIONS, check_groups,
-                                           resolve_rollout_function, single_turn)
+                                           resolve_rollout_function, single_turn,
+                                           single_turn_trajectory)
 
 
 def test_built_in_and_import_path_name_the_same_function():
@@ -14,8 +15,8 @@ def test_built_in_and_import_path_name_the_same_function():
     assert resolve_rollout_function("single-turn") is single_turn
     assert resolve_rollout_function("megatron_rl.rollout.functions:single_turn") is single_turn
     # an attribute path after the module
-    assert (resolve_rollout_function("megatron_rl.batch:Trajectory.single_turn")
-            == Trajectory.single_turn)
+    assert (resolve_rollout_function("megatron_rl.agent.settings:AgentConfig.unread_flags")
+            is AgentConfig.unread_flags)
 
 
 @pytest.mark.parametrize("name, message", [
@@ -37,7 +38,7 @@ def test_bad_names_are_refused_naming_the_flag(name, message):
 
 
 def _trajectory(n=2, **overrides):
-    t = Trajectory.single_turn([1, 2], Completion(list(range(5, 5 + n)), [-0.5] * n, "stop"), 1.0)
+    t = single_turn_trajectory([1, 2], Completion(list(range(5, 5 + n)), [-0.5] * n, "stop"), 1.0)
     for k, v in overrides.items():
         setattr(t, k, v)
     return t
