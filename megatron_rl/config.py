@@ -51,6 +51,7 @@ from megatron_rl.models.optim import OptimConfig
 from megatron_rl.parallel import ParallelConfig, use_cuda
 from megatron_rl.rollout.base import check_sampling
 from megatron_rl.rollout.factory import ENGINES
+from megatron_rl.rollout.multi import ROUTINGS
 from megatron_rl.rollout.functions import resolve_rollout_function
 from megatron_rl.rollout.needs import rollout_needs
 
@@ -136,6 +137,18 @@ class RolloutConfig:
     rollout_host: str = _opt("127.0.0.1", help=(
         "vllm/sglang only: bind address of a started server; 0.0.0.0: reachable from other "
         "nodes"))
+    rollout_routing: str = _opt("sticky", choices=ROUTINGS, help=(
+        "vllm/sglang with several servers: where a request goes. sticky = a multi-turn "
+        "episode's request to the server that served its previous turn (its first own turn: "
+        "its group's first turn), where its context's KV is in the prefix cache, unless that "
+        "server has more than --rollout-sticky-slack requests in flight over the least-loaded "
+        "one; least-loaded = every request to the server with the fewest in flight. The "
+        "samples are the same either way; calls that name no episode (single-turn rollouts, "
+        "evaluation) are spread over the servers either way"))
+    rollout_sticky_slack: int = _opt(4, min=0, help=(
+        "--rollout-routing sticky: requests in flight a server may have over the least-loaded "
+        "server and still take its episodes' next turns; past it a turn goes to the "
+        "least-loaded server, and its episode stays there"))
     weight_sync: str = _opt("auto", choices=WEIGHT_SYNC_MODES, help=(
         "how the trainer's weights reach an engine with weights of its own after every step "
         "(ignored by the local engine): disk = an HF export the engine reloads; tensor = in "

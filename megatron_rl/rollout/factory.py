@@ -110,7 +110,8 @@ def build_engine(cfg, policy, pad_id: int, longest_prompt: Callable[[], int]):
 
     # boots the managed servers at once; on GPUs a lost managed server is not booted again
     # during the run (it would take its memory share from the training phase)
-    return ServerPool(engines, policy=policy, reboot_managed=not cuda)
+    return ServerPool(engines, policy=policy, reboot_managed=not cuda, routing=r.rollout_routing,
+                      sticky_slack=r.rollout_sticky_slack)
 
 
 def server_configs(cfg, args, longest_prompt: int | None, cuda: bool,
