@@ -227,3 +227,14 @@ def test_routing_settings_are_checked():
         ServerPool([EchoEngine()], start=False, routing="random")
     with pytest.raises(ValueError, match="--rollout-sticky-slack"):
         ServerPool([EchoEngine()], start=False, sticky_slack=-1)
+    from megatron_rl.config import parse_config
+
+    base = ["--hf-checkpoint", "m", "--train-data", "d.jsonl", "--rollout-engine", "vllm",
+            "--rollout-num-servers", "2"]
+    r = parse_config(base).rollout
+    assert (r.rollout_routing, r.rollout_sticky_slack) == ("sticky", 4)
+    r = parse_config(base + ["--rollout-routing", "least-loaded", "--rollout-sticky-slack",
+                             "0"]).rollout
+    assert (r.rollout_routing, r.rollout_sticky_slack) == ("least-loaded", 0)
+    with pytest.raises(ValueError, match="--rollout-sticky-slack"):
+        parse_config(base + ["--rollout-sticky-slack", "-1"])
