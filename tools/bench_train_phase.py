@@ -236,7 +236,7 @@ def make_batch(a, max_response: int, seed: int, num_sequences: int | None = None
                group_size: int | None = None, force_max: bool = False):
     """The RolloutBatch of step seed (on the host), as the rollout layer packs it."""
     from megatron_rl.batch import pack_rollouts
-    from megatron_rl.rollout.functions import single_turn_groups
+    from megatron_rl.rollout.single_turn import single_turn_groups
 
     vocab = model_config(a)["vocab_size"]
     prompts, groups, rewards = synth_rollouts(num_sequences or a.num_sequences,

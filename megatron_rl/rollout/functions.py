@@ -18,8 +18,8 @@ A Trajectory (batch.py) is the token sequence the trainer trains on: `prompt_ids
 in which `response_mask` marks the tokens the policy sampled (1: trained on, with the engine's
 log-prob in `rollout_logprobs`) and the tokens that came from elsewhere (0: a tool's output, an
 environment's message, a user turn; context only, never trained on). The built-in
-"single-turn" (`single_turn`) makes one from each engine completion, mask 1 over all of it. A
-multi-turn agent loop appends turns to one trajectory: the policy's completion (mask 1, its
+"single-turn" (rollout/single_turn.py) makes one from each engine completion, mask 1 over all
+of it. A multi-turn agent loop appends turns to one trajectory: the policy's completion (mask 1, its
 log-probs), the environment's answer (mask 0, log-prob 0), and so on, and scores the whole.
 
 Chosen by --rollout-function: a name of ROLLOUT_FUNCTIONS, or the `module:function` import path
@@ -42,8 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 from megatron_rl.batch import Trajectory
 from megatron_rl.imports import import_callable
-from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingParams
-from megatron_rl.rollout.needs import declare_needs
+from megatron_rl.rollout.base import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
     from megatron_rl.agent.settings import AgentConfig
@@ -91,53 +90,11 @@ class RolloutContext:
 RolloutFunction = Callable[[RolloutContext, Sequence["PromptRecord"]], list[list[Trajectory]]]
 
 
-@declare_needs(single_response=True)
-def single_turn(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[list[Trajectory]]:
-    """One response per trajectory: each prompt encoded, group_size completions of it from the
-    engine in one generate call for all prompts, each decoded and scored by its task's
-    verifier against the record's answer."""
-    prompt_ids = [ctx.codec.encode(r.text) for r in records]
-    groups = ctx.engine.generate(prompt_ids, ctx.group_size, ctx.params)
-    texts = [ctx.codec.decode(c.token_ids) for group in groups for c in group]
-    each = lambda xs: [x for x in xs for _ in range(ctx.group_size)]  # noqa: E731
-    scored = ctx.scorer.score(texts, each([r.answer for r in records]),
-                              each([r.task for r in records]),
-                              each([r.metadata for r in records]))
-    return single_turn_groups(prompt_ids, groups, [s.reward for s in scored],
-                              [s.reason for s in scored])
-
-
-def single_turn_trajectory(prompt_ids: list[int], completion: Completion, reward: float,
-                           reward_error: str | None = None) -> Trajectory:
-    """The trajectory of one engine completion of `prompt_ids`: all of it the policy's."""
-    return Trajectory(prompt_ids, completion.token_ids, [1] * len(completion.token_ids),
-                      completion.rollout_logprobs, completion.finish_reason, reward, reward_error,
-                      completion.routed_experts)
-
-
-def single_turn_groups(prompt_ids: Sequence[list[int]], groups: Sequence[Sequence[Completion]],
-                       rewards: Sequence[float], reward_errors: Sequence[str | None] | None = None
-                       ) -> list[list[Trajectory]]:
-    """Each prompt's completions as single-turn trajectories (single_turn_trajectory), with the
-    flat rewards (and reward errors) of all completions in order."""
-    out, b = [], 0
-    for p, group in zip(prompt_ids, groups):
-        out.append([])
-        for c in group:
-            out[-1].append(single_turn_trajectory(p, c, rewards[b],
-                                                  reward_errors[b] if reward_errors else None))
-            b += 1
-    if b != len(rewards):
-        raise ValueError(f"{len(rewards)} rewards for {b} completions")
-    return out
-
-
-ROLLOUT_FUNCTIONS: dict[str, RolloutFunction] = {"single-turn": single_turn}
-"""The built-in rollout functions by --rollout-function name (with BUILT_IN_PATHS)."""
-
-BUILT_IN_PATHS = {"agent": "megatron_rl.agent.loop:agent_rollout"}
-"""Built-in rollout functions of other packages, imported when chosen: "agent", the multi-turn
-tool-calling loop (megatron_rl/agent/loop.py)."""
+ROLLOUT_FUNCTIONS = {"single-turn": "megatron_rl.rollout.single_turn:single_turn",
+                     "agent": "megatron_rl.agent.loop:agent_rollout"}
+"""The built-in rollout functions' import paths by --rollout-function name, imported when
+chosen: "single-turn" (rollout/single_turn.py), "agent", the multi-turn tool-calling loop
+(agent/loop.py)."""
 
 
 def resolve_rollout_function(name: str) -> RolloutFunction:
@@ -145,11 +102,8 @@ def resolve_rollout_function(name: str) -> RolloutFunction:
     `module:function` (the function may be an attribute path: `module:Class.method`). Raises
     ValueError naming the flag when it is neither, or does not import."""
     flag = f"--rollout-function {name!r}"
-    if name in ROLLOUT_FUNCTIONS:
-        return ROLLOUT_FUNCTIONS[name]
-    name = BUILT_IN_PATHS.get(name, name)
-    return cast(RolloutFunction, import_callable(name, flag, "rollout function",
-                                                 [*ROLLOUT_FUNCTIONS, *BUILT_IN_PATHS]))
+    return cast(RolloutFunction, import_callable(ROLLOUT_FUNCTIONS.get(name, name), flag,
+                                                 "rollout function", ROLLOUT_FUNCTIONS))
 
 
 def trajectory_counts(groups: Sequence[Sequence[Trajectory]]) -> collections.Counter:

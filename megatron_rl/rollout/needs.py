@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+from megatron_rl.rollout.functions import resolve_rollout_function
+
 if TYPE_CHECKING:
     from megatron_rl.agent.settings import AgentConfig
 
@@ -76,8 +78,6 @@ def needs_of(fn: Callable[..., Any]) -> RolloutNeeds:
 def rollout_needs(name: str) -> RolloutNeeds:
     """The needs of the rollout function --rollout-function `name` names (imported: a bad name
     raises ValueError naming the flag)."""
-    from megatron_rl.rollout.functions import resolve_rollout_function
-
     return needs_of(resolve_rollout_function(name))
 
 

@@ -4,7 +4,7 @@ as a JSON line to the file $RECORD_STEPS and rolls out single-turn; `failing` ra
 import json
 import os
 
-from megatron_rl.rollout.functions import single_turn
+from megatron_rl.rollout.single_turn import single_turn
 
 
 def recording(ctx, records):

@@ -7,7 +7,7 @@ cleanup script, a quota). The batch itself is the built-in single-turn one."""
 import os
 import shutil
 
-from megatron_rl.rollout.functions import single_turn
+from megatron_rl.rollout.single_turn import single_turn
 
 
 def breaking_logs(ctx, records):

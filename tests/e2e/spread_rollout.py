@@ -5,7 +5,7 @@ single-turn responses to "Calculate a+b.", rewarded 1, 0, 0, ... when a + b is a
 --dynamic-sampling keeps."""
 import re
 
-from megatron_rl.rollout.functions import single_turn_groups
+from megatron_rl.rollout.single_turn import single_turn_groups
 
 
 def spread_of(text: str) -> bool:

@@ -29,7 +29,7 @@ def moe_policy(tmp_path_factory):
 
 def test_kv_decoding_and_routes_on_the_gpu(moe_policy):
     from megatron_rl.batch import pack_rollouts
-    from megatron_rl.rollout.functions import single_turn_groups
+    from megatron_rl.rollout.single_turn import single_turn_groups
     from megatron_rl.packing import Layout
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.local import LocalEngine

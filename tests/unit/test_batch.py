@@ -7,7 +7,7 @@ import torch
 
 from megatron_rl.batch import Trajectory, pack_rollouts
 from megatron_rl.rollout.base import Completion
-from megatron_rl.rollout.functions import single_turn_groups, single_turn_trajectory
+from megatron_rl.rollout.single_turn import single_turn_groups, single_turn_trajectory
 
 PROMPT = [1, 2, 3]
 # two policy turns ([10, 11] and [12, 13]) around an environment message ([20, 21, 22]); the

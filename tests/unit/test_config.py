@@ -230,7 +230,7 @@ def test_rollout_function_is_resolved_when_the_config_is_read():
     YAML file; a path that does not import stops the run before anything is built, naming the
     flag and what is wrong."""
     assert parse_config(BASE).rollout.rollout_function == "single-turn"
-    path = "megatron_rl.rollout.functions:single_turn"
+    path = "megatron_rl.rollout.single_turn:single_turn"
     assert parse_config(BASE + ["--rollout-function", path]).rollout.rollout_function == path
     with pytest.raises(ValueError, match=r"--rollout-function 'no_such_agent_module:loop': "
                                          r"cannot import module 'no_such_agent_module'"):

@@ -28,7 +28,7 @@ from megatron_rl.batch import pack_rollouts
 from megatron_rl.kl import KLConfig
 from megatron_rl.loss import LossConfig, build_advantages
 from megatron_rl.rollout.base import Completion, SamplingParams
-from megatron_rl.rollout.functions import single_turn_groups
+from megatron_rl.rollout.single_turn import single_turn_groups
 
 DEV = torch.device("meta")
 PLACEMENTS = [("k1", "reward"), ("k1", "loss"), ("k3", "loss"), ("k3", "reward+loss"),

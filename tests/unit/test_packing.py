@@ -262,7 +262,7 @@ def _trainer_loss(fused: bool):
     from megatron_rl.models.config import ModelArgs, ModelOptions
     from megatron_rl.models.policy import Policy
     from megatron_rl.rollout.base import Completion
-    from megatron_rl.rollout.functions import single_turn_groups
+    from megatron_rl.rollout.single_turn import single_turn_groups
     from megatron_rl.update import make_rl_loss_fn
 
     args = ModelArgs(architecture="Qwen2ForCausalLM", vocab_size=96, hidden_size=32,

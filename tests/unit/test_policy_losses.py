@@ -352,7 +352,7 @@ def test_the_update_shapes_the_batch_it_trains_on():
     the fractions logged; the rollout's batch itself is kept (its metrics are the task's)."""
     from megatron_rl.batch import pack_rollouts
     from megatron_rl.rollout.base import Completion
-    from megatron_rl.rollout.functions import single_turn_trajectory
+    from megatron_rl.rollout.single_turn import single_turn_trajectory
     from megatron_rl.update import overlong_batch
 
     def traj(n, reason, reward):
@@ -388,7 +388,7 @@ def test_trainer_loss_function_packed_equals_padded_with_entropy_bonus(name):
     from megatron_rl.models.policy import Policy
     from megatron_rl.packing import Layout
     from megatron_rl.rollout.base import Completion
-    from megatron_rl.rollout.functions import single_turn_groups
+    from megatron_rl.rollout.single_turn import single_turn_groups
     from megatron_rl.update import loss_microbatch, make_rl_loss_fn
 
     groups = [[Completion([5, 6, 7], [-0.5, -0.7, -0.1], "stop"), Completion([8], [-0.2], "stop")],

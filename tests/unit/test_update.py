@@ -9,7 +9,7 @@ import megatron_rl.update as update
 from megatron_rl.batch import pack_rollouts
 from megatron_rl.config import TrainConfig
 from megatron_rl.rollout.base import Completion
-from megatron_rl.rollout.functions import single_turn_groups
+from megatron_rl.rollout.single_turn import single_turn_groups
 
 
 def _batch(first="stop"):

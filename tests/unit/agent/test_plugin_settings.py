@@ -28,7 +28,8 @@ from megatron_rl.data.prompts import Codec, PromptRecord
 from megatron_rl.data.records import DataFormatError, TaskExample, write_jsonl
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.base import SamplingParams
-from megatron_rl.rollout.functions import RolloutContext, check_groups, run_rollout, single_turn
+from megatron_rl.rollout.functions import RolloutContext, check_groups, run_rollout
+from megatron_rl.rollout.single_turn import single_turn
 
 HERE = __name__
 BASE = ["--hf-checkpoint", "m", "--train-data", "d.jsonl"]

@@ -48,7 +48,7 @@ def _policy(path):
 def _rollout(policy, seed=1, max_new_tokens=7):
     """(batch, completions) of 2 samples per prompt from the local engine, routes recorded."""
     from megatron_rl.batch import pack_rollouts
-    from megatron_rl.rollout.functions import single_turn_groups
+    from megatron_rl.rollout.single_turn import single_turn_groups
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.local import LocalEngine
 

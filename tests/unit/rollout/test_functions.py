@@ -5,15 +5,14 @@ import pytest
 
 from megatron_rl.agent.settings import AgentConfig
 from megatron_rl.rollout.base import Completion
-from megatron_rl.rollout.functions import (ROLLOUT_FUNCTIONS, check_groups,
-                                           resolve_rollout_function, single_turn,
-                                           single_turn_trajectory)
+from megatron_rl.rollout.functions import ROLLOUT_FUNCTIONS, check_groups, resolve_rollout_function
+from megatron_rl.rollout.single_turn import single_turn, single_turn_trajectory
 
 
 def test_built_in_and_import_path_name_the_same_function():
-    assert ROLLOUT_FUNCTIONS["single-turn"] is single_turn
+    assert ROLLOUT_FUNCTIONS["single-turn"] == "megatron_rl.rollout.single_turn:single_turn"
     assert resolve_rollout_function("single-turn") is single_turn
-    assert resolve_rollout_function("megatron_rl.rollout.functions:single_turn") is single_turn
+    assert resolve_rollout_function("megatron_rl.rollout.single_turn:single_turn") is single_turn
     # an attribute path after the module
     assert (resolve_rollout_function("megatron_rl.agent.settings:AgentConfig.unread_flags")
             is AgentConfig.unread_flags)
