@@ -139,7 +139,7 @@ def test_episode_turns_stay_on_the_server_of_their_group():
     episode's turns all go to the server of its group's first turn (its prompt's KV), the
     groups are spread over both servers, and every keyed call after a group's first turn went
     back to its remembered server."""
-    pool = ServerPool([HoldingEngine(delay=0.05) for _ in range(2)], start=False,
+    pool = ServerPool([HoldingEngine(delay=0.1) for _ in range(2)], start=False,
                       sticky_slack=100)
     run_episodes(pool)
     where = served(pool)
@@ -161,8 +161,8 @@ def test_episode_turns_stay_on_the_server_of_their_group():
 def test_least_loaded_routing_ignores_the_keys_and_gives_the_same_samples():
     """Routing never changes a sample: the same episodes sticky and least-loaded (each request
     keeps its seed)."""
-    sticky = ServerPool([HoldingEngine(delay=0.05) for _ in range(2)], start=False)
-    loaded = ServerPool([HoldingEngine(delay=0.05) for _ in range(2)], start=False,
+    sticky = ServerPool([HoldingEngine(delay=0.1) for _ in range(2)], start=False)
+    loaded = ServerPool([HoldingEngine(delay=0.1) for _ in range(2)], start=False,
                         routing="least-loaded")
     assert run_episodes(sticky) == run_episodes(loaded)
     assert loaded.stats()["rollout/routed_back"] == 0
