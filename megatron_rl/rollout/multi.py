@@ -24,8 +24,10 @@ the call was chunked.
 Routing (`routing`, --rollout-routing). A multi-turn episode sends its whole context again at
 every turn; a server with prefix caching prefills only the new tokens when the context's KV is
 still in its cache, which it is only on the server that served the episode's previous turn.
-"least-loaded" sends every chunk to the server with the fewest requests in flight, so with k
-servers about 1/k of an episode's turns land where its prefix is. "sticky" (the default) sends
+"least-loaded" sends every chunk to the server with the fewest requests in flight, so a turn
+lands where its prefix is by chance (77-79% of the turns on two vLLM CPU servers, where a
+finished request leaves its server the least loaded; benchmarks/RESULTS.md, "Routing
+multi-turn episodes"; less with more servers). "sticky" (the default) sends
 a call that names its episode (SamplingParams.route_keys: the episode, then its group, most
 specific first; the agent loop's concurrent schedule names them, agent/schedule.py) back to the
 server that served the first of its keys the pool remembers, unless that server has more than
