@@ -34,8 +34,12 @@ def import_object(path: str, flag: str, kind: str, built_ins: Iterable[str],
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # the module is the user's: any error in it is a configuration one
+        hint = ""
+        if isinstance(e, ModuleNotFoundError) and e.name == module_name.split(".")[0]:
+            hint = ("; is the directory that holds it on PYTHONPATH? (`megatron-rl` does not "
+                    "search the working directory)")
         raise ValueError(f"{flag}: cannot import module {module_name!r} ({type(e).__name__}: "
-                         f"{e})") from e
+                         f"{e}){hint}") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{flag}: {getattr(obj, '__name__', module_name)!r} has no "

