@@ -189,13 +189,15 @@ OK, ERROR, TIMEOUT = "ok", "env_error", "env_timeout"
 class CallOutcome:
     """One environment call's outcome: status OK with its `value`, ERROR with `error` (the
     exception's type and message) and `where` (the file, line and function it was raised in),
-    or TIMEOUT; `seconds` it took (the limit, for TIMEOUT)."""
+    or TIMEOUT; `seconds` it took (the limit, for TIMEOUT); `call`, which call it was
+    ("make": the factory called with --agent-env-args, "reset", "step", "close")."""
 
     status: str
     value: Any = None
     error: str = ""
     seconds: float = 0.0
     where: str = ""
+    call: str = ""
 
 
 class _Abandoned:
@@ -279,7 +281,8 @@ def failure_text(outcome: CallOutcome, what: str, record: PromptRecord,
     why = (f"did not return within --agent-env-timeout {timeout} s (its thread is abandoned)"
            if outcome.status == TIMEOUT else
            f"raised {outcome.error}" + (f" (at {outcome.where})" if outcome.where else ""))
-    return f"{what} on record {record_identity(record)} {why}"
+    call = "making the environment (its factory with --agent-env-args)" if what == "make" else what
+    return f"{call} on record {record_identity(record)} {why}"
 
 
 def log_failure(outcome: CallOutcome, what: str, record: PromptRecord, environment: str,

@@ -260,7 +260,7 @@ class _Episode:
     turn_rewards: list[float | None] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)
     env_info: dict[str, Any] = field(default_factory=dict)
-    failure: tuple[str, CallOutcome] | None = None  # the failed call ("reset", "step"), its outcome
+    failure: tuple[str, CallOutcome] | None = None  # the failed call ("make", "reset", "step"), its outcome
 
     def count(self, name: str, by: float = 1.0) -> None:
         key = f"agent/{name}"
@@ -400,6 +400,7 @@ class _Environments:
             return [CallOutcome("fatal", error=str(e))]
         for i, o in zip(idx, outcomes):
             assert o is not None
+            o.call = what
             if o.status != OK:
                 log_failure(o, what, self.records[i], self.name, self.timeout)
                 self.failed.add(i)
@@ -414,19 +415,34 @@ class _Environments:
         return out
 
     def reset(self) -> list[CallOutcome]:
-        """Each episode's environment made and reset: OK with the prompt text to use (None:
-        the record's), or the failure."""
-        def make_and_reset(i: int):
-            env = self.factory(**self.config.agent_env_args)  # {} for the built-in tools
-            self.envs[i] = env
-            prompt = resolve(env.reset(self.records[i]), self.loops, i)
+        """Each episode's environment made, then reset: OK with the prompt text to use (None:
+        the record's), or the failure of its "make" or "reset" call (CallOutcome.call)."""
+        def make(i: int) -> None:
+            self.envs[i] = self.factory(**self.config.agent_env_args)  # {} for the built-in tools
+
+        def reset(i: int) -> str | None:
+            prompt = resolve(self.envs[i].reset(self.records[i]), self.loops, i)
             if prompt is not None and not isinstance(prompt, str):
                 raise TypeError(f"reset returned a {type(prompt).__name__}, not a str or None")
             return prompt
 
-        idx = list(range(len(self.records)))
-        return self._everywhere(lambda: self._run(
-            idx, [functools.partial(make_and_reset, i) for i in idx], "reset"))
+        def fatal(outcomes: list[CallOutcome]) -> bool:
+            return len(outcomes) == 1 and outcomes[0].status == "fatal"
+
+        def make_and_reset() -> list[CallOutcome]:
+            idx = list(range(len(self.records)))
+            outcomes = self._run(idx, [functools.partial(make, i) for i in idx], "make")
+            if fatal(outcomes):
+                return outcomes
+            made = [i for i, o in zip(idx, outcomes) if o.status == OK]
+            resets = self._run(made, [functools.partial(reset, i) for i in made], "reset")
+            if fatal(resets):
+                return resets
+            for i, o in zip(made, resets):
+                outcomes[i] = o
+            return outcomes
+
+        return self._everywhere(make_and_reset)
 
     def step(self, idx: list[int], texts: list[str]) -> list[CallOutcome]:
         """The environments of episodes `idx` stepped on their policy turns `texts`: OK with a
@@ -479,7 +495,7 @@ def _start(ctx: RolloutContext, records: Sequence[PromptRecord], resets: list[Ca
         e = _Episode(list(record_ids[i // ctx.group_size]) if prompt is None
                      else ctx.codec.encode(prompt))
         if o.status != OK:
-            e.fail(o.status, "reset", o)
+            e.fail(o.status, o.call or "reset", o)
         episodes.append(e)
     return episodes
 

@@ -74,6 +74,34 @@ def test_below_the_share_failed_episodes_are_their_own(tokenizer, scorer, caplog
             _run(tokenizer, scorer, lambda _, __: "1<eos>", batch, config)
 
 
+class Picky:
+    """An environment whose constructor refuses its settings (--agent-env-args)."""
+
+    def __init__(self, board: str = "go"):
+        if board not in ("go", "chess"):
+            raise ValueError(f"no board {board!r}")
+
+    def reset(self, record):
+        return None
+
+    def step(self, turn):
+        return StepResult(reward=1.0, done=True)
+
+
+def test_an_environment_that_cannot_be_made_is_named_as_such(tokenizer, scorer):
+    config = AgentConfig(agent_environment=f"{HERE}:Picky", agent_env_args={"board": "shogi"})
+    with pytest.raises(EnvironmentFailed) as info:
+        _run(tokenizer, scorer, lambda _, __: "1<eos>", _records(2), config)
+    message = str(info.value)
+    assert ("the first: making the environment (its factory with --agent-env-args) on record "
+            "games:0 (source=games.jsonl, row=0) raised ValueError: no board 'shogi' (at ") in message
+    assert "in __init__" in message
+    # made with settings it takes, the same environment plays
+    config = AgentConfig(agent_environment=f"{HERE}:Picky", agent_env_args={"board": "chess"})
+    groups, _, _ = _run(tokenizer, scorer, lambda _, __: "1<eos>", _records(2), config)
+    assert [t.reward for g in groups for t in g] == [1.0] * 4
+
+
 closed: list[str] = []
 
 
