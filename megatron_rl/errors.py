@@ -17,6 +17,7 @@ a bug or a failure of the machine and keeps its traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -25,6 +26,10 @@ EXIT_USAGE = 2
 
 EXIT_FAILURE = 1
 """Exit status of a command stopped by a RunError."""
+
+EXIT_PIPE = 141
+"""Exit status of a command whose output's reader went away (128 + SIGPIPE, as the shell
+reports a tool that SIGPIPE killed)."""
 
 
 class UserError(ValueError):
@@ -46,9 +51,15 @@ def run_command(command: str, main: Callable[[list[str]], object], argv: list[st
     """Run a command's `main(argv)` as a process does: its exit status (0 where main returns
     None), or, after printing `<command>: error: <message>` to stderr (no traceback),
     EXIT_USAGE for a UserError and EXIT_FAILURE for a RunError. A SystemExit from main
-    (argparse's, a resumable stop's) passes through."""
+    (argparse's, a resumable stop's) passes through. Output cut short by its reader (`|
+    head`) ends the command quietly with EXIT_PIPE, as a shell tool killed by SIGPIPE."""
     try:
         return int(main(argv) or 0)  # type: ignore[call-overload]
+    except BrokenPipeError:
+        # nothing more can reach stdout: point it at /dev/null so that the interpreter's own
+        # flush at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
     except UserError as e:
         print(f"{command}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE

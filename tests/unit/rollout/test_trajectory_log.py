@@ -194,3 +194,20 @@ def test_megatron_rl_rollouts_is_a_registered_command(codec, tmp_path):
     out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "rollouts", path],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.startswith("step 2 (train)") and "=== 2. environment (10 tokens) ===" in out
+
+
+def test_a_listing_cut_short_by_its_reader_ends_quietly(codec, tmp_path):
+    """`megatron-rl rollouts RUN --list | head -1`: the reader goes away after one line; the
+    command ends with the status a tool SIGPIPE killed gets (141), no traceback."""
+    save = str(tmp_path / "run")
+    groups = [[_episode(codec, ["3"], reward=0.0, finish="length") for _ in range(4)]
+              for _ in range(1000)]  # ~90 kB of listing: more than a pipe holds
+    tl.write_rollouts(_log(codec, save), 1, "train", [_record(i) for i in range(1000)], groups)
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "rollouts", save, "--list"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"/")  # the file's line
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
