@@ -165,7 +165,7 @@ def main() -> int:
     from megatron_rl.rewards import RewardScorer
     from megatron_rl.rollout.multi import ServerPool
     from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
-    from megatron_rl.runtime import Codec
+    from megatron_rl.data.prompts import Codec
 
     work = tempfile.mkdtemp(prefix="bench_routing_")
     length = a.prompt_tokens + (a.tool_output_tokens + 100) * a.turns
