@@ -133,6 +133,10 @@ class Completion:
     rollout_logprobs: log pi_rollout(token_t | prefix) of each sampled token, length T, as the
         engine computed them (under its own numerics and sampling temperature).
     finish_reason: "stop" (a stop token, included in token_ids) or "length".
+    token_versions: the weight version that generated each token, length T, where an engine
+        interrupted the response at a weight update and continued it under the new weights
+        (--partial-rollouts); None: every token from the weights the engine served when the
+        call began.
     routed_experts: with SamplingParams.return_routed_experts, the experts the engine's
         mixture-of-experts layers chose for every token it forwarded: [P + T - 1, M, k] integer
         (P prompt tokens, M MoE layers, k experts per token; see megatron_rl.models.routing).
@@ -142,6 +146,22 @@ class Completion:
     rollout_logprobs: list[float]
     finish_reason: str
     routed_experts: torch.Tensor | None = None
+    token_versions: list[int] | None = None
+
+
+RESUME_SEED_STRIDE = 7_919_009  # seed step of a continuation per weight version (a prime)
+
+
+def resume_seed(seed: int | None, version: int) -> int | None:
+    """The sampling seed of the continuation, under weight version `version`, of responses a
+    generate call seeded `seed` had begun and a weight update interrupted (--partial-rollouts):
+
+        resume_seed(seed, v) = (seed + 7_919_009 * v) mod 2^31      (None stays None)
+
+    A function of the call's seed and the version alone, so an interrupted run draws the same
+    continuation for the same (seed, prefixes, weights); each version of a call draws its own
+    noise (a call is interrupted at most once per version: versions only grow)."""
+    return None if seed is None else (seed + RESUME_SEED_STRIDE * version) % 2 ** 31
 
 
 class RolloutEngine(Protocol):

@@ -33,7 +33,7 @@ stopped keeps stepping until every rank's have.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import os
 
@@ -130,9 +130,13 @@ class LocalEngine:
                            dtype=torch.int16, device=dev)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], n: int,
-                 params: SamplingParams) -> list[list[Completion]]:
-        """`n` samples for each prompt (token ids). Collective over the model-parallel group."""
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
+                 interrupt: Callable[[], bool] | None = None) -> list[list[Completion]]:
+        """`n` samples for each prompt (token ids). Collective over the model-parallel group.
+
+        interrupt: asked after every decoding step (the process engine's child: whether a
+        weight update waits, --partial-rollouts); when it answers True the call returns at once,
+        each response that had not ended with what it has so far and finish_reason "abort"."""
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
@@ -173,6 +177,7 @@ class LocalEngine:
             routes = self._routes_buffer(B, max_len, dev)
         lockstep = self.policy.ep_size > 1 and dist.is_initialized()
         allowed = valid  # set at t == 0 (the whole prefix), then per step
+        aborted = False
         for t in range(params.max_new_tokens):
             s = P + t
             v = valid[:, :s]
@@ -219,15 +224,19 @@ class LocalEngine:
                 dist.all_reduce(done, op=dist.ReduceOp.MIN)
             if bool(done):  # the one host sync per decoding step
                 break
+            if interrupt is not None and t + 1 < params.max_new_tokens and interrupt():
+                aborted = True
+                break
         tokens, new_logprobs = tokens[:, P:].cpu(), new_logprobs.cpu()
         routes = None if routes is None else routes.cpu()
         lengths, hit_stop = lengths.cpu(), hit_stop.cpu()
+        open_rows = (~finished).cpu() if aborted else torch.zeros(B, dtype=torch.bool)
         out: list[list[Completion]] = []
         for i in range(B):
             n_i = int(lengths[i])
+            reason = "stop" if bool(hit_stop[i]) else "abort" if bool(open_rows[i]) else "length"
             c = Completion(token_ids=tokens[i, :n_i].tolist(),
-                           rollout_logprobs=new_logprobs[i, :n_i].tolist(),
-                           finish_reason="stop" if bool(hit_stop[i]) else "length")
+                           rollout_logprobs=new_logprobs[i, :n_i].tolist(), finish_reason=reason)
             if routes is not None:  # prompt + response, less the last token (never fed in)
                 c.routed_experts = routes[i, P - len(seqs[i]):P + n_i - 1]
             if i % n == 0:

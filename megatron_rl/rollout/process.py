@@ -10,7 +10,7 @@ under --async-level >= 1 in a background thread while the trainer trains).
 
 Requests go over a pipe and are served one at a time, so weights change only between requests:
 
-    ("generate", prompts, n, SamplingParams)  -> ("ok", completions)
+    ("generate", prompts, n, SamplingParams)  -> ("ok", (completions, weight version, seconds))
     ("bucket", path, meta)                    -> ("ok", None)      --weight-sync tensor
     ("commit", version)                       -> ("ok", version)   load what the buckets held
     ("load_dir", path, version)               -> ("ok", version)   --weight-sync disk
@@ -23,6 +23,20 @@ bucket by bucket (--weight-sync-bucket-mb); the child stages views of each bucke
 whole state when the last one has arrived. `disk` writes a versioned HF directory that the child
 reloads.
 
+Partial rollouts (`partial_rollouts`, --partial-rollouts): a weight update does not wait for the
+generation in flight. `update_weights` sets an abort flag (a multiprocessing Event) that the child
+reads after every decoding step; the child answers the generate request at once, each response
+that had not ended with its tokens and log-probs so far (finish_reason "abort"), and then serves
+the update. `generate` waits for the new weights to be loaded and continues each unfinished
+response from its token ids: prompt + tokens so far as the prompt, the remaining budget of
+--max-new-tokens, sampled with `base.resume_seed(seed, version)`. Nothing of the KV cache is kept
+across the update: the continuation prefills the whole prefix under the new weights. The
+response's tokens, log-probs (each under the weights that sampled it: the engine's own mu of
+that version) and `Completion.token_versions` (the version of each token) are the
+concatenation of the segments, so the call still returns complete responses. The child tells
+its weight version with each answer; a continuation may be interrupted again by the next
+update.
+
 Samples are a function of (seed, prompts, weights) alone: the child samples the whole batch
 with the request's seed, so the batch does not depend on the trainer's layout (TP, PP, DP).
 A child that dies is reported with its exit code; it is not restarted (resume the run from its
@@ -31,19 +45,21 @@ last checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
 import threading
 import time
 import traceback
-from typing import ClassVar, Sequence
+from typing import ClassVar, Iterator, Sequence
 
 import torch
 
 from megatron_rl.parallel import deterministic_env, dist_rank, run_on_rank
 from megatron_rl.processes import set_parent_death_signal, skip_exit_collection
-from megatron_rl.rollout.base import Completion, EngineConfig, SamplingParams, ServerError
+from megatron_rl.rollout.base import (Completion, EngineConfig, SamplingParams, ServerError,
+                                      resume_seed)
 from megatron_rl.rollout.child_env import inference_env
 from megatron_rl.rollout.shm_weights import read_bucket
 from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
@@ -59,6 +75,8 @@ class ProcessConfig(EngineConfig):
     gpu: the CUDA device index the child generates on (None: the trainer's current device);
         ignored without CUDA.
     deterministic: --deterministic-mode in the child too.
+    partial_rollouts: a weight update interrupts the generation in flight, which continues
+        under the new weights (--partial-rollouts; module docstring).
     """
 
     SYNCS: ClassVar[tuple[str, ...]] = ("tensor", "disk")
@@ -70,6 +88,7 @@ class ProcessConfig(EngineConfig):
     cores: tuple[int, ...] = ()
     gpu: int | None = None
     deterministic: bool = False
+    partial_rollouts: bool = False
 
 
 class ProcessEngine:
@@ -88,6 +107,11 @@ class ProcessEngine:
         self.num_generate_calls = 0
         self._lock = threading.Lock()
         self._conn = self._proc = None
+        self._abort = None  # --partial-rollouts: the child's abort flag (rank 0)
+        self._loaded = threading.Event()  # set while no weight update is under way
+        self._loaded.set()
+        self.num_interrupted = 0  # responses a weight update interrupted, over the run
+        self.generate_seconds = 0.0  # the child's time generating, over the run
         self.sync = WeightSync(config.sync, config.work_dir, dtype=config.dtype,
                                bucket_bytes=config.bucket_bytes, shared_memory=True)
         self.last_sync_seconds = self.sync.last_seconds
@@ -112,10 +136,11 @@ class ProcessEngine:
 
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited process groups
         self._conn, child = ctx.Pipe()
+        self._abort = ctx.Event() if self.config.partial_rollouts else None
         config = self.config
         if config.gpu is None and torch.cuda.is_available():  # beside this rank, on its GPU
             config = dataclasses.replace(config, gpu=torch.cuda.current_device())
-        self._proc = ctx.Process(target=_serve, args=(child, config), daemon=True,
+        self._proc = ctx.Process(target=_serve, args=(child, config, self._abort), daemon=True,
                                  name="megatron-rl-rollout")
         self._proc.start()
         child.close()
@@ -167,18 +192,81 @@ class ProcessEngine:
         if not prompts:
             return []
         prompts = [[int(t) for t in p] for p in prompts]
-        out = self._call(("generate", prompts, n, params), self.config.request_timeout,
-                         f"generate {len(prompts)} prompts x {n}")
+        if self._abort is not None:
+            self._loaded.wait()  # an update under way: its weights first
+        out, version, seconds = self._call(("generate", prompts, n, params),
+                                           self.config.request_timeout,
+                                           f"generate {len(prompts)} prompts x {n}")
+        self.generate_seconds += seconds
         self.num_generate_calls += 1
         if len(out) != len(prompts) or any(len(g) != n for g in out):
             raise ServerError(f"rollout process returned {[len(g) for g in out]} completions "
                               f"for {len(prompts)} prompts x n={n}")
+        if self._abort is not None:
+            self._continue_interrupted(prompts, [c for g in out for c in g], n, params, version)
         return out
 
+    def _continue_interrupted(self, prompts: list[list[int]], flat: list[Completion], n: int,
+                              params: SamplingParams, version: int) -> None:
+        """--partial-rollouts: complete, in place, each of `flat` (prompt i // n's completion i,
+        generated under `version`) that a weight update interrupted (finish_reason "abort"),
+        under the weights loaded after it (module docstring); record every token's version."""
+        for c in flat:
+            c.token_versions = [version] * len(c.token_ids)
+        while True:
+            # responses interrupted after the same number of tokens go on in one request
+            by_length: dict[int, list[int]] = {}
+            for i, c in enumerate(flat):
+                if c.finish_reason == "abort":
+                    by_length.setdefault(len(c.token_ids), []).append(i)
+            if not by_length:
+                return
+            self._loaded.wait()  # the update that interrupted them has loaded its weights
+            for done, rows in sorted(by_length.items()):
+                self.num_interrupted += len(rows)
+                cont = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done,
+                                           seed=resume_seed(params.seed, self.weight_version))
+                ask = [prompts[i // n] + flat[i].token_ids for i in rows]
+                got, v, seconds = self._call(("generate", ask, 1, cont),
+                                             self.config.request_timeout,
+                                             f"continue {len(rows)} interrupted responses")
+                self.generate_seconds += seconds
+                for i, p, (c,) in zip(rows, ask, got):
+                    old = flat[i]
+                    old.token_ids = old.token_ids + c.token_ids
+                    old.rollout_logprobs = old.rollout_logprobs + c.rollout_logprobs
+                    old.token_versions = (old.token_versions or []) + [v] * len(c.token_ids)
+                    old.finish_reason = c.finish_reason
+                    if old.routed_experts is not None and c.routed_experts is not None:
+                        # each position routed once, when fed in: the prefix's last token is
+                        # first fed in by the continuation
+                        old.routed_experts = torch.cat(
+                            [old.routed_experts, c.routed_experts[len(p) - 1:]])
+
     def update_weights(self, version: int) -> None:
-        """Collective over all training ranks: gather the policy to rank 0, hand it over."""
-        sync_engine(self.sync, self.policy, self, version)
-        self.weight_version = version
+        """Collective over all training ranks: gather the policy to rank 0, hand it over. With
+        --partial-rollouts the generation in flight is interrupted first (module docstring)."""
+        with self.weight_update(version):
+            sync_engine(self.sync, self.policy, self, version)
+
+    @contextlib.contextmanager
+    def weight_update(self, version: int) -> Iterator[None]:
+        """The block loads weights `version` into the child (update_weights; a test may call a
+        loader itself), after which the engine serves `version`. With --partial-rollouts a
+        generate call in flight is interrupted as the block begins and continues, under the
+        new weights, once it has ended."""
+        if self._abort is None:
+            yield
+            self.weight_version = version
+            return
+        self._loaded.clear()
+        self._abort.set()  # the child answers the generate request in flight at its next step
+        try:
+            yield
+            self.weight_version = version
+        finally:
+            self._abort.clear()
+            self._loaded.set()
 
     def load_weights_from_path(self, path: str, version: int) -> None:
         """The child reloads the HF directory `path` (--weight-sync disk)."""
@@ -202,10 +290,15 @@ class ProcessEngine:
                               f"loading version {version}")
 
     def stats(self) -> dict[str, float]:
-        """Metrics for the trainer's log (rank 0): generate requests so far (one per batch) and
-        the last weight sync's size."""
-        return {"rollout/generate_calls": float(self.num_generate_calls),
-                "rollout/weight_sync_mb": self.sync.last_bytes / 2 ** 20}
+        """Metrics for the trainer's log (rank 0): generate requests so far (one per batch), the
+        child's seconds generating so far (its idle time: the wall time less these), the last
+        weight sync's size, and with --partial-rollouts the responses interrupted so far."""
+        out = {"rollout/generate_calls": float(self.num_generate_calls),
+               "rollout/generate_seconds": self.generate_seconds,
+               "rollout/weight_sync_mb": self.sync.last_bytes / 2 ** 20}
+        if self._abort is not None:
+            out["rollout/interrupted_responses"] = float(self.num_interrupted)
+        return out
 
     def release_memory(self) -> None:
         pass  # the child keeps its weights (on CPU cores of its own, or beside the trainer)
@@ -235,8 +328,9 @@ class ProcessEngine:
         self.sync.close()
 
 
-def _serve(conn, config: ProcessConfig) -> None:
-    """The child's main: build the TP1 policy, answer requests until ("stop",)."""
+def _serve(conn, config: ProcessConfig, abort=None) -> None:
+    """The child's main: build the TP1 policy, answer requests until ("stop",). `abort`: the
+    flag a weight update sets to interrupt a generation (--partial-rollouts)."""
     # it dies with the trainer (SIGKILL included), and leaves Ctrl-C and a scheduler's SIGTERM
     # (sent to every process of a job) to it: the trainer finishes the step in flight, which
     # may be generating here, before it stops this child
@@ -250,7 +344,9 @@ def _serve(conn, config: ProcessConfig) -> None:
         del os.environ[k]
     if config.gpu is not None:  # init_distributed takes the process's GPU from LOCAL_RANK
         os.environ["LOCAL_RANK"] = str(config.gpu)
+    version = 0  # the weights' version, told with each generate answer
     try:
+        version = read_version(config.hf_checkpoint) or 0
         if config.cores:
             os.sched_setaffinity(0, set(config.cores))
             torch.set_num_threads(len(config.cores))
@@ -283,7 +379,10 @@ def _serve(conn, config: ProcessConfig) -> None:
             return
         try:
             if op == "generate":
-                result = engine.generate(*msg[1:])
+                interrupt = abort.is_set if abort is not None else None
+                t0 = time.perf_counter()
+                out = engine.generate(*msg[1:], interrupt=interrupt)
+                result = (out, version, time.perf_counter() - t0)
             elif op == "bucket":
                 staged.update(read_bucket(msg[1], msg[2]))  # views, loaded at "commit"
                 result = None
@@ -291,10 +390,10 @@ def _serve(conn, config: ProcessConfig) -> None:
                 full = hf_mapping.hf_to_megatron(staged, args, source="shared-memory weights")
                 policy.load_full_state_dict(full, source="shared-memory weights")
                 staged = {}
-                result = msg[1]
+                result = version = msg[1]
             elif op == "load_dir":
                 policy.load_hf(msg[1])
-                result = msg[2]
+                result = version = msg[2]
             else:
                 raise ValueError(f"unknown request {op!r}")
             conn.send(("ok", result))
