@@ -55,6 +55,9 @@ class Trajectory:
     turn_ends: with turn_rewards, where each policy turn ends in response_ids (one past its
         last token), in order: --turn-credit to-go credits a token with the rewards of its turn
         and the later ones (None: every turn reward at the last token, as the sum rule).
+    token_versions: T values, the weight version that sampled each token where the mask is 1
+        (Completion.token_versions, --partial-rollouts: rollout/versions.py); None: all of the
+        weights the rollout began with.
     """
 
     prompt_ids: list[int]
@@ -68,6 +71,7 @@ class Trajectory:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     turn_rewards: list[float] | None = None
     turn_ends: list[int] | None = None
+    token_versions: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:

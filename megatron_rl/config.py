@@ -191,6 +191,19 @@ class RolloutConfig:
         "memory while the trainer trains (weights to host memory, KV cache dropped: vLLM's "
         "sleep mode, SGLang's release_memory_occupation) and takes it back before the weight "
         "sync"))
+    partial_rollouts: bool = _opt(False, help=(
+        "--async-level >= 1, process engine: a weight update does not wait for the generation "
+        "in flight: it is interrupted, the new weights are loaded, and each unfinished response "
+        "continues from its token ids under them (a fresh prefill, no KV cache kept across the "
+        "update); each token keeps the engine's log-prob and weight version that sampled it "
+        "(logged: rollout/versions_per_sample, rollout/token_version_lag; docs/rollout.md "
+        "\"Partial rollouts\")"))
+    max_token_staleness: int | None = _opt(None, min=1, help=(
+        "--partial-rollouts: a sample with a token sampled more than this many weight updates "
+        "before the policy it trains (the step's) is masked out of the update and left out of "
+        "its group's baseline, and counted (rollout/stale_dropped); unset: no limit. The lag "
+        "is at most --async-level, so a limit below it drops the samples begun under the "
+        "oldest weights (a batch with none left trains on nothing: its update is skipped)"))
     temperature: float = _opt(1.0, min=0, help=(
         "sampling temperature of the rollouts and of evaluation, >= 0 (0: greedy)"))
     top_p: float = _opt(1.0, help=(
@@ -549,6 +562,7 @@ class TrainConfig:
                                  "--pipeline-model-parallel-size 1 (it generates in the "
                                  "trainer's layout, where each stage records only its own "
                                  f"layers); use --rollout-engine {pipelined}")
+        self._check_partial_rollouts()
         if self.rollout.rollout_release_memory:
             if self.algorithm.async_level:
                 raise ValueError("--rollout-release-memory needs --async-level 0: under async "
@@ -556,6 +570,33 @@ class TrainConfig:
             if not use_cuda():
                 raise ValueError("--rollout-release-memory frees GPU memory (vLLM sleep mode, "
                                  "SGLang release_memory_occupation): it needs GPUs")
+
+    def _check_partial_rollouts(self) -> None:
+        """--partial-rollouts and --max-token-staleness against the engine and the loop."""
+        r = self.rollout
+        if r.max_token_staleness is not None and not r.partial_rollouts:
+            raise ValueError("--max-token-staleness limits the versions of a partial rollout's "
+                             "tokens: it needs --partial-rollouts")
+        if not r.partial_rollouts:
+            return
+        spec = ENGINES[r.rollout_engine]
+        if not spec.partial_rollouts:
+            able = ", ".join(n for n, e in ENGINES.items() if e.partial_rollouts)
+            raise ValueError(f"--partial-rollouts with --rollout-engine {r.rollout_engine}: "
+                             f"{spec.no_partial_rollouts}; use --rollout-engine {able}")
+        if self.algorithm.async_level < 1:
+            raise ValueError("--partial-rollouts interrupts a generation running in the "
+                             "background at a weight update: it needs --async-level >= 1")
+        if r.rollout_function != "single-turn":
+            raise ValueError(f"--partial-rollouts with --rollout-function {r.rollout_function}: "
+                             "the weight version of each token reaches the trajectories of "
+                             "single-turn only")
+        if not self.use_rollout_logprobs() and not self.loss.rollout_correction.enabled:
+            raise ValueError("--partial-rollouts: a sample's tokens come from several weight "
+                             "versions, and the behaviour log-probs must be each token's own "
+                             "engine log-prob (--old-logprobs auto or rollout), or a "
+                             "--rollout-correction must weigh them against the recompute "
+                             "(docs/results.md \"Mixed versions\")")
 
     def check_layout(self, dp_size: int) -> None:
         """Raise ConfigError where the batch does not split over `dp_size` data-parallel ranks

@@ -63,6 +63,7 @@ from megatron_rl.rollout.base import on_client
 from megatron_rl.rollout.functions import RolloutContext, run_rollout, trajectory_counts
 from megatron_rl.rollout.threads import BackgroundThreads
 from megatron_rl.rollout.trajectory_log import write_rollouts
+from megatron_rl.rollout.versions import drop_stale, version_metrics
 from megatron_rl.update import behaviour_logprobs
 
 if TYPE_CHECKING:
@@ -80,8 +81,9 @@ class BatchSettings:
     own generating in the background: TrainConfig.overlaps_rollout), sequence_packing (the
     groups dealt by token count), ppo_minibatches, rollout_function (--rollout-function) and
     what it reads (rollout_function_args, agent: RolloutContext's args and agent),
-    release_memory (--rollout-release-memory) and dynamic (the rule of --dynamic-sampling's
-    rounds; None without it)."""
+    release_memory (--rollout-release-memory), dynamic (the rule of --dynamic-sampling's
+    rounds; None without it), partial_rollouts (--partial-rollouts: a weight update does not
+    wait for the generations in flight) and max_token_staleness."""
     seed: int
     train_iters: int
     num_prompts_per_step: int
@@ -95,6 +97,8 @@ class BatchSettings:
     agent: AgentConfig
     release_memory: bool
     dynamic: DynamicSampling | None
+    partial_rollouts: bool = False
+    max_token_staleness: int | None = None
 
     @classmethod
     def of(cls, cfg: TrainConfig, dp_size: int, client_rank: int | None) -> BatchSettings:
@@ -111,7 +115,8 @@ class BatchSettings:
                    algo.async_level, cfg.overlaps_rollout(), algo.sequence_packing,
                    algo.ppo_minibatches, cfg.rollout.rollout_function,
                    cfg.rollout.rollout_function_args, cfg.agent,
-                   cfg.rollout.rollout_release_memory, dynamic)
+                   cfg.rollout.rollout_release_memory, dynamic, cfg.rollout.partial_rollouts,
+                   cfg.rollout.max_token_staleness)
 
 
 def batch_settings(run: Run) -> BatchSettings:
@@ -215,8 +220,9 @@ class RolloutQueue:
     def finish_generations(self) -> None:
         """Wait, on every rank, until the background generations started ahead are done (the
         client's; the other ranks wait outside the collectives): before the weights change, so
-        that each request is served by one weight version. A failed one raises."""
-        if self.threads is None or not self.pending:
+        that each request is served by one weight version. A failed one raises. Under
+        --partial-rollouts nothing waits: the update interrupts them (rollout/process.py)."""
+        if self.threads is None or not self.pending or self.settings.partial_rollouts:
             return
         steps = ", ".join(str(r.step) for r in self.pending)
         on_client(self.run.engine, self._wait_pending,
@@ -399,6 +405,9 @@ def _build_batch(run: Run, s: BatchSettings, r: Rollout) -> tuple[RolloutBatch, 
             write_rollouts(run.rollout_log(), r.step + 1, "train", records, out,
                            writer=engine.client_rank or 0)
         groups = _my_groups(run, s, out)
+    versions = None
+    if s.partial_rollouts:  # each token's weight version; the samples too stale masked out
+        versions = drop_stale(groups, r.step, r.version, s.max_token_staleness)
     # the one host -> device boundary: from here on the batch lives where the model does
     batch = pack_rollouts(groups, run.codec.pad_id).to(device())
     metrics = global_metrics.count_metrics(_reward_errors(groups), "reward_errors/",
@@ -407,6 +416,9 @@ def _build_batch(run: Run, s: BatchSettings, r: Rollout) -> tuple[RolloutBatch, 
                                           data_parallel_group())
     metrics.update({k: v / metrics["reward_errors/total"] for k, v in counts.items()})
     metrics.update(engine_stats)
+    if versions is not None:
+        metrics.update(version_metrics(global_metrics.count_metrics(
+            versions, "", data_parallel_group())))
     if sampled is not None:
         metrics.update(sampled.stats)
         if sampled.shortfall and dist_rank() == 0:

@@ -33,6 +33,8 @@ class EngineSpec:
         (SamplingParams.return_routed_experts, for --routing-replay).
     routed_experts_pipelined: it returns them also when the trainer is pipeline-parallel (an
         engine that generates in the trainer's layout sees, on each stage, only its own layers).
+    no_partial_rollouts: why it cannot interrupt a generation at a weight update and continue
+        it under the new weights (--partial-rollouts); "" where it can.
     """
 
     name: str
@@ -43,22 +45,34 @@ class EngineSpec:
     trainer_numerics: bool
     routed_experts: bool
     routed_experts_pipelined: bool
+    no_partial_rollouts: str = ""
 
+    @property
+    def partial_rollouts(self) -> bool:
+        """It takes --partial-rollouts."""
+        return not self.no_partial_rollouts
+
+
+_SERVER_NO_PARTIAL = ("its requests are not interrupted at a weight update yet (vLLM 0.32 has "
+                      "POST /pause?mode=abort|keep, keep holding the KV cache across the update; "
+                      "the server engines do not drive it)")
 
 ENGINES: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("local", holds_own_weights=False, weight_syncs=("auto",), servers=False,
                release_memory=False, trainer_numerics=True, routed_experts=True,
-               routed_experts_pipelined=False),
+               routed_experts_pipelined=False,
+               no_partial_rollouts="it generates with the trainer's own weights, between "
+               "updates"),
     EngineSpec("process", holds_own_weights=True, weight_syncs=("auto", "disk", "tensor"),
                servers=False, release_memory=False, trainer_numerics=True, routed_experts=True,
                routed_experts_pipelined=True),
     EngineSpec("vllm", holds_own_weights=True, weight_syncs=("auto", "disk", "tensor"),
                servers=True, release_memory=True, trainer_numerics=False, routed_experts=False,
-               routed_experts_pipelined=False),
+               routed_experts_pipelined=False, no_partial_rollouts=_SERVER_NO_PARTIAL),
     EngineSpec("sglang", holds_own_weights=True,
                weight_syncs=("auto", "disk", "tensor", "distributed"), servers=True,
                release_memory=True, trainer_numerics=False, routed_experts=True,
-               routed_experts_pipelined=True),
+               routed_experts_pipelined=True, no_partial_rollouts=_SERVER_NO_PARTIAL),
 )}
 
 
@@ -85,7 +99,8 @@ def build_engine(cfg, policy, pad_id: int, longest_prompt: Callable[[], int]):
             pad_token_id=pad_id, cores=tuple(r.rollout_process_cores),
             gpu=r.rollout_process_gpu,
             sync="tensor" if r.weight_sync == "auto" else r.weight_sync,
-            bucket_bytes=r.weight_sync_bucket_mb << 20, deterministic=cfg.deterministic_mode),
+            bucket_bytes=r.weight_sync_bucket_mb << 20, deterministic=cfg.deterministic_mode,
+            partial_rollouts=r.partial_rollouts),
             policy=policy)
     cuda = use_cuda()
     longest = gpu_bytes = None

@@ -39,7 +39,7 @@ def single_turn_trajectory(prompt_ids: list[int], completion: Completion, reward
     """The trajectory of one engine completion of `prompt_ids`: all of it the policy's."""
     return Trajectory(prompt_ids, completion.token_ids, [1] * len(completion.token_ids),
                       completion.rollout_logprobs, completion.finish_reason, reward, reward_error,
-                      completion.routed_experts)
+                      completion.routed_experts, token_versions=completion.token_versions)
 
 
 def single_turn_groups(prompt_ids: Sequence[list[int]], groups: Sequence[Sequence[Completion]],
