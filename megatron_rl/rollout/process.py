@@ -110,7 +110,7 @@ class ProcessEngine:
         self._abort = None  # --partial-rollouts: the child's abort flag (rank 0)
         self._loaded = threading.Event()  # set while no weight update is under way
         self._loaded.set()
-        self.num_interrupted = 0  # responses a weight update interrupted, over the run
+        self.num_interrupted = 0  # interruptions of a response by a weight update, over the run
         self.generate_seconds = 0.0  # the child's time generating, over the run
         self.sync = WeightSync(config.sync, config.work_dir, dtype=config.dtype,
                                bucket_bytes=config.bucket_bytes, shared_memory=True)
@@ -221,8 +221,8 @@ class ProcessEngine:
                     by_length.setdefault(len(c.token_ids), []).append(i)
             if not by_length:
                 return
-            self._loaded.wait()  # the update that interrupted them has loaded its weights
             for done, rows in sorted(by_length.items()):
+                self._loaded.wait()  # the update that interrupted them has loaded its weights
                 self.num_interrupted += len(rows)
                 cont = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done,
                                            seed=resume_seed(params.seed, self.weight_version))
@@ -292,7 +292,8 @@ class ProcessEngine:
     def stats(self) -> dict[str, float]:
         """Metrics for the trainer's log (rank 0): generate requests so far (one per batch), the
         child's seconds generating so far (its idle time: the wall time less these), the last
-        weight sync's size, and with --partial-rollouts the responses interrupted so far."""
+        weight sync's size, and with --partial-rollouts the responses interrupted so far (one
+        interrupted by two updates counts twice)."""
         out = {"rollout/generate_calls": float(self.num_generate_calls),
                "rollout/generate_seconds": self.generate_seconds,
                "rollout/weight_sync_mb": self.sync.last_bytes / 2 ** 20}
