@@ -66,6 +66,9 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
     the reference's log-probs for the KL. Adds the step's loss and KL metrics to `metrics`.
     Returns False when an update was skipped (a non-finite loss or gradient)."""
     algo, loss_cfg = cfg.algorithm, cfg.loss
+    # the advantages see every row's policy tokens: a response --overlong-filtering takes out of
+    # the loss keeps its return, KL included, in its group's baseline (per sequence and per token)
+    sampled_mask = batch.loss_mask
     if loss_cfg.overlong_filtering or loss_cfg.overlong_buffer_len:
         batch = overlong_batch(batch, cfg, metrics)
     # the reference is scored even with --kl-placement none: its KL is always logged
@@ -78,7 +81,7 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
                                                         data_parallel_group())
     else:
         ref_lp = reference.token_logprobs(batch.tokens, lay, seq_lengths=batch.seq_lengths)
-    advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, batch.loss_mask,
+    advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, sampled_mask,
                                   loss_cfg, batch.group_size, token_kl=exact_kl,
                                   in_baseline=batch.in_baseline,
                                   token_rewards=batch.token_rewards)

@@ -56,3 +56,42 @@ def test_seq_mean_normalizer_counts_only_sequences_with_loss_tokens(aggregation,
         token_logprobs=lambda tokens, lay, seq_lengths=None: torch.zeros(batch.loss_mask.shape))
     assert update.train_on_batch(policy, reference, cfg, batch, {})
     assert seen == expected
+
+
+def test_a_filtered_response_stays_in_its_groups_baseline_per_token_too(monkeypatch):
+    """--overlong-filtering takes a truncated response out of the loss, not out of its group's
+    baseline: with per-token advantages (--turn-credit to-go; single-turn rows have no turn
+    rewards, so each token's return is the sequence's) every loss token gets the advantage the
+    per-sequence path gives its row."""
+    seen = {}
+    real = update.build_advantages
+
+    def record(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen[args[4].turn_credit] = out
+        return out
+
+    monkeypatch.setattr(update, "build_advantages", record)
+    monkeypatch.setattr(update, "make_rl_loss_fn", lambda *a, **k: None)
+    result = {"loss": torch.zeros(()), "num_tokens": torch.ones(())}
+    for turn_credit in ("sum", "to-go"):
+        cfg = TrainConfig()
+        cfg.algorithm.loss.overlong_filtering = True
+        cfg.algorithm.loss.turn_credit = turn_credit
+        cfg.rollout.max_new_tokens = 4
+        batch = _batch()
+        policy = types.SimpleNamespace(
+            pad_multiple=1, pp_size=1, lr=1.0, parameters=lambda: [], step=lambda: (True, 1.0),
+            forward_backward=lambda micro, loss_fn, reference=None, for_scoring=True: [result])
+        reference = types.SimpleNamespace(
+            token_logprobs=lambda tokens, lay, seq_lengths=None: torch.zeros(batch.loss_mask.shape))
+        update.train_on_batch(policy, reference, cfg, batch, {})
+        mask = batch.loss_mask
+    per_sequence, per_token = seen["sum"], seen["to-go"]
+    assert per_token.dim() == 2 and per_sequence.dim() == 1
+    # the first group's two responses have 4 tokens each (a per-token baseline is taken over the
+    # members with a token at t, so only equal lengths give the per-sequence numbers); row 1 is
+    # the filtered one, and row 0's advantage is R_0 - R_1 (KL included) either way
+    expected = per_sequence[:2].unsqueeze(-1).expand(2, per_token.shape[1]) * mask[:2]
+    torch.testing.assert_close(per_token[:2] * mask[:2], expected)
+    assert per_sequence[0] != 0 and mask[1].sum() == 4
