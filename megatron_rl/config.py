@@ -202,8 +202,10 @@ class RolloutConfig:
         "--partial-rollouts: a sample with a token sampled more than this many weight updates "
         "before the policy it trains (the step's) is masked out of the update and left out of "
         "its group's baseline, and counted (rollout/stale_dropped); unset: no limit. The lag "
-        "is at most --async-level, so a limit below it drops the samples begun under the "
-        "oldest weights (a batch with none left trains on nothing: its update is skipped)"))
+        "is at most --async-level, so the limit is below it (a limit at or above it is refused) "
+        "and drops the samples begun under the oldest weights (a batch with none left trains "
+        "on nothing: its update is skipped as a non-finite one, and --max-nonfinite-steps "
+        "such steps in a row stop the run)"))
     temperature: float = _opt(1.0, min=0, help=(
         "sampling temperature of the rollouts and of evaluation, >= 0 (0: greedy)"))
     top_p: float = _opt(1.0, help=(
@@ -587,6 +589,12 @@ class TrainConfig:
         if self.algorithm.async_level < 1:
             raise ValueError("--partial-rollouts interrupts a generation running in the "
                              "background at a weight update: it needs --async-level >= 1")
+        k = r.max_token_staleness
+        if k is not None and k >= self.algorithm.async_level:
+            raise ValueError(f"--max-token-staleness {k}: a token lags at most --async-level "
+                             f"{self.algorithm.async_level} weight updates behind the policy it "
+                             "trains, so this limit never drops a sample; set it below "
+                             "--async-level, or leave it unset")
         if r.rollout_function != "single-turn":
             raise ValueError(f"--partial-rollouts with --rollout-function {r.rollout_function}: "
                              "the weight version of each token reaches the trajectories of "

@@ -27,10 +27,13 @@ MAX_ROUND_BATCHES = 4       # a refill round draws at most this many batches' pr
 
 
 def has_spread(group: Sequence[Trajectory]) -> bool:
-    """Whether the group's task rewards are not all equal: the groups whose task advantage is
-    not identically 0 under a group baseline (rloo, grpo, dr_grpo)."""
-    rewards = [t.reward for t in group]
-    return max(rewards) > min(rewards)
+    """Whether the task rewards of the group's sampled trajectories are not all equal: the
+    groups whose task advantage is not identically 0 under a group baseline (rloo, grpo,
+    dr_grpo). A trajectory without a token of the policy's (an agent episode its environment
+    broke) is out of the baseline (batch.pack_rollouts' in_baseline) and out of this
+    comparison."""
+    rewards = [t.reward for t in group if 1 in t.response_mask]
+    return len(rewards) > 1 and max(rewards) > min(rewards)
 
 
 @dataclasses.dataclass

@@ -222,7 +222,13 @@ class RolloutQueue:
         client's; the other ranks wait outside the collectives): before the weights change, so
         that each request is served by one weight version. A failed one raises. Under
         --partial-rollouts nothing waits: the update interrupts them (rollout/process.py)."""
-        if self.threads is None or not self.pending or self.settings.partial_rollouts:
+        if self.settings.partial_rollouts:
+            return
+        self._wait_all()
+
+    def _wait_all(self) -> None:
+        """finish_generations' wait, on every rank alike."""
+        if self.threads is None or not self.pending:
             return
         steps = ", ".join(str(r.step) for r in self.pending)
         on_client(self.run.engine, self._wait_pending,
@@ -240,14 +246,17 @@ class RolloutQueue:
         return self.pending[0].data_state if self.pending else None
 
     def saved_state(self) -> bytes | None:
-        """The batches started ahead, all finished (finish_generations ran), for the checkpoint
-        of the step just trained; None when none is. What this rank holds of each: the
+        """The batches started ahead, for the checkpoint of the step just trained (waited for
+        here on every rank alike, as under --partial-rollouts finish_generations does not
+        wait: no rank enters the checkpoint's collectives while the client still generates);
+        None when none is. What this rank holds of each: the
         trajectories its client rank generated (or the in-process engine's finished batch),
         the prompts, the weight version that generated it, and the data position after them.
         Serialized here (torch.save) so that the checkpoint's extra state loads whatever they
         hold: a resume that cannot read them generates them again."""
         if not self.pending:
             return None
+        self._wait_all()
         run = self.run
         state = {
             "format": AHEAD_FORMAT, "config": flat_config(run.cfg), "world_size": _world_size(),

@@ -45,7 +45,7 @@ episode's (or one group's) and is sent whole to one server, one chunk; calls wit
 single-turn batch, an evaluation) are chunked over the servers as above. Routing never changes
 the samples: every prompt keeps its seed (prompt_seed) on whichever server and in whichever
 chunk it is drawn. `stats()` counts the keyed calls sent back to a remembered server
-(`rollout/routed_back`) and those moved off it for load (`rollout/routed_moved`).
+(`rollout/routed_back`) and those moved off it for load (`rollout/routed_moved`), since the pool started.
 
 Failures. A managed server that dies is restarted by its ManagedServer and the request retried
 (managed_server.py, at most `max_restarts` times). A request that still fails with a server failure

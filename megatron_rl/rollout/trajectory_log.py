@@ -23,7 +23,9 @@ logprobs are the engine's rollout_logprobs; each text is its ids decoded with sp
 kept, so a character whose bytes span two segments shows as a replacement character in both);
 `policy_tokens` and `environment_tokens`; reward, reward_error, finish_reason; and from the
 trajectory's metadata `end` (the agent loop's end reason), `env_info` (the environment's
-info), `counts`, and `turn_rewards` where the trajectory has per-turn rewards.
+info), `counts`, `turn_rewards` and `turn_ends` where the trajectory has per-turn rewards,
+and `token_versions` (the weight version of each token) under --partial-rollouts. An episode
+its environment broke has mask 0 everywhere, so its policy's turns are environment segments.
 
 Who writes: the rank that holds the whole batch. With an engine that has a client rank (the
 process engine, servers) that rank; with the in-process engine each data-parallel replica rolls
@@ -127,6 +129,9 @@ def trajectory_row(t: Trajectory, record: PromptRecord, decode: Callable[[list[i
     turn_rewards = getattr(t, "turn_rewards", None)
     if turn_rewards is not None:
         row["turn_rewards"] = [float(r) for r in turn_rewards]
+        row["turn_ends"] = [int(e) for e in t.turn_ends or ()]
+    if t.token_versions is not None:
+        row["token_versions"] = [int(v) for v in t.token_versions]
     return row
 
 
@@ -301,6 +306,9 @@ def format_row(row: dict) -> str:
              + f"  finish {row['finish_reason']}  end {row.get('end') or '-'}"
              f"  policy tokens {row['policy_tokens']}  environment tokens "
              f"{row['environment_tokens']}"]
+    if row["policy_tokens"] == 0 and row.get("end") in ("env_error", "env_timeout"):
+        lines.append("not trained: its environment failed, so every token has mask 0 (the "
+                     "policy's turns show as environment segments)")
     if row.get("counts"):
         lines.append("counts: " + ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else
                                             f"{k}={v}" for k, v in row["counts"].items()))

@@ -23,6 +23,16 @@ def test_a_group_has_spread_when_its_task_rewards_differ():
     assert not has_spread(_group(1.0, 1.0, 1.0)) and not has_spread(_group(0.0, 0.0))
 
 
+def test_an_episode_its_environment_broke_gives_no_spread():
+    """A trajectory without a token of the policy's (an env_error episode: reward 0, mask 0) is
+    out of its group's baseline, so it cannot make the group informative: [failed 0, 1, 1, 1]
+    has every advantage 0."""
+    broken = Trajectory([1], [2, 3], [0, 0], [0.0, 0.0], "stop", 0.0)
+    assert not has_spread([broken, *_group(1.0, 1.0, 1.0)])
+    assert has_spread([broken, *_group(1.0, 0.0)])
+    assert not has_spread([broken, *_group(1.0)])
+
+
 def test_the_filter_keeps_exactly_the_first_target_groups_with_spread():
     assert select_groups([F, T, F, F], 2) is None  # not yet: another round
     s = select_groups([F, T, F, F, T, T, F, T], 2)

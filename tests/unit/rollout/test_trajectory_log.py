@@ -211,3 +211,18 @@ def test_a_listing_cut_short_by_its_reader_ends_quietly(codec, tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_a_row_keeps_turn_ends_versions_and_says_when_nothing_was_trained(codec):
+    t = _episode(codec, ["7", "\nno\n", "8<eos>"], reward=1.5, turn_rewards=[0.5, 1.0])
+    n = len(t.response_ids)
+    t.turn_ends, t.token_versions = [1, n], [3] + [0] * (n - 3) + [4, 4]
+    row = tl.trajectory_row(t, _record(0), codec.decode, step=1, kind="train", group=0, index=0)
+    assert row["turn_ends"] == [1, n] and row["turn_rewards"] == [0.5, 1.0]
+    assert row["token_versions"] == t.token_versions
+    assert "not trained" not in tl.format_row(row)
+    broken = _episode(codec, ["7"], reward=0.0, metadata={"end": "env_error"})
+    broken.response_mask = [0] * len(broken.response_ids)
+    row = tl.trajectory_row(broken, _record(1), codec.decode, step=1, kind="train", group=0,
+                            index=1)
+    assert "not trained: its environment failed" in tl.format_row(row)
