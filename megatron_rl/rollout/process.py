@@ -109,6 +109,7 @@ class ProcessEngine:
         self._conn = self._proc = None
         self._abort = None  # --partial-rollouts: the child's abort flag (rank 0)
         self._loaded = threading.Event()  # set while no weight update is under way
+        self._count_lock = threading.Lock()  # the counters below: generate runs on several threads
         self._loaded.set()
         self.num_interrupted = 0  # interruptions of a response by a weight update, over the run
         self.generate_seconds = 0.0  # the child's time generating, over the run
@@ -147,31 +148,47 @@ class ProcessEngine:
         pid = self._call(None, self.config.startup_timeout, "start")
         self.pid = pid
 
-    def _call(self, msg, timeout: float, what: str):
+    def _call(self, msg, timeout: float, what: str, after_update: bool = False):
         """Send `msg` (None: only wait) and return the child's answer; a child that died or
-        failed raises ServerError naming the request."""
-        with self._lock:
-            if self._proc is None or (msg is not None and not self._proc.is_alive()):
-                raise ServerError(f"rollout process is not running ({self._describe()}); "
-                                  f"request {what!r} not sent")
-            try:
-                if msg is not None:
-                    self._conn.send(msg)
-                deadline = time.monotonic() + timeout
-                while not self._conn.poll(0.5):
-                    if not self._proc.is_alive():
-                        raise EOFError
-                    if time.monotonic() > deadline:
-                        # its late answer would be read as the next request's: stop it
-                        self._proc.terminate()
-                        self._proc.join(10)
-                        raise ServerError(f"rollout process gave no answer to {what!r} within "
-                                          f"{timeout:.0f} s; stopped ({self._describe()})")
-                status, value = self._conn.recv()
-            except (EOFError, OSError):  # the pipe closed: the child is gone
-                self._proc.join(5)
-                raise ServerError(f"rollout process died during {what!r} "
-                                  f"({self._describe()})") from None
+        failed raises ServerError naming the request. `after_update` (a generate request under
+        --partial-rollouts): a weight update begun while it waited for the pipe is loaded
+        first, so that no generation starts only to be interrupted."""
+        while after_update and self._abort is not None:
+            self._loaded.wait()
+            self._lock.acquire()
+            if self._loaded.is_set():
+                break
+            self._lock.release()  # an update began meanwhile: its weights first
+        else:
+            self._lock.acquire()
+        try:
+            return self._call_locked(msg, timeout, what)
+        finally:
+            self._lock.release()
+
+    def _call_locked(self, msg, timeout: float, what: str):
+        """_call's exchange, the pipe's lock held."""
+        if self._proc is None or (msg is not None and not self._proc.is_alive()):
+            raise ServerError(f"rollout process is not running ({self._describe()}); "
+                              f"request {what!r} not sent")
+        try:
+            if msg is not None:
+                self._conn.send(msg)
+            deadline = time.monotonic() + timeout
+            while not self._conn.poll(0.5):
+                if not self._proc.is_alive():
+                    raise EOFError
+                if time.monotonic() > deadline:
+                    # its late answer would be read as the next request's: stop it
+                    self._proc.terminate()
+                    self._proc.join(10)
+                    raise ServerError(f"rollout process gave no answer to {what!r} within "
+                                      f"{timeout:.0f} s; stopped ({self._describe()})")
+            status, value = self._conn.recv()
+        except (EOFError, OSError):  # the pipe closed: the child is gone
+            self._proc.join(5)
+            raise ServerError(f"rollout process died during {what!r} "
+                              f"({self._describe()})") from None
         if status != "ok":
             error, tb = value
             raise ServerError(f"rollout process ({self._describe()}) failed on {what!r}: {error}"
@@ -192,13 +209,13 @@ class ProcessEngine:
         if not prompts:
             return []
         prompts = [[int(t) for t in p] for p in prompts]
-        if self._abort is not None:
-            self._loaded.wait()  # an update under way: its weights first
         out, version, seconds = self._call(("generate", prompts, n, params),
                                            self.config.request_timeout,
-                                           f"generate {len(prompts)} prompts x {n}")
-        self.generate_seconds += seconds
-        self.num_generate_calls += 1
+                                           f"generate {len(prompts)} prompts x {n}",
+                                           after_update=True)
+        with self._count_lock:
+            self.generate_seconds += seconds
+            self.num_generate_calls += 1
         if len(out) != len(prompts) or any(len(g) != n for g in out):
             raise ServerError(f"rollout process returned {[len(g) for g in out]} completions "
                               f"for {len(prompts)} prompts x n={n}")
@@ -223,14 +240,17 @@ class ProcessEngine:
                 return
             for done, rows in sorted(by_length.items()):
                 self._loaded.wait()  # the update that interrupted them has loaded its weights
-                self.num_interrupted += len(rows)
+                with self._count_lock:
+                    self.num_interrupted += len(rows)
                 cont = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done,
                                            seed=resume_seed(params.seed, self.weight_version))
                 ask = [prompts[i // n] + flat[i].token_ids for i in rows]
                 got, v, seconds = self._call(("generate", ask, 1, cont),
                                              self.config.request_timeout,
-                                             f"continue {len(rows)} interrupted responses")
-                self.generate_seconds += seconds
+                                             f"continue {len(rows)} interrupted responses",
+                                             after_update=True)
+                with self._count_lock:
+                    self.generate_seconds += seconds
                 for i, p, (c,) in zip(rows, ask, got):
                     old = flat[i]
                     old.token_ids = old.token_ids + c.token_ids
@@ -253,14 +273,14 @@ class ProcessEngine:
     def weight_update(self, version: int) -> Iterator[None]:
         """The block loads weights `version` into the child (update_weights; a test may call a
         loader itself), after which the engine serves `version`. With --partial-rollouts a
-        generate call in flight is interrupted as the block begins and continues, under the
-        new weights, once it has ended."""
+        generate call in flight goes on while the weights are gathered or exported, is
+        interrupted as the loader hands them over (_interrupt), and continues under the new
+        weights once the block has ended; a generate request made meanwhile waits for them."""
         if self._abort is None:
             yield
             self.weight_version = version
             return
-        self._loaded.clear()
-        self._abort.set()  # the child answers the generate request in flight at its next step
+        self._loaded.clear()  # generate requests from here on wait for the new weights
         try:
             yield
             self.weight_version = version
@@ -268,8 +288,16 @@ class ProcessEngine:
             self._abort.clear()
             self._loaded.set()
 
+    def _interrupt(self) -> None:
+        """--partial-rollouts: the child answers the generate request in flight at its next
+        step (set as the weights are handed over, not while they are gathered or exported, so
+        that generation goes on meanwhile; weight_update clears it)."""
+        if self._abort is not None:
+            self._abort.set()
+
     def load_weights_from_path(self, path: str, version: int) -> None:
         """The child reloads the HF directory `path` (--weight-sync disk)."""
+        self._interrupt()
         loaded = self._call(("load_dir", path, version), self.config.request_timeout,
                             f"load weights version {version} from {path}")
         self._check_version(loaded, version)
@@ -277,6 +305,7 @@ class ProcessEngine:
 
     def load_weights_from_shared(self, path: str, metas: list[list[dict]], version: int) -> None:
         """The child stages each bucket of the shared buffer `path`, then loads them all."""
+        self._interrupt()
         for meta in metas:
             self._call(("bucket", path, meta), self.config.request_timeout,
                        f"weights version {version}, bucket of {len(meta)} tensors")
