@@ -547,6 +547,13 @@ class TrainConfig:
                              "engine's experts are recorded per generate call, and its "
                              "trajectories are not one call's (RolloutNeeds.routing_replay); "
                              "replay is for single-turn rollouts")
+        if (needs.variable_groups and self.parallel.pipeline_model_parallel_size > 1
+                and not self.algorithm.sequence_packing):
+            raise ValueError(f"--rollout-function {function} returns groups of their own sizes "
+                             "(RolloutNeeds.variable_groups), and --pipeline-model-parallel-size "
+                             f"{self.parallel.pipeline_model_parallel_size} with "
+                             "--no-sequence-packing needs every microbatch of one shape: drop "
+                             "--no-sequence-packing")
         if self.algorithm.routing_replay:
             engine = self.rollout.rollout_engine
             if not ENGINES[engine].routed_experts:
@@ -589,6 +596,10 @@ class TrainConfig:
         if self.algorithm.async_level < 1:
             raise ValueError("--partial-rollouts interrupts a generation running in the "
                              "background at a weight update: it needs --async-level >= 1")
+        if self.deterministic_mode:
+            raise ValueError("--partial-rollouts with --deterministic-mode: where a weight "
+                             "update cuts a response depends on timing, so the samples cannot "
+                             "be reproduced; turn one off")
         k = r.max_token_staleness
         if k is not None and k >= self.algorithm.async_level:
             raise ValueError(f"--max-token-staleness {k}: a token lags at most --async-level "

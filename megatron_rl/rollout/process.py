@@ -39,6 +39,8 @@ update.
 
 Samples are a function of (seed, prompts, weights) alone: the child samples the whole batch
 with the request's seed, so the batch does not depend on the trainer's layout (TP, PP, DP).
+Under --partial-rollouts where a weight update cuts a response depends on timing, so the
+samples do too (--deterministic-mode refuses the flag).
 A child that dies is reported with its exit code; it is not restarted (resume the run from its
 last checkpoint).
 """

@@ -135,3 +135,6 @@ def test_partial_rollouts_flags_are_checked():
                              "--max-token-staleness", "1"])
     parse_config(base + ["--async-level", "2", "--rollout-engine", "process",
                          "--max-token-staleness", "1"])
+    with pytest.raises(ValueError, match="--partial-rollouts with --deterministic-mode"):
+        parse_config(base + ["--async-level", "1", "--rollout-engine", "process",
+                             "--deterministic-mode"])
