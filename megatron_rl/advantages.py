@@ -18,6 +18,12 @@ GRPO's 0 (the group mean is its own return). Leaving out a
 sibling by its own outcome keeps RLOO unbiased: the baseline still does not depend on the row
 it is subtracted from.
 
+Groups of their own sizes (`group_sizes`, RolloutBatch.group_sizes: a rollout function that
+declares RolloutNeeds(variable_groups=True)): compute_advantages pads each group to the largest
+with rows out of the baseline (in_baseline 0, return 0), runs the estimator at that size and
+drops the padding, so every group's baseline is over its own n_g members: RLOO's
+A_i = R_i - sum_{j != i} R_j / (n_g - 1), GRPO's mean and std and Dr. GRPO's mean over the n_g.
+
 Bias: a baseline computed from the *other* samples of the group (RLOO) is independent of the
 sample it is subtracted from, so the policy gradient stays unbiased on-policy. GRPO and Dr. GRPO
 include the sample itself in the group mean, which scales the gradient by (1 - 1/group_size) in
@@ -109,8 +115,30 @@ def get_advantage_estimator(name: str):
 
 def compute_advantages(name: str, returns: torch.Tensor, group_size: int,
                        loss_mask: torch.Tensor | None = None,
-                       in_baseline: torch.Tensor | None = None) -> torch.Tensor:
+                       in_baseline: torch.Tensor | None = None,
+                       group_sizes: list[int] | None = None) -> torch.Tensor:
     """Advantages [B] or [B, T] (shape of `returns`) by the estimator `name`; detached. Rows
-    with `in_baseline` 0 stay out of their group's baseline (advantage 0)."""
+    with `in_baseline` 0 stay out of their group's baseline (advantage 0). `group_sizes`: the
+    contiguous groups' own sizes (summing to B; None: every group has `group_size` rows), each
+    group padded to the largest with rows out of the baseline (module docstring)."""
+    estimator = get_advantage_estimator(name)
     with torch.no_grad():
-        return get_advantage_estimator(name)(returns, group_size, loss_mask, in_baseline)
+        if group_sizes is None:
+            return estimator(returns, group_size, loss_mask, in_baseline)
+        batch = returns.shape[0]
+        if sum(group_sizes) != batch or min(group_sizes, default=1) < 1:
+            raise ValueError(f"group sizes {group_sizes} do not split a batch of {batch} rows")
+        width = max(group_sizes)
+        # row b of the batch sits at padded row rows[b]: group g's members at g * width + k
+        rows = torch.tensor([g * width + k for g, n in enumerate(group_sizes) for k in range(n)],
+                            device=returns.device)
+
+        def pad(x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+            out = x.new_full((len(group_sizes) * width, *x.shape[1:]), fill)
+            out[rows] = x
+            return out
+
+        keep = torch.ones(batch, device=returns.device) if in_baseline is None else in_baseline
+        adv = estimator(pad(returns), width, None if loss_mask is None else pad(loss_mask),
+                        pad(keep))
+        return adv[rows]

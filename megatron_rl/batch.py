@@ -11,7 +11,8 @@ trainer's device in one place (rollout_queue.py, right after packing). From ther
 everything that meets the model stays on the device.
 
 Shapes: B sequences = num_prompts * group_size, grouped contiguously (the samples of one prompt
-are adjacent, as RLOO/GRPO expect). Sequences are prompt + response, right-padded to L tokens;
+are adjacent, as RLOO/GRPO expect); with groups of their own sizes (a rollout function that
+declares RolloutNeeds(variable_groups=True)) B is the sum of `group_sizes`. Sequences are prompt + response, right-padded to L tokens;
 per-token tensors are [B, L-1] and position t scores token t+1 given tokens[:, :t+1].
 """
 
@@ -116,6 +117,17 @@ class RolloutBatch:
     # scores the turn's last token, for --turn-credit to-go (loss.turn_rewards_to_go); None
     # when no trajectory has turn rewards. A row sums to its reward.
     token_rewards: torch.Tensor | None = None
+    # each group's own size, in order (summing to B), where the groups differ in size (a
+    # rollout function declaring RolloutNeeds(variable_groups=True)); None: every group has
+    # group_size rows. The advantages take each group's baseline over its own rows.
+    group_sizes: list[int] | None = None
+
+    def group_rows(self) -> list[list[int]]:
+        """The rows of each group, in order."""
+        sizes = (self.group_sizes if self.group_sizes is not None
+                 else [self.group_size] * (self.num_sequences // self.group_size))
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        return [list(range(a, a + n)) for a, n in zip(starts, sizes)]
 
     @property
     def seq_lengths(self) -> list[int]:
@@ -142,9 +154,19 @@ class RolloutBatch:
                                    token_rewards=move(self.token_rewards))
 
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
-        """Rows `idx` (e.g. a PPO minibatch), keeping the padding length."""
+        """Rows `idx` (e.g. a PPO minibatch), keeping the padding length; with group_sizes,
+        those of the selected rows' groups (each run of rows of one group)."""
         idx_t = to_device(list(idx), self.device, torch.long)
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        sizes = None
+        if self.group_sizes is not None:
+            group_of = [g for g, n in enumerate(self.group_sizes) for _ in range(n)]
+            sizes = []
+            for k, i in enumerate(idx):
+                if k and group_of[i] == group_of[idx[k - 1]]:
+                    sizes[-1] += 1
+                else:
+                    sizes.append(1)
         return RolloutBatch(self.tokens[idx_t], self.loss_mask[idx_t],
                             self.rollout_logprobs[idx_t], self.rewards[idx_t], self.group_size,
                             pick(self.prompt_lengths), pick(self.response_lengths),
@@ -153,7 +175,8 @@ class RolloutBatch:
                             None if self.routed_experts is None
                             else self.routed_experts[idx_t.to(self.routed_experts.device)],
                             None if self.in_baseline is None else self.in_baseline[idx_t],
-                            None if self.token_rewards is None else self.token_rewards[idx_t])
+                            None if self.token_rewards is None else self.token_rewards[idx_t],
+                            sizes)
 
 
 def fill_routes(per_sequence: list[torch.Tensor | None], length: int, num_layers: int,
@@ -178,10 +201,13 @@ def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,
     from the environment (mask 0) is context, not trained on. A trajectory with no token of the
     policy's gets in_baseline 0 (out of its group's baseline). Turn rewards go to
     token_rewards, each at the position scoring its turn's last token (a trajectory without
-    turn_ends: all at its last response token; without turn rewards: its reward there)."""
-    group_size = len(groups[0])
-    if any(len(g) != group_size for g in groups):
-        raise ValueError("every prompt needs the same number of trajectories")
+    turn_ends: all at its last response token; without turn rewards: its reward there).
+    Groups of different sizes set group_sizes (group_size: the largest)."""
+    sizes = [len(g) for g in groups]
+    if min(sizes, default=1) < 1:
+        raise ValueError("every prompt needs at least one trajectory")
+    group_size = max(sizes)
+    group_sizes = None if all(n == group_size for n in sizes) else sizes
     trajectories = [t for group in groups for t in group]
     rows = [t.tokens for t in trajectories]
     plens = [len(t.prompt_ids) for t in trajectories]
@@ -226,4 +252,4 @@ def pack_rollouts(groups: Sequence[Sequence[Trajectory]], pad_token_id: int,
                         routed_experts=routes,
                         in_baseline=torch.tensor([float(1 in t.response_mask)
                                                   for t in trajectories]),
-                        token_rewards=token_rewards)
+                        token_rewards=token_rewards, group_sizes=group_sizes)

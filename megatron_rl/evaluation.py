@@ -55,7 +55,7 @@ def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
         p = SamplingParams(**{**params.__dict__, "seed": prompt_seed(params.seed or 0, start),
                               "return_routed_experts": False})
         groups = run_rollout(rollout, dataclasses.replace(ctx, params=p, evaluation=True), chunk)
-        correct = torch.tensor([[t.reward for t in g] for g in groups]) >= 1.0
+        correct = [torch.tensor([t.reward for t in g]) >= 1.0 for g in groups]
         if kept is not None:
             kept.append((chunk, groups))
         if counts is not None:

@@ -252,12 +252,14 @@ def turn_rewards_to_go(returns: torch.Tensor, rewards: torch.Tensor,
 def build_advantages(rewards, logprobs, ref_logprobs, loss_mask, cfg: LossConfig,
                      group_size: int, token_kl: torch.Tensor | None = None,
                      in_baseline: torch.Tensor | None = None,
-                     token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+                     token_rewards: torch.Tensor | None = None,
+                     group_sizes: list[int] | None = None) -> torch.Tensor:
     """Advantages [B] (or [B, T] with reward-to-go, the exact KL in the reward or --turn-credit
     to-go) from task rewards [B] and per-token log-probs (token_kl [B, T]: KL_t for the "exact"
     estimator). Rows with `in_baseline` 0 (RolloutBatch.in_baseline) stay out of their group's
     baseline. token_rewards [B, T]: each turn's reward at its last token, for --turn-credit
-    to-go (turn_rewards_to_go).
+    to-go (turn_rewards_to_go). group_sizes: the groups' own sizes (RolloutBatch.group_sizes;
+    None: `group_size` each).
 
     The KL penalty enters the returns before the baseline (eq. 7-8), so with RLOO it is centred
     by the other samples' KL like any reward. Detached.
@@ -266,7 +268,8 @@ def build_advantages(rewards, logprobs, ref_logprobs, loss_mask, cfg: LossConfig
     if cfg.turn_credit == "to-go":
         returns = turn_rewards_to_go(returns, rewards, token_rewards, loss_mask)
     mask = loss_mask if returns.dim() == 2 else None
-    return compute_advantages(cfg.advantage_estimator, returns, group_size, mask, in_baseline)
+    return compute_advantages(cfg.advantage_estimator, returns, group_size, mask, in_baseline,
+                              group_sizes)
 
 
 def policy_loss_per_token(logprobs, old_logprobs, advantages, loss_mask, cfg: LossConfig,

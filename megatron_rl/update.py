@@ -60,6 +60,20 @@ def behaviour_logprobs(policy: Policy, cfg: TrainConfig, batch: RolloutBatch) ->
     return metrics
 
 
+def minibatch_rows(batch: RolloutBatch, num_minibatches: int) -> list[list[int]]:
+    """The rows of each of `num_minibatches` PPO minibatches: equal slices of the rows
+    (B / num_minibatches each); with groups of their own sizes (batch.group_sizes), equal
+    slices of the groups, whole (packing.rank_groups deals each minibatch's groups to a rank
+    as one block), so no row is left out when the rows do not divide."""
+    if batch.group_sizes is None:
+        per_mb = batch.num_sequences // num_minibatches
+        return [list(range(mb * per_mb, (mb + 1) * per_mb)) for mb in range(num_minibatches)]
+    groups = batch.group_rows()
+    per_mb = len(groups) // num_minibatches
+    return [[r for g in groups[mb * per_mb:(mb + 1) * per_mb] for r in g]
+            for mb in range(num_minibatches)]
+
+
 def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: RolloutBatch,
                    metrics: dict) -> bool:
     """Advantages and PPO epochs over minibatches of `batch`: the policy's optimizer steps, with
@@ -84,7 +98,8 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
     advantages = build_advantages(batch.rewards, batch.old_logprobs, ref_lp, sampled_mask,
                                   loss_cfg, batch.group_size, token_kl=exact_kl,
                                   in_baseline=batch.in_baseline,
-                                  token_rewards=batch.token_rewards)
+                                  token_rewards=batch.token_rewards,
+                                  group_sizes=batch.group_sizes)
     rollout_lp = batch.rollout_logprobs if loss_cfg.kl.is_proposal == "rollout" else None
     is_weights = None
     if loss_cfg.rollout_correction.enabled:  # the engine's samples, the trainer's pi_old
@@ -93,14 +108,12 @@ def train_on_batch(policy: Policy, reference: Policy, cfg: TrainConfig, batch: R
                                                        loss_cfg.rollout_correction)
         metrics.update(global_metrics.correction_metrics(stats, data_parallel_group()))
     rollout_tokens = data_parallel_sum(batch.loss_mask.sum())
-    n = batch.num_sequences
-    per_mb = n // algo.ppo_minibatches
+    minibatches = minibatch_rows(batch, algo.ppo_minibatches)
     ok_all = True
     grad_norms: list[float] = []
     step_metrics: list[dict] = []  # the loss function's per-microbatch metrics (device tensors)
     for epoch in range(algo.ppo_epochs):
-        for mb in range(algo.ppo_minibatches):
-            idx = list(range(mb * per_mb, (mb + 1) * per_mb))
+        for idx in minibatches:
             mbatch = batch.select(idx)
             norm_tokens = (rollout_tokens if loss_cfg.aggregation == "token-sum-over-batch-tokens"
                            else data_parallel_sum(mbatch.loss_mask.sum()))

@@ -12,7 +12,9 @@ The signature every rollout function has:
              template), the reward scorer, the step, whether it is an evaluation, the agent
              settings and the function's own settings (--rollout-function-args)
     returns  for each record, in order, ctx.group_size Trajectory: the group its advantage
-             baseline is taken from, each scored (`reward` set)
+             baseline is taken from, each scored (`reward` set); a function that declares
+             RolloutNeeds(variable_groups=True) (rollout/needs.py) may return more, at least
+             ctx.group_size, each group its own size
 
 A Trajectory (batch.py) is the token sequence the trainer trains on: `prompt_ids`, then `response_ids`,
 in which `response_mask` marks the tokens the policy sampled (1: trained on, with the engine's
@@ -115,10 +117,12 @@ def trajectory_counts(groups: Sequence[Sequence[Trajectory]]) -> collections.Cou
     return total
 
 
-def check_groups(groups: Any, num_prompts: int, group_size: int, name: str) -> None:
+def check_groups(groups: Any, num_prompts: int, group_size: int, name: str,
+                 variable_groups: bool = False) -> None:
     """Raise ValueError, naming --rollout-function `name` and the first problem, unless
     `groups` is what a rollout function must return for `num_prompts` prompts: group_size
-    Trajectory per prompt, each with a prompt, one mask value (0 or 1) and one log-prob per
+    Trajectory per prompt (at least group_size with `variable_groups`, the function's
+    RolloutNeeds.variable_groups), each with a prompt, one mask value (0 or 1) and one log-prob per
     response token, and turn rewards (where given) that sum to its reward."""
     flag = f"--rollout-function {name}"
     if not isinstance(groups, list) or len(groups) != num_prompts:
@@ -128,8 +132,10 @@ def check_groups(groups: Any, num_prompts: int, group_size: int, name: str) -> N
     for i, group in enumerate(groups):
         if not isinstance(group, list) or len(group) != group_size:
             got = len(group) if isinstance(group, list) else type(group).__name__
-            raise ValueError(f"{flag}: prompt {i}: {got} trajectories, --group-size is "
-                             f"{group_size}")
+            if not (variable_groups and isinstance(group, list) and len(group) > group_size):
+                least = "at least " if variable_groups else ""
+                raise ValueError(f"{flag}: prompt {i}: {got} trajectories, --group-size is "
+                                 f"{least}{group_size}")
         for j, t in enumerate(group):
             where = f"{flag}: prompt {i} trajectory {j}"
             if not isinstance(t, Trajectory):
@@ -162,6 +168,9 @@ def run_rollout(name: str, ctx: RolloutContext,
                 records: Sequence[PromptRecord]) -> list[list[Trajectory]]:
     """The groups of trajectories rollout function `name` (a --rollout-function value) returns
     for `records`, checked (check_groups)."""
-    groups = resolve_rollout_function(name)(ctx, records)
-    check_groups(groups, len(records), ctx.group_size, name)
+    from megatron_rl.rollout.needs import needs_of
+
+    fn = resolve_rollout_function(name)
+    groups = fn(ctx, records)
+    check_groups(groups, len(records), ctx.group_size, name, needs_of(fn).variable_groups)
     return groups

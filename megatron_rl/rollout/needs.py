@@ -44,6 +44,11 @@ class RolloutNeeds:
         (Trajectory.routed_experts), so --routing-replay can replay them; False refuses it.
     single_response: each trajectory's response is one generate call's completion, within
         --max-new-tokens, which --overlong-buffer-len's penalty measures it against.
+    variable_groups: a prompt's group may hold more than --group-size trajectories (at least
+        --group-size, each group its own size: a tree search, sampling until a success); the
+        advantage baseline of each group is over its own members. Without it every group holds
+        exactly --group-size. Refused under pipeline parallelism without --sequence-packing
+        (all microbatches need one shape there).
     """
 
     agent_settings: bool = False
@@ -51,6 +56,7 @@ class RolloutNeeds:
     tool_schemas: bool = False
     routing_replay: bool = True
     single_response: bool = False
+    variable_groups: bool = False
 
 
 def declare_needs(**needs: bool) -> Callable[[F], F]:
