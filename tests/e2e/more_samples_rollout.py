@@ -22,3 +22,16 @@ def more_samples(ctx, records):
     return [[single_turn_trajectory(p, c, float(j % 2 == 0), None if j % 2 == 0 else "no_answer")
              for j, c in enumerate(group[:n])]
             for p, group, n in zip(prompt_ids, completions, wanted)]
+
+
+@declare_needs(single_response=True, variable_groups=True)
+def by_answer(ctx, records):
+    """As more_samples, with group_size + (answer % 3) samples for a record whose answer is a
+    number: the sizes follow the data, not a prompt's place in the call, so data-parallel ranks
+    roll out groups of different sizes and different numbers of rows."""
+    prompt_ids = [ctx.codec.encode(r.text) for r in records]
+    wanted = [ctx.group_size + int(r.answer) % 3 for r in records]
+    completions = ctx.engine.generate(prompt_ids, max(wanted), ctx.params)
+    return [[single_turn_trajectory(p, c, float(j % 2 == 0), None if j % 2 == 0 else "no_answer")
+             for j, c in enumerate(group[:n])]
+            for p, group, n in zip(prompt_ids, completions, wanted)]
