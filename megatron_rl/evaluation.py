@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 def evaluate_engine(ctx: RolloutContext, records, rollout: str = "single-turn",
                     batch_prompts: int = 16, counts: Counter | None = None,
                     kept: list | None = None) -> dict:
-    """Per-task {"mean_at_k", "pass_at_k", "num_prompts"} plus "all", k = ctx.group_size; a
-    reward >= 1 is correct. The rollout function `rollout` (a --rollout-function value,
+    """Per-task {"mean_at_k", "pass_at_k", "num_prompts"} plus "all", k = ctx.group_size (a
+    function declaring RolloutNeeds.variable_groups: each group's own size); a reward >= 1 is
+    correct. The rollout function `rollout` (a --rollout-function value,
     rollout/functions.py) samples and scores `batch_prompts` records at a time, with
     each prompt seeded as in one call (base.prompt_seed: the chunk seeded as its first prompt),
     as an evaluation (no routed experts).

@@ -2,7 +2,8 @@
 their own sizes (tests/e2e/more_samples_rollout.py: group_size + (i % 3) single-turn samples
 for prompt i, fixed rewards), trained end to end on the tiny model with the in-process engine:
 the run trains on every trajectory of every group (the logged reward mean is the mean over all
-of them, not over group_size per prompt) and the saved rollouts keep each group whole."""
+of them, not over group_size per prompt), the saved rollouts keep each group whole and the
+evaluation's mean@k takes each group's own samples."""
 import os
 import subprocess
 
@@ -24,7 +25,8 @@ def test_a_rollout_function_with_groups_of_their_own_sizes_trains_on_all_of_them
     args = train_args(tiny_char_model, arithmetic_jsonl, save, 2,
                       ["--rollout-function", "more_samples_rollout:more_samples",
                        "--advantage-estimator", "rloo", "--ppo-minibatches", "2",
-                       "--save-rollouts", "1"])
+                       "--save-rollouts", "1", "--eval-data", arithmetic_jsonl,
+                       "--eval-interval", "2", "--eval-max-prompts", "4", "--eval-samples", "2"])
     env = dict(train_env(), PYTHONPATH=os.pathsep.join(
         p for p in (HERE, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(train_cmd(*args), env=env, capture_output=True, text=True, timeout=600)
@@ -38,6 +40,10 @@ def test_a_rollout_function_with_groups_of_their_own_sizes_trains_on_all_of_them
         assert r["reward_errors/total"] == len(rewards)
         assert r["reward_errors/no_answer"] == rewards.count(0.0)
         assert r["grad_norm"] > 1e-4 and r["skipped_update"] == 0
+    # evaluated with the same function: mean@k is the mean of each group's own accuracy
+    accuracy = [sum(float(j % 2 == 0) for j in range(n)) / n for n in groups]
+    assert rows[1]["eval/mean_at_k"] == pytest.approx(sum(accuracy) / 4, abs=1e-6)
+    assert rows[1]["eval/pass_at_k"] == 1.0
     for step in (1, 2):
         saved = read_rows(rollouts_path(save, step, "train"))
         by_group: dict[int, list[int]] = {}
