@@ -1,6 +1,6 @@
 """A rollout function that returns more than --group-size trajectories per prompt, groups of
 their own sizes (tests/e2e/more_samples_rollout.py: group_size + (i % 3) single-turn samples
-for prompt i, fixed rewards), trained end to end on the tiny model with the in-process engine:
+for prompt i, fixed rewards), trained end to end on the tiny model with the in-process engine and the process engine:
 the run trains on every trajectory of every group (the logged reward mean is the mean over all
 of them, not over group_size per prompt), the saved rollouts keep each group whole and the
 evaluation's mean@k takes each group's own samples."""
@@ -16,8 +16,14 @@ pytestmark = pytest.mark.distributed  # torch.distributed (world size 1) in subp
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.parametrize("engine", [
+    [],  # the in-process engine: the function runs on the rank, the batch is its groups
+    # the process engine, one batch ahead: the function runs on a background thread
+    ["--rollout-engine", "process", "--async-level", "1", "--rollout-correction", "tis",
+     "--old-logprobs", "recompute"],
+], ids=["local", "process"])
 def test_a_rollout_function_with_groups_of_their_own_sizes_trains_on_all_of_them(
-        tiny_char_model, arithmetic_jsonl, tmp_path):
+        engine, tiny_char_model, arithmetic_jsonl, tmp_path):
     from megatron_rl.rollout.trajectory_log import read_rows, rollouts_path
     from more_samples_rollout import sizes
 
@@ -26,7 +32,8 @@ def test_a_rollout_function_with_groups_of_their_own_sizes_trains_on_all_of_them
                       ["--rollout-function", "more_samples_rollout:more_samples",
                        "--advantage-estimator", "rloo", "--ppo-minibatches", "2",
                        "--save-rollouts", "1", "--eval-data", arithmetic_jsonl,
-                       "--eval-interval", "2", "--eval-max-prompts", "4", "--eval-samples", "2"])
+                       "--eval-interval", "2", "--eval-max-prompts", "4", "--eval-samples", "2",
+                       *engine])
     env = dict(train_env(), PYTHONPATH=os.pathsep.join(
         p for p in (HERE, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(train_cmd(*args), env=env, capture_output=True, text=True, timeout=600)
