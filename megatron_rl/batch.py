@@ -19,6 +19,7 @@ per-token tensors are [B, L-1] and position t scores token t+1 given tokens[:, :
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Sequence
 
 import torch
@@ -126,7 +127,7 @@ class RolloutBatch:
         """The rows of each group, in order."""
         sizes = (self.group_sizes if self.group_sizes is not None
                  else [self.group_size] * (self.num_sequences // self.group_size))
-        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        starts = itertools.accumulate(sizes, initial=0)
         return [list(range(a, a + n)) for a, n in zip(starts, sizes)]
 
     @property
