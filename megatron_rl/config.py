@@ -606,10 +606,12 @@ class TrainConfig:
                              f"{self.algorithm.async_level} weight updates behind the policy it "
                              "trains, so this limit never drops a sample; set it below "
                              "--async-level, or leave it unset")
-        if r.rollout_function != "single-turn":
+        if not rollout_needs(r.rollout_function).single_response:
             raise ValueError(f"--partial-rollouts with --rollout-function {r.rollout_function}: "
-                             "the weight version of each token reaches the trajectories of "
-                             "single-turn only")
+                             "the weight version of each token reaches a trajectory that is one "
+                             "engine completion (rollout_needs single_response: single-turn, "
+                             "or a function wrapping it); an episode of several generate calls "
+                             "does not carry them yet")
         if not self.use_rollout_logprobs() and not self.loss.rollout_correction.enabled:
             raise ValueError("--partial-rollouts: a sample's tokens come from several weight "
                              "versions, and the behaviour log-probs must be each token's own "

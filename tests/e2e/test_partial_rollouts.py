@@ -135,6 +135,9 @@ def test_partial_rollouts_flags_are_checked():
                              "--max-token-staleness", "1"])
     parse_config(base + ["--async-level", "2", "--rollout-engine", "process",
                          "--max-token-staleness", "1"])
+    with pytest.raises(ValueError, match="--partial-rollouts with --rollout-function agent"):
+        parse_config(base + ["--async-level", "1", "--rollout-engine", "process",
+                             "--rollout-function", "agent"])
     with pytest.raises(ValueError, match="--partial-rollouts with --deterministic-mode"):
         parse_config(base + ["--async-level", "1", "--rollout-engine", "process",
                              "--deterministic-mode"])
