@@ -203,13 +203,13 @@ def test_a_listing_cut_short_by_its_reader_ends_quietly(codec, tmp_path):
     groups = [[_episode(codec, ["3"], reward=0.0, finish="length") for _ in range(4)]
               for _ in range(1000)]  # ~90 kB of listing: more than a pipe holds
     tl.write_rollouts(_log(codec, save), 1, "train", [_record(i) for i in range(1000)], groups)
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "rollouts", save, "--list"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
-    assert proc.stdout.readline().startswith(b"/")  # the file's line
-    proc.stdout.close()
-    err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 141, err
+    with subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "rollouts", save, "--list"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().startswith(b"/")  # the file's line
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
