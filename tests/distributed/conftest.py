@@ -15,10 +15,15 @@ def torchrun():
 
     def run(nproc: int, args: list[str], timeout: int = 300) -> str:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        out = proc.stdout + proc.stderr
+        for _ in range(3):
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            out = proc.stdout + proc.stderr
+            # the free port was taken by another process (a concurrent test) before torchrun's
+            # rendezvous bound it: no rank started, so the launch is tried again on another
+            if not (proc.returncode and "EADDRINUSE" in out and "rendezvous" in out):
+                break
         if proc.returncode != 0:
             pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-6000:]}")
         return out
