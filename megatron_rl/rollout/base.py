@@ -34,6 +34,8 @@ class EngineConfig:
     sync: how weights reach it (weight_sync.WeightSync: "disk", "tensor", "distributed").
     bucket_bytes: the most bytes one shared-memory or NCCL bucket of a sync names.
     startup_timeout / request_timeout: seconds to wait for it to start / to answer a request.
+    partial_rollouts: a weight update cuts the responses in flight, which go on under the new
+        weights (--partial-rollouts; rollout/interrupt.py).
     """
 
     SYNCS: ClassVar[tuple[str, ...]] = ("disk", "tensor", "distributed")  # the engine's modes
@@ -45,6 +47,7 @@ class EngineConfig:
     bucket_bytes: int = 512 << 20
     startup_timeout: float = 600.0
     request_timeout: float = 3600.0
+    partial_rollouts: bool = False
 
     def __post_init__(self) -> None:
         if self.sync not in self.SYNCS:
@@ -229,10 +232,13 @@ def on_client(engine: RolloutEngine, fn: Callable[[], T], what: str) -> T:
 
 
 def check_completions(out, num_prompts: int, n: int, vocab_size: int | None,
-                      max_new_tokens: int) -> None:
+                      max_new_tokens: int, cut: bool = False) -> None:
     """Raise ValueError, naming the first problem, unless `out` is what a generate call for
     `num_prompts` prompts x `n` must return: n completions per prompt, token ids in
-    [0, vocab_size), one finite log-prob <= 0 per token, at most max_new_tokens tokens."""
+    [0, vocab_size), one finite log-prob <= 0 per token, at most max_new_tokens tokens, each
+    finished "stop" or "length" (or "abort": a request a weight update may `cut`,
+    --partial-rollouts)."""
+    reasons = ("stop", "length", "abort") if cut else ("stop", "length")
     if not isinstance(out, list) or len(out) != num_prompts:
         raise ValueError(f"{len(out) if isinstance(out, list) else type(out).__name__} groups "
                          f"for {num_prompts} prompts")
@@ -255,5 +261,5 @@ def check_completions(out, num_prompts: int, n: int, vocab_size: int | None,
             lp = [x for x in c.rollout_logprobs if not (x == x and x <= 1e-4 and x > -1e30)]
             if lp:
                 raise ValueError(f"{where}: log-prob {lp[0]} is not a finite value <= 0")
-            if c.finish_reason not in ("stop", "length"):
+            if c.finish_reason not in reasons:
                 raise ValueError(f"{where}: finish reason {c.finish_reason!r}")

