@@ -196,7 +196,7 @@ class ServerPool:
         # in flight, and calls wait for a load in progress; under --partial-rollouts (the
         # members' gates) a load cuts the calls in flight instead, each member its own, and they
         # go on under the new weights (rollout/interrupt.py)
-        self.partial_rollouts = first.gate is not None
+        self.partial_rollouts = getattr(first, "gate", None) is not None
         self._cond = threading.Condition()
         self._active_calls = 0
         self.num_generate_calls = 0  # pool-level calls (each spread over the servers)
