@@ -42,7 +42,7 @@ from megatron_rl.parallel import dist_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
                                       ServerError, prompt_seed)
 from megatron_rl.rollout.managed_server import ManagedServer
-from megatron_rl.rollout.interrupt import Ticket
+from megatron_rl.rollout.interrupt import STREAM_INTERVAL, Ticket
 from megatron_rl.rollout.net import free_port, http_json, stream_events
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
                                                server_python)
@@ -212,6 +212,8 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
             sparse = self._sparse_layers()
         if ticket is not None:
             assert sparse is None, "routed experts are not streamed (TrainConfig.validate)"
+            for sp in sampling:
+                sp["stream_interval"] = STREAM_INTERVAL
             return self._stream(payload, prompts, n, ticket)
         resp = self._post("/generate", payload, self.request_timeout)
         if isinstance(resp, dict):

@@ -35,7 +35,7 @@ from megatron_rl.parallel import dist_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
                                       ServerError, prompt_seed)
 from megatron_rl.rollout.managed_server import ManagedServer
-from megatron_rl.rollout.interrupt import Ticket
+from megatron_rl.rollout.interrupt import STREAM_INTERVAL, Ticket
 from megatron_rl.rollout.net import ServerRequestError, stream_events
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
                                                server_python)
@@ -149,6 +149,8 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
             # prefill is split over engine steps, as concurrent long prompts are: each prompt is
             # prefilled in one step on the CPU
             argv.append("--no-enable-chunked-prefill")
+        if c.partial_rollouts and not any("stream-interval" in arg for arg in c.extra_args):
+            argv += ["--stream-interval", str(STREAM_INTERVAL)]  # the cut reads streams
         if c.sleep_mode:
             argv.append("--enable-sleep-mode")
         if c.kv_cache_memory_bytes is not None:
