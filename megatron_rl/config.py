@@ -607,12 +607,11 @@ class TrainConfig:
                              f"{self.algorithm.async_level} weight updates behind the policy it "
                              "trains, so this limit never drops a sample; set it below "
                              "--async-level, or leave it unset")
-        if not rollout_needs(r.rollout_function).single_response:
+        if not rollout_needs(r.rollout_function).token_versions:
             raise ValueError(f"--partial-rollouts with --rollout-function {r.rollout_function}: "
-                             "the weight version of each token reaches a trajectory that is one "
-                             "engine completion (rollout_needs single_response: single-turn, "
-                             "or a function wrapping it); an episode of several generate calls "
-                             "does not carry them yet")
+                             "a cut generate call's tokens come from several weight versions, "
+                             "which its trajectories must carry (rollout_needs token_versions: "
+                             "single-turn and the agent loop do, and a function wrapping them)")
         if self.algorithm.routing_replay and spec.servers:
             raise ValueError(f"--partial-rollouts with --routing-replay on --rollout-engine "
                              f"{r.rollout_engine}: a server streams a cut response's tokens, not "

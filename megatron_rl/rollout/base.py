@@ -155,16 +155,20 @@ class Completion:
 RESUME_SEED_STRIDE = 7_919_009  # seed step of a continuation per weight version (a prime)
 
 
-def resume_seed(seed: int | None, version: int) -> int | None:
-    """The sampling seed of the continuation, under weight version `version`, of responses a
-    generate call seeded `seed` had begun and a weight update interrupted (--partial-rollouts):
+def resume_seed(seed: int | None, version: int, row: int = 0) -> int | None:
+    """The sampling seed of a continuation, under weight version `version`, of responses a
+    generate call seeded `seed` had begun and a weight update cut (--partial-rollouts), the
+    first of them its completion `row` (prompt i's sample j: row i * n + j):
 
-        resume_seed(seed, v) = (seed + 7_919_009 * v) mod 2^31      (None stays None)
+        resume_seed(seed, v, row) = (prompt_seed(seed, row) + 7_919_009 * v) mod 2^31
 
-    A function of the call's seed and the version alone, so an interrupted run draws the same
-    continuation for the same (seed, prefixes, weights); each version of a call draws its own
-    noise (a call is interrupted at most once per version: versions only grow)."""
-    return None if seed is None else (seed + RESUME_SEED_STRIDE * version) % 2 ** 31
+    (None stays None). A function of the call's seed, the version and the row alone, so a cut
+    run draws the same continuation for the same (seed, prefixes, weights); each version of a
+    call draws its own noise (a call is cut at most once per version: versions only grow), and
+    so does each continuation of one version (their first rows differ)."""
+    if seed is None:
+        return None
+    return (prompt_seed(seed, row) + RESUME_SEED_STRIDE * version) % 2 ** 31
 
 
 class RolloutEngine(Protocol):

@@ -13,8 +13,11 @@ A weight update does not wait for the responses in flight. On the engine's clien
      opens;
   4. each generate call whose responses were cut continues them (`continue_interrupted`): the
      prompt and the tokens so far are the new prompt, the rest of --max-new-tokens the budget,
-     `base.resume_seed(seed, version)` the seed. Nothing of the KV cache is kept across the
-     update: the continuation prefills the whole prefix under the new weights.
+     `base.resume_seed(seed, version, row)` the seed. Nothing of the KV cache is kept across
+     the update: the continuation prefills the whole prefix under the new weights. An engine
+     that serves one request at a time continues the responses cut after the same number of
+     tokens in one request; a server continues each in a request of its own, all at once (the
+     server batches them: one request per length would run the lengths one after another).
 
 Why each token's version is exact: a request enters the gate (`enter`, a `Ticket`: the epoch
 and the weight version then served) before it is sent, and keeps a token only while its epoch
@@ -32,6 +35,7 @@ KL's gradient is over such samples; rollout/versions.py: their metrics and
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import threading
@@ -115,33 +119,51 @@ def label(completions: Sequence[Sequence[Completion]], version: int) -> None:
             c.token_versions = [version] * len(c.token_ids)
 
 
-# resume(prompts, max_new_tokens) -> one completion per prompt (n=1), each token labelled with
-# its version: the engine waits for the weights loaded after the cut and samples with
-# base.resume_seed(seed, version)
-Resume = Callable[[list[list[int]], int], list[list[Completion]]]
+# resume(prompts, max_new_tokens, row) -> one completion per prompt (n=1), each token labelled
+# with its version: the engine waits for the weights loaded after the cut and samples with
+# base.resume_seed(seed, version, row), `row` the first of the prompts' completions
+Resume = Callable[[list[list[int]], int, int], list[list[Completion]]]
 
 
 def continue_interrupted(prompts: Sequence[Sequence[int]], flat: list[Completion], n: int,
-                         max_new_tokens: int, resume: Resume) -> int:
+                         max_new_tokens: int, resume: Resume, concurrent: bool = False) -> int:
     """Complete, in place, each of `flat` (prompt i // n's completion i, its tokens labelled)
     that a weight update cut (finish reason "abort"), with `resume`; a continuation cut again is
-    continued again. Responses cut after the same number of tokens go on in one request. The
-    number of continuations made (a response cut twice counts twice)."""
+    continued again. `concurrent` (an engine that batches requests in flight): each response in
+    a request of its own, all at once; else the responses cut after the same number of tokens
+    in one request, one request at a time. The number of continuations made (a response cut
+    twice counts twice)."""
     made = 0
     while True:
-        by_length: dict[int, list[int]] = {}
+        cut = []
         for i, c in enumerate(flat):
             if c.finish_reason == "abort":
                 if len(c.token_ids) >= max_new_tokens:  # its budget spent when it was cut
                     c.finish_reason = "length"
-                    continue
-                by_length.setdefault(len(c.token_ids), []).append(i)
-        if not by_length:
+                else:
+                    cut.append(i)
+        if not cut:
             return made
-        for done, rows in sorted(by_length.items()):
-            made += len(rows)
-            ask = [list(prompts[i // n]) + flat[i].token_ids for i in rows]
-            got = resume(ask, max_new_tokens - done)
+        made += len(cut)
+        if concurrent:
+            calls = [[i] for i in cut]
+        else:
+            by_length: dict[int, list[int]] = {}
+            for i in cut:
+                by_length.setdefault(len(flat[i].token_ids), []).append(i)
+            calls = [rows for _, rows in sorted(by_length.items())]
+        asks = [[list(prompts[i // n]) + flat[i].token_ids for i in rows] for rows in calls]
+
+        def call(k: int) -> list[list[Completion]]:
+            rows = calls[k]
+            return resume(asks[k], max_new_tokens - len(flat[rows[0]].token_ids), rows[0])
+
+        if concurrent and len(calls) > 1:
+            with cf.ThreadPoolExecutor(len(calls), thread_name_prefix="continue") as pool:
+                answers = list(pool.map(call, range(len(calls))))
+        else:
+            answers = [call(k) for k in range(len(calls))]
+        for rows, ask, got in zip(calls, asks, answers):
             for i, p, (c,) in zip(rows, ask, got):
                 old = flat[i]
                 old.token_ids = old.token_ids + c.token_ids

@@ -44,6 +44,11 @@ class RolloutNeeds:
         (Trajectory.routed_experts), so --routing-replay can replay them; False refuses it.
     single_response: each trajectory's response is one generate call's completion, within
         --max-new-tokens, which --overlong-buffer-len's penalty measures it against.
+    token_versions: its trajectories carry the weight version of each policy token
+        (Trajectory.token_versions, from the engine's Completion.token_versions), so that
+        --partial-rollouts may cut its generate calls at a weight update; without it the flag
+        is refused (a trajectory without versions counts as sampled wholly by the weights its
+        rollout began with).
     variable_groups: a prompt's group may hold more than --group-size trajectories (at least
         --group-size, each group its own size: a tree search, sampling until a success); the
         advantage baseline of each group is over its own members. Without it every group holds
@@ -56,6 +61,7 @@ class RolloutNeeds:
     tool_schemas: bool = False
     routing_replay: bool = True
     single_response: bool = False
+    token_versions: bool = False
     variable_groups: bool = False
 
 

@@ -29,7 +29,7 @@ reads after every decoding step; the child answers the generate request at once,
 that had not ended with its tokens and log-probs so far (finish_reason "abort"), and then serves
 the update. `generate` waits for the new weights to be loaded and continues each unfinished
 response from its token ids: prompt + tokens so far as the prompt, the remaining budget of
---max-new-tokens, sampled with `base.resume_seed(seed, version)`. Nothing of the KV cache is kept
+--max-new-tokens, sampled with `base.resume_seed(seed, version, row)`. Nothing of the KV cache is kept
 across the update: the continuation prefills the whole prefix under the new weights. The
 response's tokens, log-probs (each under the weights that sampled it: the engine's own mu of
 that version) and `Completion.token_versions` (the version of each token) are the
@@ -223,18 +223,19 @@ class ProcessEngine:
             label(out, version)
             made = continue_interrupted(prompts, [c for g in out for c in g], n,
                                         params.max_new_tokens,
-                                        lambda ask, budget: self._resume(ask, budget, params))
+                                        lambda ask, budget, row: self._resume(ask, budget, row,
+                                                                              params))
             with self._count_lock:
                 self.num_interrupted += made
         return out
 
-    def _resume(self, ask: list[list[int]], budget: int,
+    def _resume(self, ask: list[list[int]], budget: int, row: int,
                 params: SamplingParams) -> list[list[Completion]]:
         """--partial-rollouts: one sample of each of `ask` (prompts and the tokens a weight update
         cut) under the weights loaded after the cut, seeded resume_seed (rollout/interrupt.py)."""
         self._loaded.wait()  # the update that cut them has loaded its weights
         cont = dataclasses.replace(params, max_new_tokens=budget,
-                                   seed=resume_seed(params.seed, self.weight_version))
+                                   seed=resume_seed(params.seed, self.weight_version, row))
         got, version, seconds = self._call(("generate", ask, 1, cont),
                                            self.config.request_timeout,
                                            f"continue {len(ask)} interrupted responses",

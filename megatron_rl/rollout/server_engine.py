@@ -109,20 +109,22 @@ class ServerBackedEngine(Generic[C]):
             out = self._checked(prompts, n, params, self.gate.enter())
             made = continue_interrupted(prompts, [c for g in out for c in g], n,
                                         params.max_new_tokens,
-                                        lambda ask, budget: self._resume(ask, budget, params))
+                                        lambda ask, budget, row: self._resume(ask, budget, row,
+                                                                              params),
+                                        concurrent=True)
         with self._count_lock:
             self.num_generate_calls += 1
             self.num_interrupted += made
         return out
 
-    def _resume(self, ask: list[list[int]], budget: int,
+    def _resume(self, ask: list[list[int]], budget: int, row: int,
                 params: SamplingParams) -> list[list[Completion]]:
         """--partial-rollouts: one sample of each of `ask` (prompts and the tokens a weight update
         cut) under the weights loaded after the cut, seeded resume_seed (rollout/interrupt.py)."""
         assert self.gate is not None
         ticket = self.gate.enter()
         cont = dataclasses.replace(params, max_new_tokens=budget,
-                                   seed=resume_seed(params.seed, ticket.version))
+                                   seed=resume_seed(params.seed, ticket.version, row))
         return self._checked(ask, 1, cont, ticket)
 
     def _checked(self, prompts: list[list[int]], n: int, params: SamplingParams,

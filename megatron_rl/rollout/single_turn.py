@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from megatron_rl.rollout.functions import RolloutContext
 
 
-@declare_needs(single_response=True)
+@declare_needs(single_response=True, token_versions=True)
 def single_turn(ctx: RolloutContext, records: Sequence[PromptRecord]) -> list[list[Trajectory]]:
     """One response per trajectory: each prompt encoded, group_size completions of it from the
     engine in one generate call for all prompts, each decoded and scored by its task's

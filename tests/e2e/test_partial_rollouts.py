@@ -6,8 +6,9 @@ the new weights.
   its log-probs are what that version's weights give (transformers on the saved ids), the first
   segment is the uninterrupted call's, and the second a fresh generate of prompt + first
   segment under the new weights with the continuation's seed (no KV kept across the update).
-- The trainer: --async-level 1 --partial-rollouts trains and logs the versions of its samples
-  (the masking of samples beyond --max-token-staleness: tests/unit/rollout/test_versions.py)."""
+- The trainer: --async-level 1 --partial-rollouts trains and logs the versions of its samples,
+  single-turn and agent episodes (the masking of samples beyond --max-token-staleness:
+  tests/unit/rollout/test_versions.py)."""
 import threading
 import time
 
@@ -102,9 +103,13 @@ def _train(model, ref, data, save, extra):
     return read_metrics(save)
 
 
+@pytest.mark.parametrize("function", [
+    [], ["--rollout-function", "agent", "--agent-max-turns", "2", "--agent-max-tokens", "120"]],
+    ids=["single-turn", "agent"])
 def test_trainer_logs_versions_and_drops_stale_samples(tiny_char_model, tiny_char_ref,
-                                                       arithmetic_jsonl, tmp_path):
-    rows = _train(tiny_char_model, tiny_char_ref, arithmetic_jsonl, str(tmp_path / "p"), [])
+                                                       arithmetic_jsonl, tmp_path, function):
+    rows = _train(tiny_char_model, tiny_char_ref, arithmetic_jsonl, str(tmp_path / "p"),
+                  function)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert 1.0 <= r["rollout/versions_per_sample"] <= 2.0
@@ -139,9 +144,14 @@ def test_partial_rollouts_flags_are_checked():
                              "--max-token-staleness", "1"])
     parse_config(base + ["--async-level", "2", "--rollout-engine", "process",
                          "--max-token-staleness", "1"])
-    with pytest.raises(ValueError, match="--partial-rollouts with --rollout-function agent"):
+    # the agent loop carries each policy token's version into its trajectories; a function
+    # that does not declare it would count a cut call's tokens as the first version's
+    parse_config(base + ["--async-level", "1", "--rollout-engine", "process",
+                         "--rollout-function", "agent"])
+    with pytest.raises(ValueError, match="--partial-rollouts with --rollout-function "
+                                         "two_turn_rollout:two_turns: .*token_versions"):
         parse_config(base + ["--async-level", "1", "--rollout-engine", "process",
-                             "--rollout-function", "agent"])
+                             "--rollout-function", "two_turn_rollout:two_turns"])
     with pytest.raises(ValueError, match="--partial-rollouts with --deterministic-mode"):
         parse_config(base + ["--async-level", "1", "--rollout-engine", "process",
                              "--deterministic-mode"])

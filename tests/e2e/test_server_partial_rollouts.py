@@ -89,17 +89,15 @@ def check_cut_responses(engine, policy: str, ref: str, seeded: bool) -> None:
             assert c.rollout_logprobs[:k] == pytest.approx(p.rollout_logprobs[:k], abs=1e-4)
         cut.append(k)
     print(f"cut after {sorted(cut)} of {total} tokens ({took:.1f} s a call)")
-    # the rest: a fresh generate from prompt + first segment under version 1; the responses cut
-    # after the same number of tokens went on in one call seeded resume_seed(seed, 1)
-    for k in sorted(set(cut)) if seeded else ():
-        rows = [i for i, c in enumerate(cut) if c == k]
-        again = engine.generate([prompts[i // n] + out[i].token_ids[:k] for i in rows], 1,
+    # the rest: a fresh generate from prompt + first segment under version 1, seeded
+    # resume_seed(seed, 1, i) (each response continued in a request of its own)
+    for i, k in enumerate(cut if seeded else ()):
+        (a,), = engine.generate([prompts[i // n] + out[i].token_ids[:k]], 1,
                                 SamplingParams(max_new_tokens=total - k,
-                                               seed=resume_seed(11, 1)))
-        for i, (a,) in zip(rows, again):
-            assert out[i].token_ids[k:] == a.token_ids
-            assert out[i].rollout_logprobs[k:] == pytest.approx(a.rollout_logprobs, abs=1e-4)
-            assert a.token_versions == [1] * (total - k)
+                                               seed=resume_seed(11, 1, i)))
+        assert out[i].token_ids[k:] == a.token_ids
+        assert out[i].rollout_logprobs[k:] == pytest.approx(a.rollout_logprobs, abs=1e-4)
+        assert a.token_versions == [1] * (total - k)
     # each segment's log-probs are its version's weights' own
     seqs = [prompts[i // n] + c.token_ids for i, c in enumerate(out)]
     starts = [len(prompts[i // n]) for i in range(len(out))]

@@ -270,3 +270,38 @@ def test_the_environments_tokens_keep_the_templates_text(tmp_path):
         "<|start_header_id|>tool\n408 <|eot_id|><|eot_id|><|start_header_id|>user\n"
         "<|start_header_id|><|eot_id|><|start_header_id|>assistant\n")
     assert ids.count(eot) == 2 and ids.count(tok.convert_tokens_to_ids("<|start_header_id|>")) == 3
+
+
+class VersionedEngine(ScriptedEngine):
+    """ScriptedEngine whose completions carry weight versions as under --partial-rollouts:
+    the first call's responses were cut after 3 tokens by an update to version 1, later calls
+    are all of version 1."""
+
+    def generate(self, contexts, n, params):
+        out = super().generate(contexts, n, params)
+        first = len(self.calls) == 1
+        for group in out:
+            for c in group:
+                k = 3 if first else 0
+                c.token_versions = [0] * min(k, len(c.token_ids)) + [1] * max(
+                    len(c.token_ids) - k, 0)
+        return out
+
+
+def test_each_policy_token_keeps_the_version_that_sampled_it(tokenizer, scorer):
+    """--partial-rollouts: an episode's trajectory carries its policy tokens' versions
+    (Trajectory.token_versions, aligned with response_ids); an observation's tokens take the
+    version before them (out of the loss, never counted)."""
+    groups, _, _ = _run(tokenizer, scorer, calculator_then_answer)
+    assert groups[0][0].token_versions is None  # an engine without versions: none tracked
+    codec = Codec.from_tokenizer(tokenizer, chat_template=False)
+    engine = VersionedEngine(tokenizer, calculator_then_answer)
+    ctx = RolloutContext(engine, SamplingParams(max_new_tokens=200, seed=5,
+                                                stop_token_ids=codec.stop_ids),
+                         2, codec, scorer, agent=AgentConfig())
+    t = agent_rollout(ctx, [PromptRecord("r0", "Q: 12*34", "arithmetic", "408")])[0][0]
+    turn1, turn2 = _encode(tokenizer, CALL), _encode(tokenizer, "The answer is 408.<eos>")
+    env = _encode(tokenizer, "\n<tool_response>\n408\n</tool_response>\n")
+    assert t.response_ids == turn1 + env + turn2
+    assert t.token_versions == ([0] * 3 + [1] * (len(turn1) - 3) + [1] * len(env)
+                                + [1] * len(turn2))
