@@ -23,19 +23,14 @@ bucket by bucket (--weight-sync-bucket-mb); the child stages views of each bucke
 whole state when the last one has arrived. `disk` writes a versioned HF directory that the child
 reloads.
 
-Partial rollouts (`partial_rollouts`, --partial-rollouts): a weight update does not wait for the
-generation in flight. `update_weights` sets an abort flag (a multiprocessing Event) that the child
-reads after every decoding step; the child answers the generate request at once, each response
-that had not ended with its tokens and log-probs so far (finish_reason "abort"), and then serves
-the update. `generate` waits for the new weights to be loaded and continues each unfinished
-response from its token ids: prompt + tokens so far as the prompt, the remaining budget of
---max-new-tokens, sampled with `base.resume_seed(seed, version, row)`. Nothing of the KV cache is kept
-across the update: the continuation prefills the whole prefix under the new weights. The
-response's tokens, log-probs (each under the weights that sampled it: the engine's own mu of
-that version) and `Completion.token_versions` (the version of each token) are the
-concatenation of the segments, so the call still returns complete responses. The child tells
-its weight version with each answer; a continuation may be interrupted again by the next
-update.
+Partial rollouts (`partial_rollouts`, --partial-rollouts; rollout/interrupt.py): a weight update
+does not wait for the generation in flight. `update_weights` sets an abort flag (a
+multiprocessing Event) as it hands the weights over; the child reads it after every decoding
+step and answers the generate request at once, each response that had not ended with its tokens
+and log-probs so far (finish reason "abort"), and then serves the update. `generate` waits for
+the new weights and continues the unfinished responses (interrupt.continue_interrupted: those
+cut after the same number of tokens in one request), each token labelled with the version the
+child reported with its answer; a continuation may be cut again by the next update.
 
 Samples are a function of (seed, prompts, weights) alone: the child samples the whole batch
 with the request's seed, so the batch does not depend on the trainer's layout (TP, PP, DP).

@@ -181,12 +181,14 @@ class ServerBackedEngine(Generic[C]):
             self._post(*self.PAUSE)
             try:
                 yield
-            finally:
-                try:
+            except BaseException:
+                try:  # the load's own error is the one raised
                     self._post(*self.UNPAUSE)
-                except Exception as e:  # noqa: BLE001 - the load's own error, if any, matters more
-                    log.warning("%s server %s: unpausing after the weight load failed: %s",
-                                self.NAME, self.url, e)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("%s server %s: unpausing after a failed weight load failed too: "
+                                "%s", self.NAME, self.url, e)
+                raise
+            self._post(*self.UNPAUSE)  # a server left paused would hold every request
 
     def _use_gate(self) -> None:
         """Under --partial-rollouts (config.partial_rollouts) weight updates cut the requests in
