@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -176,18 +175,6 @@ def summarize(rows: list[dict], warmup: int) -> dict:
     return out
 
 
-def _cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else the platform's machine."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="/tmp/bench_partial_rollouts", help="work directory")
@@ -225,7 +212,9 @@ def main() -> None:
     summary["step_time_ratio_by_round"] = [on["time/step"] / off["time/step"]
                                            for off, on in zip(results["off"], results["on"])]
     summary["runs"] = results
-    summary["setup"] = {"machine": _cpu_name(), "load_average": os.getloadavg()[0],
+    from bench_lm_head import cpu_model
+
+    summary["setup"] = {"machine": cpu_model(), "load_average": os.getloadavg()[0],
                         "cpus": os.cpu_count(), "wall_s": round(time.time() - t0),
                         **{k: getattr(a, k) for k in ("engine", "steps", "warmup", "prompts",
                                                        "group_size", "max_new_tokens",

@@ -11,14 +11,14 @@ import logging
 import os
 import threading
 import urllib.error
-from typing import Any, ClassVar, Generic, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Iterator, Mapping, Sequence, TypeVar
 
 from megatron_rl.parallel import run_on_rank
 from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, ServerConfig,
                                       ServerError, check_completions, resume_seed)
 from megatron_rl.rollout.interrupt import Ticket, UpdateGate, continue_interrupted, label
 from megatron_rl.rollout.managed_server import ManagedServer
-from megatron_rl.rollout.net import http_json
+from megatron_rl.rollout.net import http_json, stream_events
 from megatron_rl.rollout.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ def visible_devices(gpus: Sequence[int], environ: Mapping[str, str] = os.environ
 
 
 C = TypeVar("C", bound=ServerConfig)
+T = TypeVar("T")
 
 
 class ServerBackedEngine(Generic[C]):
@@ -162,6 +163,35 @@ class ServerBackedEngine(Generic[C]):
                             failures[-1], what)
         raise BadAnswer(f"{self.NAME} server {self.url}: {what}: {len(failures)} bad answer(s): "
                         + "; ".join(failures))
+
+    def _read_live(self, url: str, path: str, payload: dict, ticket: Ticket,
+                   take: Callable[[dict], None]) -> bool:
+        """`payload` to `url + path` as a streamed request (server-sent events), each event
+        handed to `take` while `ticket` is live (rollout/interrupt.py); whether a weight update
+        cut the reading. A request the cut came before is not sent; leaving the stream at the cut
+        closes the connection, which makes the server drop the request if it still runs it."""
+        assert self.gate is not None
+        with self.gate.reading(ticket) as live:
+            if not live:
+                return True
+        with stream_events(url + path, {**payload, "stream": True},
+                           self.request_timeout) as events:
+            for event in events:
+                if "error" in event:
+                    raise BadAnswer(f"error in the stream: {str(event)[:300]!r}")
+                with self.gate.reading(ticket) as live:
+                    if not live:
+                        return True
+                    take(event)
+        return False
+
+    def _on_server(self, read: Callable[[str], T]) -> T:
+        """read(base URL): through the ManagedServer on rank 0 (a dead server restarted and
+        `read` called again), directly elsewhere; a malformed answer raises BadAnswer."""
+        try:
+            return self.server.call(read) if self.server is not None else read(self.url)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise BadAnswer(f"malformed stream ({type(e).__name__}: {e})") from None
 
     # (path, payload) of the server's endpoints that stop the requests in flight (each answers
     # with its tokens so far) and hold new ones, and that serve them again

@@ -43,7 +43,7 @@ from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, Ser
                                       ServerError, prompt_seed)
 from megatron_rl.rollout.managed_server import ManagedServer
 from megatron_rl.rollout.interrupt import STREAM_INTERVAL, Ticket
-from megatron_rl.rollout.net import free_port, http_json, stream_events
+from megatron_rl.rollout.net import free_port, http_json
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
                                                server_python)
 from megatron_rl.rollout.shm_weights import bucket_names
@@ -229,29 +229,18 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
 
     def _stream(self, payload: dict, prompts: list[list[int]], n: int,
                 ticket: Ticket) -> list[list[Completion]]:
-        """`payload` as a streamed request, read while `ticket` is live (rollout/interrupt.py):
-        each event holds one sample's (its `index`) tokens and log-probs so far; a sample whose
-        last event read has no finish reason (a weight update cut the stream, or the pause
-        stopped it) ends "abort" with those tokens. The connection is closed at the cut, which
-        makes the server drop the request if it still runs it."""
-        assert self.gate is not None
-        gate, size = self.gate, len(prompts) * n
+        """`payload` as a streamed request, read while `ticket` is live (_read_live): each event
+        holds one sample's (its `index`) tokens and log-probs so far; a sample whose last event
+        read has no finish reason (a weight update cut the stream, or the pause stopped it) ends
+        "abort" with those tokens."""
 
         def read(url: str) -> list[list[Completion]]:
-            last: list[dict | None] = [None] * size
-            with gate.reading(ticket) as live:
-                cut = not live  # cut before it was sent: nothing to send
-            if not cut:
-                with stream_events(url + "/generate", {**payload, "stream": True},
-                                   self.request_timeout) as events:
-                    for event in events:
-                        if "error" in event:
-                            raise BadAnswer(f"error in the stream: {str(event)[:300]!r}")
-                        with gate.reading(ticket) as live:
-                            if not live:
-                                cut = True
-                                break
-                            last[int(event.get("index", 0))] = event
+            last: list[dict | None] = [None] * (len(prompts) * n)
+
+            def take(event: dict) -> None:
+                last[int(event.get("index", 0))] = event
+
+            cut = self._read_live(url, "/generate", payload, ticket, take)
             out = []
             for i, event in enumerate(last):
                 finished = event is not None and event["meta_info"].get("finish_reason")
@@ -263,10 +252,7 @@ class SGLangEngine(ServerBackedEngine[SGLangConfig]):
                 out.append(c)
             return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-        try:
-            return self.server.call(read) if self.server is not None else read(self.url)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise BadAnswer(f"malformed stream ({type(e).__name__}: {e})") from None
+        return self._on_server(read)
 
     def _sparse_layers(self) -> tuple[int, list[int]]:
         """(the model's layer count, its mixture-of-experts layers): SGLang reports routes for

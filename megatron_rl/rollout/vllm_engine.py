@@ -36,7 +36,7 @@ from megatron_rl.rollout.base import (BadAnswer, Completion, SamplingParams, Ser
                                       ServerError, prompt_seed)
 from megatron_rl.rollout.managed_server import ManagedServer
 from megatron_rl.rollout.interrupt import STREAM_INTERVAL, Ticket
-from megatron_rl.rollout.net import ServerRequestError, stream_events
+from megatron_rl.rollout.net import ServerRequestError
 from megatron_rl.rollout.server_engine import (REPO_ROOT, ServerBackedEngine, read_hf_config,
                                                server_python)
 from megatron_rl.rollout.shm_weights import meta_nbytes
@@ -255,50 +255,34 @@ class VLLMEngine(ServerBackedEngine[VLLMConfig]):
 
     def _stream(self, payload: dict, num_prompts: int, n: int,
                 ticket: Ticket) -> list[list[Completion]]:
-        """`payload` as a streamed request (server-sent events, one per choice and engine step:
-        the new token ids and their log-probs, the finish reason on the last), read while
-        `ticket` is live (rollout/interrupt.py). A choice without its finish reason when a weight
-        update cut the stream (or the pause stopped its request) ends "abort" with what was read
-        before the cut; the connection is closed at the cut, which makes the server drop the
-        request if it still runs it."""
-        assert self.gate is not None
-        gate = self.gate
+        """`payload` as a streamed request, read while `ticket` is live (_read_live): each event
+        holds choices' new token ids and their log-probs, and a choice's finish reason on its
+        last. A choice without its finish reason when a weight update cut the stream (or the
+        pause stopped its request) ends "abort" with what was read before the cut."""
         size = num_prompts * n
 
         def read(url: str) -> list[list[Completion]]:
             ids: list[list[int]] = [[] for _ in range(size)]
             lps: list[list[float]] = [[] for _ in range(size)]
             finish: list[str | None] = [None] * size
-            cut = False
-            with gate.reading(ticket) as live:
-                cut = not live  # cut before it was sent: nothing to send
-            if not cut:
-                with stream_events(url + "/v1/completions", {**payload, "stream": True},
-                                   self.request_timeout) as events:
-                    for event in events:
-                        if "error" in event:
-                            raise BadAnswer(f"error in the stream: {str(event)[:300]!r}")
-                        with gate.reading(ticket) as live:
-                            if not live:
-                                cut = True
-                                break
-                            for c in event.get("choices", ()):
-                                i = int(c["index"])
-                                ids[i] += [int(t) for t in c.get("token_ids") or ()]
-                                lp = c.get("logprobs") or {}
-                                lps[i] += [float(x) for x in lp.get("token_logprobs") or ()]
-                                if c.get("finish_reason") is not None:
-                                    finish[i] = str(c["finish_reason"])
+
+            def take(event: dict) -> None:
+                for c in event.get("choices", ()):
+                    i = int(c["index"])
+                    ids[i] += [int(t) for t in c.get("token_ids") or ()]
+                    lps[i] += [float(x) for x in (c.get("logprobs") or {}).get(
+                        "token_logprobs") or ()]
+                    if c.get("finish_reason") is not None:
+                        finish[i] = str(c["finish_reason"])
+
+            cut = self._read_live(url, "/v1/completions", payload, ticket, take)
             if not cut and None in finish:
                 raise BadAnswer(f"the stream ended without a finish reason for choice "
                                 f"{finish.index(None)}")
             return [[Completion(ids[i * n + j], lps[i * n + j], finish[i * n + j] or "abort")
                      for j in range(n)] for i in range(num_prompts)]
 
-        try:
-            return self.server.call(read) if self.server is not None else read(self.url)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise BadAnswer(f"malformed stream ({type(e).__name__}: {e})") from None
+        return self._on_server(read)
 
     # -- weights ---------------------------------------------------------------------------------
     def update_weights(self, version: int) -> None:

@@ -159,3 +159,18 @@ class FaultProxy:
 
     def close(self):
         self.httpd.shutdown()
+
+
+def hf_logprobs(path: str, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
+    """log p(token t | tokens before it) under the HF model at `path` (transformers, fp32),
+    for the tokens of each sequence from index `starts[i]` on."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for seq, start in zip(sequences, starts):
+            ids = torch.tensor([seq])
+            logp = model(ids).logits[0, :-1].float().log_softmax(-1)
+            out.append(logp[start - 1:].gather(-1, ids[0, start:, None])[:, 0].tolist())
+    return out

@@ -13,26 +13,11 @@ import threading
 import time
 
 import pytest
-import torch
 
 from conftest import read_metrics, train_args, train_cmd, train_env  # tests/e2e/conftest.py
+from rollout_checks import hf_logprobs
 
 pytestmark = pytest.mark.distributed  # torch.distributed (world size 1) in subprocesses
-
-
-def _hf_logprobs(path: str, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
-    """log p(token t | tokens before it) under the HF model at `path`, for the tokens of each
-    sequence from index `starts[i]` on (fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for seq, start in zip(sequences, starts):
-            ids = torch.tensor([seq])
-            logp = model(ids).logits[0, :-1].float().log_softmax(-1)
-            out.append(logp[start - 1:].gather(-1, ids[0, start:, None])[:, 0].tolist())
-    return out
 
 
 def test_interrupted_response_is_each_versions_own(tiny_char_model, tiny_char_ref, tmp_path):
@@ -80,8 +65,8 @@ def test_interrupted_response_is_each_versions_own(tiny_char_model, tiny_char_re
         # each segment's log-probs are its version's weights' own
         seqs = [prompts[i // n] + c.token_ids for i, c in enumerate(out)]
         starts = [len(prompts[i // n]) for i in range(len(out))]
-        v0 = _hf_logprobs(tiny_char_model, seqs, starts)
-        v1 = _hf_logprobs(tiny_char_ref, seqs, starts)
+        v0 = hf_logprobs(tiny_char_model, seqs, starts)
+        v1 = hf_logprobs(tiny_char_ref, seqs, starts)
         for c, a, b in zip(out, v0, v1):
             assert c.rollout_logprobs[:k] == pytest.approx(a[:k], abs=1e-4)
             assert c.rollout_logprobs[k:] == pytest.approx(b[k:], abs=1e-4)

@@ -10,52 +10,33 @@ seed, and each segment's log-probs are its version's weights' own (transformers 
 SGLang on the CPU does not honour sampling seeds (two calls with one seed differ), so there the
 segments are checked by their log-probs and versions alone.
 """
+import subprocess
 import threading
 import time
 
 import pytest
-import torch
 
+from conftest import read_metrics, train_args, train_cmd, train_env  # tests/e2e/conftest.py
 from megatron_rl.rollout.base import SamplingParams, resume_seed
+from rollout_checks import hf_logprobs
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
-def _hf_logprobs(path: str, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
-    """log p(token t | tokens before it) under the HF model at `path`, for the tokens of each
-    sequence from index `starts[i]` on (fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for seq, start in zip(sequences, starts):
-            ids = torch.tensor([seq])
-            logp = model(ids).logits[0, :-1].float().log_softmax(-1)
-            out.append(logp[start - 1:].gather(-1, ids[0, start:, None])[:, 0].tolist())
-    return out
-
-
-@pytest.mark.shared_server("vllm")
-def test_vllm_cut_response_is_each_versions_own(shared_servers, served_models, tmp_path):
+@pytest.mark.parametrize("kind", [pytest.param("vllm", marks=pytest.mark.shared_server("vllm")),
+                                  pytest.param("sglang",
+                                               marks=pytest.mark.shared_server("sglang"))])
+def test_cut_response_is_each_versions_own(kind, shared_servers, served_models, tmp_path):
+    from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
     from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
 
     policy, ref = served_models
-    url = shared_servers.vllm()  # skips without .venv-vllm
-    check_cut_responses(VLLMEngine(policy, VLLMConfig(
-        work_dir=str(tmp_path / "w"), dtype="float32", url=url, partial_rollouts=True)),
-        policy, ref, seeded=True)
-
-
-@pytest.mark.shared_server("sglang")
-def test_sglang_cut_response_is_each_versions_own(shared_servers, served_models, tmp_path):
-    from megatron_rl.rollout.sglang_engine import SGLangConfig, SGLangEngine
-
-    policy, ref = served_models
-    url = shared_servers.sglang()  # skips without .venv-sglang
-    check_cut_responses(SGLangEngine(policy, SGLangConfig(
-        work_dir=str(tmp_path / "w"), dtype="float32", url=url, partial_rollouts=True)),
-        policy, ref, seeded=False)
+    url = getattr(shared_servers, kind)()  # skips without the server's environment
+    engine_type, config_type = {"vllm": (VLLMEngine, VLLMConfig),
+                                "sglang": (SGLangEngine, SGLangConfig)}[kind]
+    engine = engine_type(policy, config_type(work_dir=str(tmp_path / "w"), dtype="float32",
+                                             url=url, partial_rollouts=True))
+    check_cut_responses(engine, policy, ref, seeded=kind == "vllm")
 
 
 def check_cut_responses(engine, policy: str, ref: str, seeded: bool) -> None:
@@ -102,7 +83,7 @@ def check_cut_responses(engine, policy: str, ref: str, seeded: bool) -> None:
     seqs = [prompts[i // n] + c.token_ids for i, c in enumerate(out)]
     starts = [len(prompts[i // n]) for i in range(len(out))]
     for path, version in ((policy, 0), (ref, 1)):
-        want = _hf_logprobs(path, seqs, starts)
+        want = hf_logprobs(path, seqs, starts)
         for c, w in zip(out, want):
             mine = [(lp, x) for lp, x, v in zip(c.rollout_logprobs, w, c.token_versions)
                     if v == version]
@@ -117,10 +98,6 @@ def test_trainer_with_vllm_server_cuts_the_batch_ahead(shared_servers, served_mo
     """--async-level 1 --partial-rollouts against the shared vLLM server: the update does not
     wait for the batch generated ahead, its responses are cut and continued, and the trainer
     logs the versions of their tokens."""
-    import subprocess
-
-    from conftest import read_metrics, train_args, train_cmd, train_env  # tests/e2e/conftest.py
-
     model, ref = served_models
     save = str(tmp_path / "run")
     args = train_args(model, arithmetic_jsonl, save, 4,
