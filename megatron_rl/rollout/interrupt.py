@@ -53,6 +53,8 @@ from megatron_rl.rollout.base import Completion
 # samples them again under the new weights.
 STREAM_INTERVAL = 8
 
+MAX_CONCURRENT = 256  # continuation requests in flight at once (a server queues the rest)
+
 
 @dataclasses.dataclass(frozen=True)
 class Ticket:
@@ -159,7 +161,8 @@ def continue_interrupted(prompts: Sequence[Sequence[int]], flat: list[Completion
             return resume(asks[k], max_new_tokens - len(flat[rows[0]].token_ids), rows[0])
 
         if concurrent and len(calls) > 1:
-            with cf.ThreadPoolExecutor(len(calls), thread_name_prefix="continue") as pool:
+            with cf.ThreadPoolExecutor(min(len(calls), MAX_CONCURRENT),
+                                       thread_name_prefix="continue") as pool:
                 answers = list(pool.map(call, range(len(calls))))
         else:
             answers = [call(k) for k in range(len(calls))]
