@@ -109,6 +109,8 @@ class UpdateGate:
 
     @property
     def updating_now(self) -> bool:
+        """Whether an update is under way (a request about to be sent may check it again once it
+        holds its engine's channel: the process engine's pipe)."""
         with self._cond:
             return self._updating
 

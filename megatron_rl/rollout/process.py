@@ -58,7 +58,7 @@ from megatron_rl.processes import set_parent_death_signal, skip_exit_collection
 from megatron_rl.rollout.base import (Completion, EngineConfig, SamplingParams, ServerError,
                                       resume_seed)
 from megatron_rl.rollout.child_env import inference_env
-from megatron_rl.rollout.interrupt import continue_interrupted, label
+from megatron_rl.rollout.interrupt import UpdateGate, continue_interrupted, label
 from megatron_rl.rollout.shm_weights import read_bucket
 from megatron_rl.rollout.weight_sync import WeightSync, read_version, sync_engine
 
@@ -103,9 +103,9 @@ class ProcessEngine:
         self._lock = threading.Lock()
         self._conn = self._proc = None
         self._abort = None  # --partial-rollouts: the child's abort flag (rank 0)
-        self._loaded = threading.Event()  # set while no weight update is under way
+        # --partial-rollouts: closed while a weight update is under way (rollout/interrupt.py)
+        self.gate = UpdateGate(lambda: self.weight_version) if config.partial_rollouts else None
         self._count_lock = threading.Lock()  # the counters below: generate runs on several threads
-        self._loaded.set()
         self.num_interrupted = 0  # interruptions of a response by a weight update, over the run
         self.generate_seconds = 0.0  # the child's time generating, over the run
         self.sync = WeightSync(config.sync, config.work_dir, dtype=config.dtype,
@@ -148,10 +148,10 @@ class ProcessEngine:
         failed raises ServerError naming the request. `after_update` (a generate request under
         --partial-rollouts): a weight update begun while it waited for the pipe is loaded
         first, so that no generation starts only to be interrupted."""
-        while after_update and self._abort is not None:
-            self._loaded.wait()
+        while after_update and self.gate is not None:
+            self.gate.enter()
             self._lock.acquire()
-            if self._loaded.is_set():
+            if not self.gate.updating_now:
                 break
             self._lock.release()  # an update began meanwhile: its weights first
         else:
@@ -228,9 +228,10 @@ class ProcessEngine:
                 params: SamplingParams) -> list[list[Completion]]:
         """--partial-rollouts: one sample of each of `ask` (prompts and the tokens a weight update
         cut) under the weights loaded after the cut, seeded resume_seed (rollout/interrupt.py)."""
-        self._loaded.wait()  # the update that cut them has loaded its weights
+        assert self.gate is not None
+        ticket = self.gate.enter()  # the update that cut them has loaded its weights
         cont = dataclasses.replace(params, max_new_tokens=budget,
-                                   seed=resume_seed(params.seed, self.weight_version, row))
+                                   seed=resume_seed(params.seed, ticket.version, row))
         got, version, seconds = self._call(("generate", ask, 1, cont),
                                            self.config.request_timeout,
                                            f"continue {len(ask)} interrupted responses",
@@ -253,17 +254,16 @@ class ProcessEngine:
         generate call in flight goes on while the weights are gathered or exported, is
         interrupted as the loader hands them over (_interrupt), and continues under the new
         weights once the block has ended; a generate request made meanwhile waits for them."""
-        if self._abort is None:
+        if self._abort is None or self.gate is None:
             yield
             self.weight_version = version
             return
-        self._loaded.clear()  # generate requests from here on wait for the new weights
-        try:
-            yield
-            self.weight_version = version
-        finally:
-            self._abort.clear()
-            self._loaded.set()
+        with self.gate.updating():  # generate requests from here on wait for the new weights
+            try:
+                yield
+                self.weight_version = version
+            finally:
+                self._abort.clear()
 
     def _interrupt(self) -> None:
         """--partial-rollouts: the child answers the generate request in flight at its next
