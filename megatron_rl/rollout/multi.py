@@ -193,16 +193,21 @@ class ServerPool:
         self.weight_version = first.weight_version
         self.last_sync_seconds: dict[str, float] = {}
         # each generate call is served by one weight version: a weight load waits for the calls
-        # in flight, and calls wait for a load in progress; under --partial-rollouts (the
-        # members' gates) a load cuts the calls in flight instead, each member its own, and they
-        # go on under the new weights (rollout/interrupt.py)
-        self.partial_rollouts = getattr(first, "gate", None) is not None
+        # in flight, and calls wait for a load in progress (under --partial-rollouts a load cuts
+        # them instead: partial_rollouts)
         self._cond = threading.Condition()
         self._active_calls = 0
         self.num_generate_calls = 0  # pool-level calls (each spread over the servers)
         self._loading = False
         if start:
             self.start()
+
+    @property
+    def partial_rollouts(self) -> bool:
+        """--partial-rollouts (the members' gates): a load cuts the calls in flight, each member
+        its own, and they go on under the new weights (rollout/interrupt.py); nothing waits for
+        them."""
+        return getattr(self.members[0].engine, "gate", None) is not None
 
     @property
     def sync(self) -> WeightSync | None:

@@ -155,7 +155,6 @@ def test_partial_rollouts_cut_both_servers_at_a_weight_update(pool):
     for m in pool.members:
         m.engine.config = dataclasses.replace(m.engine.config, partial_rollouts=True)
         m.engine._use_gate()
-    pool.partial_rollouts = True
     try:
         n, total = 2, 200  # no stop token: every response runs to `total` tokens
         params = SamplingParams(max_new_tokens=total, seed=3)
@@ -190,7 +189,6 @@ def test_partial_rollouts_cut_both_servers_at_a_weight_update(pool):
         for m, config in zip(pool.members, saved):
             m.engine.config = config
             m.engine._use_gate()
-        pool.partial_rollouts = False
 
 
 def test_dead_server_leaves_rotation_and_the_run_goes_on(pool, caplog):
